@@ -1,0 +1,98 @@
+"""The ``scaletrain`` command: train, parity.
+
+User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
+exit with code 2, without a traceback; see CLI.md for the contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from scaletrain.config import Config, add_config_flags, load_run_config, resolve
+from scaletrain.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one sentence rather than usage plus error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help.\n")
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the fields below "
+                                                          "(flags override it)")
+    add_config_flags(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="scaletrain", description="Train neural networks at scale, every technique "
+                                                    "from scratch, checked against one device.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser(
+        "train", help="train a model",
+        description="Train a model. With no arguments: the small GPT on the built-in corpus (the "
+                    "Python standard library's source), on CPU, in one process.")
+    _add_train_flags(train)
+
+    parity = commands.add_parser(
+        "parity", help="check a layout against single-device training",
+        description="Train the single-device reference and the requested layout with the same seed, "
+                    "data and global batch; compare per-step losses and final parameters. Exit code "
+                    "0 when they agree within --tolerance, 1 when they do not. Defaults differ from "
+                    "train: --model gpt-tiny --steps 10 --seq-len 64 --micro-batch 4 --cache-dir runs/.cache.")
+    _add_train_flags(parity)
+    parity.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest relative difference allowed, per step and per tensor [1e-05]")
+    parity.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from scaletrain.train.run import launch, print_summary
+
+    base = None
+    if args.resume:
+        if args.out is None:
+            raise UserError("--resume needs --out, the folder of the run to continue.")
+        base = load_run_config(Path(args.out))
+    summary = launch(resolve(args, base))
+    if summary is not None:
+        print_summary(summary)
+    return 0
+
+
+PARITY_DEFAULTS = Config().replace(name="gpt-tiny", steps=10, seq_len=64, micro_batch=4,
+                                   warmup_steps=2, eval_every=0, eval_batches=1, sample_tokens=0,
+                                   cache_dir=str(Path("runs", ".cache")))
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from scaletrain.parity import format_table, run_parity
+
+    report = run_parity(resolve(args, PARITY_DEFAULTS), tolerance=args.tolerance)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_table(report))
+    return 0 if report.passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _train, "parity": _parity}[args.command](args)
+    except UserError as exc:
+        print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"scaletrain {args.command}: interrupted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

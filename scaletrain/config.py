@@ -1,0 +1,258 @@
+"""Typed configuration: dataclasses, TOML files and command-line flags.
+
+Every field of every section is one flag (``--micro-batch`` for
+``train.micro_batch``) and one TOML key, either in its section
+(``[train] micro_batch = 4``) or flat (``micro_batch = 4``). Precedence, lowest
+first: the dataclass default, the model preset, the TOML file, the flags. The
+resolved configuration is printed at start and saved as ``config.toml`` in the
+run folder, so a run can always be reproduced from its folder alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from scaletrain.errors import UserError
+
+
+def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None) -> Any:
+    """A dataclass field that carries its flag's help text and choices."""
+    meta = {"help": help, "flag": flag, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _opt("gpt-small", "model preset", flag="model",
+                     choices=("gpt-tiny", "gpt-small", "gpt2-124m", "mlp"))
+    n_layers: int | None = _opt(None, "transformer blocks (default: the preset's)")
+    n_heads: int | None = _opt(None, "attention heads (default: the preset's)")
+    d_model: int | None = _opt(None, "hidden size (default: the preset's)")
+    dropout: float = _opt(0.0, "dropout probability")
+    mlp_hidden: int = _opt(128, "hidden width of the mlp classifier")
+
+
+@dataclass
+class DataConfig:
+    data: str | None = _opt(None, "text file or folder of text files (default: the Python standard "
+                                  "library's own source, present on every machine)")
+    tokenizer: str = _opt("byte", "byte-level, or a BPE trained locally on the corpus",
+                          choices=("byte", "bpe"))
+    vocab_size: int = _opt(4096, "vocabulary size of the BPE tokenizer")
+    val_fraction: float = _opt(0.02, "share of the corpus held out for validation")
+    seq_len: int = _opt(128, "tokens per sequence")
+    cache_dir: str | None = _opt(None, "folder for tokenizers and token files (default: .cache beside "
+                                       "the run folder)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _opt(300, "optimizer steps")
+    micro_batch: int = _opt(16, "sequences per rank per micro-batch")
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    lr: float = _opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (cosine floor)")
+    warmup_steps: int = _opt(20, "linear warm-up steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: off)")
+    seed: int = _opt(1234, "random seed for initialization, data order and dropout")
+    eval_every: int = _opt(100, "steps between validation passes (0: only at the end)")
+    eval_batches: int = _opt(8, "micro-batches per validation pass")
+    peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
+                                         "(default: known GPUs from a table, otherwise MFU is n/a)")
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = _opt(1, "spawn this many local workers (otherwise read torchrun/SLURM/MPI)")
+    dp: int | None = _opt(None, "data-parallel size (default: what the other sizes leave)")
+    tp: int = _opt(1, "tensor-parallel size")
+    pp: int = _opt(1, "pipeline-parallel size")
+    cp: int = _opt(1, "context-parallel size")
+    ep: int = _opt(1, "expert-parallel size")
+    timeout: float = _opt(300.0, "seconds a collective may wait before the job ends")
+
+
+@dataclass
+class RunConfig:
+    out: str | None = _opt(None, "run folder (default: runs/<model>-<time>)")
+    checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: only at the end)")
+    resume: bool = _opt(False, "continue the run in --out from its latest complete checkpoint")
+    stop_at: int | None = _opt(None, "stop after this step with a checkpoint, the schedule still "
+                                      "planned for --steps (for jobs with a time limit)")
+    report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
+    progress: bool = _opt(True, "show a progress bar")
+    sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "parallel": ParallelConfig, "run": RunConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: {k: v for k, v in dataclasses.asdict(getattr(self, name)).items() if v is not None}
+                for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with fields changed, by field name (``replace(steps=5, dp=2)``)."""
+        copy = Config(**{name: dataclasses.replace(getattr(self, name)) for name in SECTIONS})
+        for key, value in changes.items():
+            section, fld = _FIELDS_BY_NAME[key]
+            setattr(getattr(copy, section), fld.name, value)
+        return copy
+
+
+def _flag_key(fld: dataclasses.Field) -> str:
+    return fld.metadata.get("flag") or fld.name
+
+
+_FIELDS_BY_NAME: dict[str, tuple[str, dataclasses.Field]] = {}
+_FIELDS_BY_FLAG: dict[str, tuple[str, dataclasses.Field]] = {}
+for _section, _cls in SECTIONS.items():
+    for _fld in dataclasses.fields(_cls):
+        _FIELDS_BY_NAME[_fld.name] = (_section, _fld)
+        _FIELDS_BY_FLAG[_flag_key(_fld)] = (_section, _fld)
+
+
+def _base_type(fld: dataclasses.Field) -> type:
+    """The scalar type behind an annotation such as ``int | None``."""
+    text = str(fld.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.split(" |")[0] == name:
+            return typ
+    raise TypeError(f"unsupported config type {fld.type!r} for {fld.name}")
+
+
+def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
+    """Check a TOML value against the field's type, in the user's words."""
+    typ = _base_type(fld)
+    if value is None:
+        return None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise UserError(f"config key '{key}' must be {typ.__name__}, not {value!r}; fix the TOML file.")
+    choices = fld.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"config key '{key}' must be one of {', '.join(choices)}, not {value!r}.")
+    return value
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, grouped by section. Defaults are None so that only
+    the flags a user typed override the TOML file."""
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} options")
+        for fld in dataclasses.fields(cls):
+            key = _flag_key(fld)
+            flag = "--" + key.replace("_", "-")
+            default_text = fld.default if fld.default is not None else "see help"
+            help_text = f"{fld.metadata['help']} [{default_text}]" if fld.default is not None \
+                else fld.metadata["help"]
+            typ = _base_type(fld)
+            if typ is bool:
+                group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction,
+                                   default=None, help=help_text)
+            else:
+                group.add_argument(flag, dest=key, type=typ, default=None,
+                                   choices=fld.metadata.get("choices"), help=help_text,
+                                   metavar=typ.__name__.upper() if not fld.metadata.get("choices") else None)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config into {field name: value}, sections or flat keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--config {path} does not exist; give the path of a TOML file.")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"--config {path} is not valid TOML ({exc}); fix the file.") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                match = _FIELDS_BY_NAME.get(sub_key) or _FIELDS_BY_FLAG.get(sub_key)
+                if match is None or match[0] != key:
+                    raise UserError(f"unknown key '{sub_key}' in section [{key}] of {path}; "
+                                    f"see scaletrain train --help for the fields.")
+                values[match[1].name] = _coerce(sub_key, match[1], sub_value)
+        else:
+            match = _FIELDS_BY_FLAG.get(key) or _FIELDS_BY_NAME.get(key)
+            if match is None:
+                raise UserError(f"unknown key '{key}' in {path}; see scaletrain train --help for the fields.")
+            values[match[1].name] = _coerce(key, match[1], value)
+    return values
+
+
+def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
+    """Defaults (or ``base``), then the TOML file, then the typed flags."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_toml(args.config))
+    for key, (_, fld) in _FIELDS_BY_FLAG.items():
+        given = getattr(args, key, None)
+        if given is not None:
+            values[fld.name] = given
+    return (base or Config()).replace(**values)
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The configuration a run folder was started with."""
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no config.toml, so it is not a scaletrain run folder; "
+                        f"check --out.")
+    return Config().replace(**load_toml(path))
+
+
+_POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
+             "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp")
+_NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
+                 "sample_tokens", "min_lr_ratio")
+
+
+def check_values(cfg: Config) -> None:
+    """Range checks that need no model or world: one sentence per mistake."""
+    flat = {name: getattr(getattr(cfg, section), name) for name, (section, _) in _FIELDS_BY_NAME.items()}
+    for name in _POSITIVE:
+        if flat[name] is not None and flat[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {flat[name]}.")
+    for name in _NON_NEGATIVE:
+        if flat[name] < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, not {flat[name]}.")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise UserError(f"--val-fraction must be between 0 and 1, not {cfg.data.val_fraction}.")
+    if not 0 <= cfg.model.dropout < 1:
+        raise UserError(f"--dropout must be in [0, 1), not {cfg.model.dropout}.")
+    if cfg.train.lr <= 0 or cfg.parallel.timeout <= 0:
+        raise UserError("--lr and --timeout must be positive.")
+    if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
+        raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
+    peak = cfg.train.peak_tflops
+    if peak is not None and peak != "measure":
+        try:
+            if float(peak) <= 0:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None

@@ -1,0 +1,33 @@
+"""Data: tokenizers, text corpora and their token cache, deterministic batches, digits."""
+
+from scaletrain.data.batches import ArrayBatches, TokenBatches, split_tokens
+from scaletrain.data.corpus import (
+    build_token_cache,
+    corpus_files,
+    default_corpus_files,
+    files_fingerprint,
+    load_tokens,
+    unigram_entropy_nats,
+)
+from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES, Digits, load_digits
+from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, make_tokenizer
+
+__all__ = [
+    "ArrayBatches",
+    "BPETokenizer",
+    "ByteTokenizer",
+    "Digits",
+    "NUM_CLASSES",
+    "NUM_FEATURES",
+    "TokenBatches",
+    "build_token_cache",
+    "corpus_files",
+    "default_corpus_files",
+    "files_fingerprint",
+    "load_digits",
+    "load_tokenizer",
+    "load_tokens",
+    "make_tokenizer",
+    "split_tokens",
+    "unigram_entropy_nats",
+]

@@ -1,0 +1,359 @@
+"""Where this process's rank and world come from, how the process group is set
+up and torn down, and how to start several local processes.
+
+Launchers announce a process's place through environment variables; they are
+read in this order, the first that applies wins:
+
+  torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+  Slurm      srun with more than one task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+             SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE ("4(x2),3") with SLURM_NODEID;
+             MASTER_ADDR else the first host of the step's node list (task 0 runs
+             there), MASTER_PORT else 29500 + SLURM_JOB_ID % 1000, so every task of
+             a job agrees and jobs sharing a node rarely collide
+  MPI        Open MPI (OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}) or
+             MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS);
+             MASTER_ADDR else 127.0.0.1 when every rank is on this node
+  single     rank 0 of a world of 1
+
+The process group's timeout is what turns a dead or stuck rank into an error
+on the others instead of a job that hangs forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from scaletrain.errors import UserError
+
+DEFAULT_ADDR = "127.0.0.1"
+DEFAULT_PORT = 29500
+
+# (rank, world size, local rank, local world size) variables of each MPI flavour.
+_MPI_KEYS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """This process's place in the job, as its launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # "single", "torchrun", "slurm" or "mpi"
+
+
+def _require(environ: Mapping[str, str], key: str, launcher: str) -> str:
+    if key not in environ:
+        raise UserError(f"{key} is not set although the job looks launched by {launcher}; set {key} or launch again.")
+    return environ[key]
+
+
+def _whole(environ: Mapping[str, str], key: str, launcher: str, minimum: int = 0) -> int:
+    text = _require(environ, key, launcher)
+    if not text.strip().isdigit() or int(text) < minimum:
+        raise UserError(f"{key}={text!r} must be a whole number of at least {minimum}; fix the {launcher} environment.")
+    return int(text)
+
+
+def _place(environ: Mapping[str, str], keys: tuple[str, str, str, str], launcher: str) -> tuple[int, int, int, int]:
+    """Rank, world size, local rank and local world size, checked for consistency."""
+    rank_key, world_key, local_rank_key, local_world_key = keys
+    rank = _whole(environ, rank_key, launcher)
+    world = _whole(environ, world_key, launcher, minimum=1)
+    local_rank = _whole(environ, local_rank_key, launcher)
+    local_world = _whole(environ, local_world_key, launcher, minimum=1)
+    _check_place(rank, world, local_rank, local_world, launcher)
+    return rank, world, local_rank, local_world
+
+
+def _check_place(rank: int, world: int, local_rank: int, local_world: int, launcher: str) -> None:
+    if rank >= world or local_rank >= local_world or local_world > world:
+        raise UserError(
+            f"{launcher} gave rank {rank} of {world} with local rank {local_rank} of {local_world}, "
+            f"which do not fit together; fix the {launcher} environment."
+        )
+
+
+def _port(environ: Mapping[str, str], launcher: str, default: int | None) -> int:
+    """MASTER_PORT, or `default` when it is unset (required when `default` is None)."""
+    if "MASTER_PORT" not in environ and default is not None:
+        return default
+    port = _whole(environ, "MASTER_PORT", launcher, minimum=1)
+    if port > 65535:
+        raise UserError(f"MASTER_PORT={port} is not a TCP port; choose one between 1 and 65535.")
+    return port
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names of a Slurm host list such as "node[01-04,07],gpu5" (zero padding kept)."""
+    hosts: list[str] = []
+    # Split on the commas that are not inside brackets.
+    for item in re.split(r",(?![^\[]*\])", nodelist):
+        hosts.extend(_expand_host(item, nodelist))
+    return hosts
+
+
+def _expand_host(pattern: str, nodelist: str) -> list[str]:
+    """Expand every bracket of one host pattern, e.g. "rack[1-2]-n[1,3]" -> 4 hosts."""
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if match is None:
+        if "[" in pattern or "]" in pattern or not pattern:
+            raise _bad_nodelist(nodelist)
+        return [pattern]
+    prefix, rest = pattern[: match.start()], pattern[match.end() :]
+    if "]" in prefix or "[" in prefix:
+        raise _bad_nodelist(nodelist)
+    values: list[str] = []
+    for part in match.group(1).split(","):
+        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if bounds is None:
+            raise _bad_nodelist(nodelist)
+        low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
+        if int(high) < int(low):
+            raise _bad_nodelist(nodelist)
+        values.extend(str(i).zfill(len(low)) for i in range(int(low), int(high) + 1))
+    tails = _expand_host(rest, nodelist) if rest else [""]
+    return [prefix + value + tail for value in values for tail in tails]
+
+
+def _bad_nodelist(nodelist: str) -> UserError:
+    return UserError(
+        f"the Slurm node list {nodelist!r} is not a host list like node[01-04,07],gpu5; set MASTER_ADDR instead."
+    )
+
+
+def _tasks_per_node(text: str) -> list[int]:
+    """Expand SLURM_TASKS_PER_NODE, e.g. "4(x2),3" -> [4, 4, 3]."""
+    counts: list[int] = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if match is None:
+            raise UserError(f"SLURM_TASKS_PER_NODE={text!r} is not of the form 4(x2),3; fix the Slurm environment.")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _from_slurm(environ: Mapping[str, str]) -> ProcessEnv:
+    rank = _whole(environ, "SLURM_PROCID", "Slurm")
+    world = _whole(environ, "SLURM_NTASKS", "Slurm", minimum=1)
+    local_rank = _whole(environ, "SLURM_LOCALID", "Slurm")
+    if "SLURM_NTASKS_PER_NODE" in environ:
+        local_world = _whole(environ, "SLURM_NTASKS_PER_NODE", "Slurm", minimum=1)
+    else:
+        per_node = _tasks_per_node(_require(environ, "SLURM_TASKS_PER_NODE", "Slurm"))
+        node = _whole(environ, "SLURM_NODEID", "Slurm") if "SLURM_NODEID" in environ else 0
+        if node >= len(per_node):
+            raise UserError(f"SLURM_NODEID={node} has no entry in SLURM_TASKS_PER_NODE; fix the Slurm environment.")
+        local_world = per_node[node]
+    _check_place(rank, world, local_rank, local_world, "Slurm")
+    if "MASTER_ADDR" in environ:
+        addr = environ["MASTER_ADDR"]
+    else:
+        key = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if k in environ), None)
+        if key is None:
+            raise UserError("Slurm gave no node list; set MASTER_ADDR to the host of task 0.")
+        addr = expand_nodelist(environ[key])[0]
+    job = _whole(environ, "SLURM_JOB_ID", "Slurm") if "SLURM_JOB_ID" in environ else 0
+    port = _port(environ, "Slurm", DEFAULT_PORT + job % 1000)
+    return ProcessEnv(rank, world, local_rank, local_world, addr, port, "slurm")
+
+
+def _from_mpi(environ: Mapping[str, str], keys: tuple[str, str, str, str]) -> ProcessEnv:
+    rank, world, local_rank, local_world = _place(environ, keys, "MPI")
+    if "MASTER_ADDR" in environ:
+        addr = environ["MASTER_ADDR"]
+    elif local_world == world:
+        addr = DEFAULT_ADDR
+    else:
+        raise UserError(
+            f"MPI started {world} ranks on more than one node but MASTER_ADDR is not set; "
+            "export MASTER_ADDR as the host of rank 0 to every rank (mpirun -x MASTER_ADDR)."
+        )
+    return ProcessEnv(rank, world, local_rank, local_world, addr, _port(environ, "MPI", DEFAULT_PORT), "mpi")
+
+
+def detect_environment(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
+    """This process's rank and world, from whichever launcher started it."""
+    if "RANK" in environ:
+        rank, world, local_rank, local_world = _place(environ, _TORCHRUN_KEYS, "torchrun")
+        addr = _require(environ, "MASTER_ADDR", "torchrun")
+        port = _port(environ, "torchrun", default=None)
+        return ProcessEnv(rank, world, local_rank, local_world, addr, port, "torchrun")
+    if "SLURM_PROCID" in environ and _whole(environ, "SLURM_NTASKS", "Slurm", minimum=1) > 1:
+        return _from_slurm(environ)
+    for keys in _MPI_KEYS:
+        if keys[0] in environ:
+            return _from_mpi(environ, keys)
+    addr = environ.get("MASTER_ADDR", DEFAULT_ADDR)
+    return ProcessEnv(0, 1, 0, 1, addr, _port(environ, "shell", DEFAULT_PORT), "single")
+
+
+@dataclass
+class DistRuntime:
+    """The process's place plus the backend and device it computes with.
+
+    `backend` is None when the world is one process and no group exists.
+    """
+
+    env: ProcessEnv
+    backend: str | None
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def _choose_backend(backend: str | None) -> str:
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        return "nccl" if cuda else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise UserError(f"--backend {backend} is not supported; use nccl or gloo.")
+    if backend == "nccl" and not cuda:
+        raise UserError("--backend nccl needs a CUDA GPU, but none is visible; use --backend gloo.")
+    return backend
+
+
+def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = None) -> DistRuntime:
+    """Pick the backend and device, and join the process group when there is more than one process.
+
+    nccl computes on GPU local_rank; gloo computes on the CPU.
+    """
+    chosen = _choose_backend(backend)
+    device = torch.device("cpu")
+    if chosen == "nccl":
+        if env.local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"local rank {env.local_rank} has no GPU: this node shows {torch.cuda.device_count()}; "
+                f"start at most {torch.cuda.device_count()} processes per node."
+            )
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    if env.world_size == 1:
+        return DistRuntime(env, None, device)
+    # torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT,
+    # and env:// joins it; other launchers need rank 0 to start one there.
+    init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    dist.init_process_group(
+        chosen,
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return DistRuntime(env, chosen, device)
+
+
+def shutdown(runtime: DistRuntime) -> None:
+    """Leave the process group; the barrier first lets every rank finish its
+    last transfers, without which teardown aborts at random on torch 2.13."""
+    if runtime.backend is None:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port(host: str = DEFAULT_ADDR) -> int:
+    """A TCP port free on `host` right now (another process could still take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class WorkerFailed(RuntimeError):
+    """A worker started by `spawn_local` failed with something other than a UserError."""
+
+
+@record
+def _worker(user_error_dir: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """Run the entrypoint, leaving a UserError's sentence in a file for the parent.
+
+    The error is raised on, so that the launcher stops the other ranks at
+    once instead of leaving them blocked on this one until their collective
+    timeout; the file survives that, and elastic keeps no return values of a
+    failed run. `record` saves other errors' tracebacks for the parent.
+    """
+    try:
+        return entrypoint(*args)
+    except UserError as error:
+        Path(user_error_dir, os.environ["RANK"]).write_text(str(error))
+        raise
+
+
+def _failure_text(failure: Any) -> tuple[str, str]:
+    """First line and full traceback of an elastic ProcessFailure."""
+    message = failure.message
+    if isinstance(message, dict):
+        return message.get("message", ""), message.get("extraInfo", {}).get("py_callstack", "")
+    return str(message), ""
+
+
+def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_restarts: int = 0) -> dict[int, Any]:
+    """Run `entrypoint(*args)` in `nproc` local processes, as torchrun would; return each rank's result.
+
+    `entrypoint` must be a module-level function (it is pickled into fresh
+    interpreters). The workers find their place with `detect_environment`.
+    """
+    # The elastic agent narrates every step at INFO and logs each worker's
+    # failure and termination; failures come back as exceptions carrying the
+    # traceback instead.
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    previous_levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaletrain-spawn-") as workdir:
+            user_error_dir = Path(workdir, "user_errors")
+            user_error_dir.mkdir()
+            config = LaunchConfig(
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=nproc,
+                rdzv_backend="c10d",
+                rdzv_endpoint=f"{DEFAULT_ADDR}:{free_port()}",
+                run_id=uuid.uuid4().hex,
+                max_restarts=max_restarts,
+                start_method="spawn",
+                logs_specs=DefaultLogsSpecs(log_dir=str(Path(workdir, "logs"))),
+            )
+            failed: ChildFailedError | None = None
+            try:
+                results = elastic_launch(config, _worker)(str(user_error_dir), entrypoint, *args)
+            except ChildFailedError as error:
+                failed = error
+            user_errors = sorted(user_error_dir.iterdir(), key=lambda path: int(path.name))
+            if user_errors:
+                raise UserError(user_errors[0].read_text())
+    finally:
+        for logger, level in zip(loggers, previous_levels, strict=True):
+            logger.setLevel(level)
+    if failed is not None:
+        texts = {rank: _failure_text(failure) for rank, failure in sorted(failed.failures.items())}
+        summary = "; ".join(f"rank {rank}: {first}" for rank, (first, _) in texts.items())
+        first_rank, _ = failed.get_first_failure()
+        raise WorkerFailed(f"{len(texts)} of {nproc} workers failed ({summary})\n{texts[first_rank][1]}".rstrip())
+    return results

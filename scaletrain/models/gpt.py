@@ -1,0 +1,144 @@
+"""A plain GPT (decoder-only transformer), knowing nothing of parallelism.
+
+Pre-norm blocks (Radford et al. 2019, GPT-2): ``x + attn(ln(x))`` then
+``x + mlp(ln(x))``; learned position embeddings; the output head shares the
+token embedding's weight (weight tying, Press & Wolf 2017). Linear layers have
+no biases (as in PaLM, Chowdhery et al. 2022): besides saving parameters, it
+removes a degenerate direction, since a key bias adds the same amount to
+every score of a row, softmax cancels it, and its exact gradient is zero;
+Adam would turn the float noise in that zero into full-size random steps.
+Layer norms keep their bias. Initialization follows GPT-2: N(0, 0.02), with the two residual projections of each block
+scaled by 1/sqrt(2 * n_layers) so the residual stream's variance does not
+grow with depth.
+
+Parallel transforms (tensor, pipeline, context parallel) rewrite this module
+from the outside by the names of its parts: ``blocks.{i}.attn.qkv`` (fused
+query/key/value, laid out as [3, heads, head_dim] along its output),
+``attn.proj``, ``mlp.fc``, ``mlp.proj``, ``tok_emb``, ``pos_emb``, ``ln_f``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    n_layers: int
+    n_heads: int
+    d_model: int
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head count is read from the weight, not the config, so that a
+        # tensor-parallel shard holding heads/tp heads runs the same code.
+        heads = self.qkv.out_features // 3 // (x.shape[-1] // self.n_heads)
+        q, k, v = self.qkv(x).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N + 12 * L * d * s (Kaplan et al. 2020;
+        PaLM, Chowdhery et al. 2022, appendix B).
+
+        6N: forward (2N) and backward (4N) multiply-adds of the N weights that
+        take part in a matrix product. N counts the token embedding once, as
+        the output head's matrix (the lookup itself is free), and leaves out
+        the position embedding, biases and norms, which do no matmul work.
+        12*L*d*s: attention scores and weighted values, QK^T and AV, each
+        2*s*d per token per layer forward, x3 for forward plus backward.
+        """
+        c = self.cfg
+        matmul_params = sum(p.numel() for name, p in self.named_parameters()
+                            if p.dim() == 2 and name != "pos_emb.weight")
+        return 6 * matmul_params + 12 * c.n_layers * c.d_model * c.seq_len
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :] / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx

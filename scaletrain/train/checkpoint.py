@@ -1,0 +1,197 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP), atomic, safe to load.
+
+Layout of a run folder's ``checkpoints/``::
+
+    step_000050/            a complete checkpoint (DCP files + trainer_state.json)
+    .tmp_step_000100/       one being written; never read, removed on the next save
+
+Every rank writes its own part in parallel (DCP plans the writes, so
+replicated tensors are written once and sharded ones by their owners) into
+the temporary folder; after a barrier the main rank adds
+``trainer_state.json`` and renames the folder into place. A crash at any
+moment leaves either the previous complete checkpoint or the new one, never a
+half-written one that looks complete.
+
+What is saved: the model's ``state_dict`` and the optimizer's per-parameter
+state keyed by parameter name (not by position), so a checkpoint does not
+depend on how the optimizer's groups were built. Learning rate, data position
+and random streams are pure functions of the step (see the trainer), so the
+step is all the trainer state there is: nothing else to restore, nothing to
+drift.
+
+Loading has ``weights_only=True`` semantics. DCP reads tensors with
+``torch.load(weights_only=True)`` already, but its ``.metadata`` file is a
+plain pickle; ``SafeFileSystemReader`` unpickles it with an allow-list of the
+DCP metadata classes and torch's size/dtype types, so a crafted checkpoint
+cannot run code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from scaletrain.errors import UserError
+
+STATE_FILE = "trainer_state.json"
+_TMP_PREFIX = ".tmp_"
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when no group exists; that is
+    exactly the intent of a one-process run, so the warning is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (temporary folders are never complete)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    complete = [p for p in root.iterdir()
+                if p.name.startswith("step_") and (p / STATE_FILE).is_file()]
+    return max(complete, key=lambda p: p.name, default=None)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only what a DCP metadata file is made of: DCP's own dataclasses, torch
+    sizes, dtypes, layouts and memory formats, and paths. Nothing callable
+    that could run code."""
+
+    _SAFE_CALLS = {("torch.serialization", "_get_layout"),  # looks a layout up by name
+                   ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._SAFE_CALLS:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is "
+                                     f"not a checkpoint type")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        raw = Path(self.path, ".metadata").read_bytes()
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError("the .metadata file does not hold checkpoint metadata")
+        # The bookkeeping FileSystemReader.read_metadata does after its pickle.load.
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create every parameter's optimizer state (lazy in torch) so a load has
+    tensors to fill: one step with zero gradients at learning rate 0, which
+    leaves the parameters unchanged (as torch's own DCP helpers do)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    names = _param_names(model)
+    optim = {names[id(p)]: dict(optimizer.state[p])
+             for group in optimizer.param_groups for p in group["params"]}
+    return {"model": model.state_dict(), "optim": optim}
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], *, is_main: bool,
+                    barrier: Callable[[], None]) -> Path:
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(_TMP_PREFIX + final.name)
+    if is_main:
+        for stale in final.parent.glob(_TMP_PREFIX + "*") if final.parent.exists() else ():
+            shutil.rmtree(stale)  # left by a crash mid-save
+        tmp.mkdir(parents=True)
+    barrier()
+    materialize_optimizer_state(optimizer)
+    with _single_process_quiet():
+        dcp.save(_state_dict(model, optimizer), storage_writer=FileSystemWriter(tmp))
+    barrier()
+    if is_main:
+        state_path = tmp / STATE_FILE
+        state_path.write_text(json.dumps(trainer_state, indent=2))
+        with open(state_path) as f:
+            os.fsync(f.fileno())
+        if final.exists():  # an earlier attempt at this very step completed
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    barrier()
+    return final
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of what went wrong, unwrapped from DCP's per-rank report."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Fill model and optimizer in place; return the trainer state."""
+    try:
+        trainer_state = json.loads((path / STATE_FILE).read_text())
+        materialize_optimizer_state(optimizer)
+        state = _state_dict(model, optimizer)
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException) as exc:
+        raise UserError(f"checkpoint {path} cannot be loaded ({_reason(exc)}); delete it to fall back "
+                        f"to an earlier one, or start a new run.") from None
+    return trainer_state
+
+
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a checkpoint, whatever layout wrote it:
+    shapes come from the metadata, DCP assembles the shards."""
+    reader = SafeFileSystemReader(path)
+    metadata = reader.read_metadata()
+    state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
+             for fqn, md in metadata.state_dict_metadata.items()
+             if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    return {fqn.removeprefix("model."): tensor for fqn, tensor in state.items()}

@@ -1,0 +1,86 @@
+"""From the data flags to batches: prepared once, opened by every worker.
+
+``prepare_data`` does the slow and fallible part (finding files, training a
+BPE tokenizer, tokenizing into the memmap cache, checking the corpus is long
+enough) before any training starts, in the launching process. Workers then
+``open_data`` the cached files, which is cheap and cannot fail on user input.
+Tokenizer and token file are cached beside the run folders (``runs/.cache``),
+keyed by the corpus files and tokenizer, so the next run starts at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.config import Config
+from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBatches, corpus_files,
+                             build_token_cache, files_fingerprint, load_digits, load_tokenizer,
+                             load_tokens, split_tokens, unigram_entropy_nats)
+from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
+from scaletrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    kind: str  # "text" or "digits"
+    tokens_path: str | None = None
+    tokenizer_path: str | None = None
+    vocab_size: int = 0
+    n_tokens: int = 0
+    unigram_entropy: float | None = None
+
+
+@dataclass
+class OpenedData:
+    train: TokenBatches | ArrayBatches
+    val: TokenBatches | ArrayBatches
+    tokenizer: ByteTokenizer | BPETokenizer | None
+    n_features: int = 0
+    n_classes: int = 0
+
+
+def _bpe_tokenizer(files: list[Path], vocab_size: int, cache_dir: Path) -> BPETokenizer:
+    path = cache_dir / f"bpe-{vocab_size}-{files_fingerprint(files)[:16]}.json"
+    if path.is_file():
+        return BPETokenizer.load(path)
+    tokenizer = BPETokenizer.train(files, vocab_size)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tokenizer.save(tmp)
+    os.replace(tmp, path)
+    return tokenizer
+
+
+def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
+    if cfg.model.name == "mlp":
+        if cfg.data.data is not None:
+            raise UserError("--data applies to the GPT models; the mlp trains on scikit-learn's "
+                            "bundled digits, so drop --data.")
+        return DataSpec(kind="digits")
+    files = corpus_files(cfg.data.data)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = (_bpe_tokenizer(files, cfg.data.vocab_size, cache_dir) if cfg.data.tokenizer == "bpe"
+                 else ByteTokenizer())
+    tokens_path = build_token_cache(files, tokenizer, cache_dir)
+    tokenizer_path = tokens_path.with_suffix(".tokenizer.json")
+    if not tokenizer_path.exists():
+        tokenizer.save(tokenizer_path)
+    tokens = load_tokens(tokens_path)
+    train, _ = split_tokens(tokens, cfg.data.val_fraction, cfg.data.seq_len)  # raises if too short
+    return DataSpec(kind="text", tokens_path=str(tokens_path), tokenizer_path=str(tokenizer_path),
+                    vocab_size=tokenizer.vocab_size, n_tokens=len(tokens),
+                    unigram_entropy=unigram_entropy_nats(train, tokenizer.vocab_size))
+
+
+def open_data(spec: DataSpec, cfg: Config) -> OpenedData:
+    seed = cfg.train.seed
+    if spec.kind == "digits":
+        digits = load_digits(seed=seed)
+        return OpenedData(train=ArrayBatches(digits.train_x, digits.train_y, seed=seed, shuffle=True),
+                          val=ArrayBatches(digits.val_x, digits.val_y, seed=seed, shuffle=False),
+                          tokenizer=None, n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
+    train, val = split_tokens(load_tokens(spec.tokens_path), cfg.data.val_fraction, cfg.data.seq_len)
+    return OpenedData(train=TokenBatches(train, cfg.data.seq_len, seed=seed, shuffle=True),
+                      val=TokenBatches(val, cfg.data.seq_len, seed=seed, shuffle=False),
+                      tokenizer=load_tokenizer(spec.tokenizer_path))

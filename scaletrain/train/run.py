@@ -1,0 +1,161 @@
+"""A training run from start to end: check, prepare, launch, train, report.
+
+Order matters for the user: every check that can fail on user input (values,
+layout against world size and model, run folder, checkpoint to resume, data)
+runs before any worker starts or any file is written, so a mistake costs one
+sentence and leaves nothing behind. The launching process prepares the data
+cache and the run folder, then runs the worker itself (one process, or under
+torchrun/SLURM/MPI where every process is a worker) or spawns ``--nproc``
+local workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from scaletrain.config import Config, check_values
+from scaletrain.dist.comm import Comm, Ledger
+from scaletrain.dist.launch import ProcessEnv, detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.mesh import Mesh, ParallelDims
+from scaletrain.errors import UserError
+from scaletrain.models import gpt_config
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.data_setup import DataSpec, prepare_data
+from scaletrain.train.trainer import RunSummary, Trainer
+
+# Strategies whose transforms exist; the mesh accepts every size already.
+_IMPLEMENTED = {"dp"}
+
+
+def world_size_for(cfg: Config, env: ProcessEnv) -> int:
+    if cfg.parallel.nproc > 1 and env.world_size > 1:
+        raise UserError(f"--nproc spawns local workers, but this process is already one of "
+                        f"{env.world_size} launched by {env.source}; drop --nproc.")
+    return cfg.parallel.nproc if cfg.parallel.nproc > 1 else env.world_size
+
+
+def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
+    """Fill in dp and check the layout against the world and the model."""
+    p = cfg.parallel
+    dims = ParallelDims.infer(world_size, dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep)
+    dims.validate(world_size)
+    if cfg.model.name == "mlp":
+        dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
+    else:
+        g = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len)
+        if g.d_model % g.n_heads:
+            raise UserError(f"--d-model {g.d_model} is not divisible by --n-heads {g.n_heads}; "
+                            f"choose sizes where it is.")
+        dims.validate_for_model(n_heads=g.n_heads, n_layers=g.n_layers, seq_len=cfg.data.seq_len)
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, name) > 1 and name not in _IMPLEMENTED:
+            raise UserError(f"--{name} {getattr(dims, name)}: this version has no {name} transform yet; "
+                            f"use --dp for more processes.")
+    return cfg.replace(dp=dims.dp), dims
+
+
+def default_out(cfg: Config) -> str:
+    return str(Path("runs") / f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def check_run_folder(cfg: Config) -> None:
+    out = Path(cfg.run.out)
+    if cfg.run.resume:
+        latest = ckpt.latest_checkpoint(out)
+        if latest is None:
+            raise UserError(f"--resume found no complete checkpoint in {out}; start a new run "
+                            f"without --resume or point --out at an earlier run.")
+        done = int(latest.name.removeprefix("step_"))
+        if done >= cfg.train.steps:
+            raise UserError(f"the run in {out} already finished {done} of --steps {cfg.train.steps}; "
+                            f"raise --steps to train further.")
+    elif out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
+
+
+def prepare_run(cfg: Config) -> DataSpec:
+    """Everything before training that can fail on user input, then the folder."""
+    check_values(cfg)
+    check_run_folder(cfg)
+    out = Path(cfg.run.out)
+    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else out.parent / ".cache")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(cfg.to_toml())
+    return spec
+
+
+def launch(cfg: Config) -> RunSummary:
+    """The command line's door: validate, prepare, then run or spawn workers."""
+    if cfg.run.out is None:
+        cfg = cfg.replace(out=default_out(cfg))
+    env = detect_environment()
+    check_values(cfg)
+    cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
+    if env.rank == 0:
+        print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
+        print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
+    return execute(cfg, prepare_run(cfg) if cfg.parallel.nproc > 1 else None)
+
+
+def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
+    """Run the worker here, or spawn ``--nproc`` local ones (the run prepared)."""
+    if cfg.parallel.nproc > 1:
+        return spawn_local(cfg.parallel.nproc, run_worker, (cfg, spec))[0]
+    return run_worker(cfg, spec)
+
+
+def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
+    """One worker: join the group, (prepare if nobody did), train, report."""
+    env = detect_environment()
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
+    try:
+        dims = ParallelDims.infer(env.world_size, dp=cfg.parallel.dp, pp=cfg.parallel.pp,
+                                  cp=cfg.parallel.cp, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
+        mesh = Mesh.build(dims, env.rank, env.world_size)
+        comm = Comm(Ledger())
+        world = mesh.group("world")
+        if spec is None:  # no launching process prepared the run: rank 0 does, all learn the verdict
+            outcome: DataSpec | str | None = None
+            if runtime.is_main:
+                try:
+                    outcome = prepare_run(cfg)
+                except UserError as exc:
+                    outcome = str(exc)
+            outcome = comm.all_gather_object(outcome, world)[0]
+            if isinstance(outcome, str):
+                raise UserError(outcome)
+            spec = outcome
+        trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
+        summary = trainer.fit()
+        if cfg.run.report_comm:
+            write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
+        return summary
+    finally:
+        shutdown(runtime)
+
+
+def write_comm_report(comm: Comm, world, run_dir: Path, is_main: bool) -> None:
+    """comm.json: every rank's ledger, gathered to the main rank and printed."""
+    mine = comm.ledger.to_json()
+    table = comm.ledger.table()
+    ledgers = comm.all_gather_object(mine, world)
+    if is_main:
+        (run_dir / "comm.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
+        print(f"\ncommunication ledger, rank 0 (all ranks in {run_dir}/comm.json)\n{table}")
+
+
+def print_summary(summary: RunSummary) -> None:
+    entropy = summary.unigram_entropy
+    line = f"\nfinished step {summary.steps_done}: train loss {summary.final_loss:.4f}"
+    if summary.val_loss is not None:
+        line += f", validation loss {summary.val_loss:.4f}"
+    if entropy is not None:
+        line += f" (unigram entropy of the corpus: {entropy:.4f} nats)"
+    print(line)
+    if summary.sample is not None:
+        print(f"\n--- sample ---\n{summary.sample}\n--------------")
+    print(f"metrics:    {summary.run_dir / 'metrics.jsonl'} (TensorBoard: {summary.run_dir / 'tensorboard'})")
+    if summary.checkpoint is not None:
+        print(f"checkpoint: {summary.checkpoint}")

@@ -1,0 +1,184 @@
+"""The training loop, the same for every layout.
+
+One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp``
+sequences:
+
+    for each of the grad_accum micro-batches:
+        loss = mean cross-entropy of this rank's micro-batch / grad_accum
+        loss.backward()                    (gradients add up across micro-batches)
+    average gradients over the data-parallel group
+    clip the global gradient norm, set the learning rate, take the AdamW step
+
+Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
+per step makes the update equal to one step on the whole global batch: the
+equivalence every parallel layout is tested against.
+
+Everything random is a pure function of the step: micro-batch ``m`` of step
+``t`` on data-parallel rank ``r`` holds global samples
+``((t*A + m)*dp + r)*B ... +B`` of a seeded stream (see data/batches.py), the
+learning rate is ``lr_at(t)``, and the RNG behind dropout is reseeded from
+``(seed, t, rank)`` at every step. A resumed run therefore needs only the
+step number to continue exactly as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from scaletrain.config import Config
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.launch import DistRuntime
+from scaletrain.dist.mesh import Mesh
+from scaletrain.models import build_model
+from scaletrain.optim import build_adamw, lr_at
+from scaletrain.parallel.data import DataParallel
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.metrics import MetricsWriter, drop_records_after, mfu, peak_tflops, step_memory_bytes
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps_done: int
+    final_loss: float
+    val_loss: float | None
+    checkpoint: Path | None
+    sample: str | None
+    unigram_entropy: float | None
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position (token or sample)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, spec: DataSpec, runtime: DistRuntime, mesh: Mesh, comm: Comm,
+                 run_dir: Path):
+        self.cfg, self.spec, self.runtime, self.mesh, self.comm = cfg, spec, runtime, mesh, comm
+        self.run_dir = run_dir
+        self.is_main = runtime.is_main
+        self.device = runtime.device
+        self.data = open_data(spec, cfg)
+        self.dp_group = mesh.group("dp")
+
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and layout
+        self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+                                            n_features=self.data.n_features,
+                                            n_classes=self.data.n_classes).to(self.device)
+        self.data_parallel = DataParallel(self.model, comm, self.dp_group)
+        t = cfg.train
+        self.optimizer = build_adamw(self.model, lr=t.lr, betas=(t.beta1, t.beta2),
+                                     weight_decay=t.weight_decay)
+        self.start_step = 0
+        if cfg.run.resume:
+            latest = ckpt.latest_checkpoint(run_dir)
+            self.start_step = ckpt.load_checkpoint(latest, self.model, self.optimizer)["step"]
+        positions = cfg.data.seq_len if spec.kind == "text" else 1
+        self.tokens_per_step = t.micro_batch * t.grad_accum * self.dp_group.size * positions
+        self.peak = peak_tflops(t.peak_tflops, self.device)
+
+    # -- one optimizer step --------------------------------------------------
+    def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.cfg.train
+        first = ((step * t.grad_accum + micro) * self.dp_group.size + self.dp_group.rank) * t.micro_batch
+        x, y = self.data.train.get(first, t.micro_batch)
+        return x.to(self.device), y.to(self.device)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t = self.cfg.train
+        torch.manual_seed(_step_seed(t.seed, step, self.runtime.env.rank))
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum):
+            x, y = self._micro_batch(step, micro)
+            loss = loss_fn(self.model(x), y) / t.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        self.data_parallel.sync_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   t.grad_clip if t.grad_clip > 0 else math.inf)
+        lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.comm.all_reduce(loss_sum, self.dp_group, op="avg")
+        return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = [loss_fn(self.model(x.to(self.device)), y.to(self.device)).item()
+                  for x, y in self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches)]
+        return sum(losses) / len(losses)
+
+    def sample(self) -> str | None:
+        """A continuation of the start of the validation text (GPT only)."""
+        tokenizer = self.data.tokenizer
+        if tokenizer is None or self.cfg.run.sample_tokens == 0:
+            return None
+        prompt, _ = self.data.val.get(0, 1)
+        prompt = prompt[:, :32].to(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
+        self.model.eval()
+        out = self.model.generate(prompt, self.cfg.run.sample_tokens, generator=generator)
+        return tokenizer.decode(out[0].tolist())
+
+    # -- the loop ------------------------------------------------------------
+    def _save(self, step: int) -> Path:
+        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
+                                    {"step": step, "world_size": self.runtime.env.world_size,
+                                     "layout": self.mesh.dims.describe()},
+                                    is_main=self.is_main,
+                                    barrier=lambda: self.comm.barrier(self.mesh.group("world")))
+
+    def fit(self) -> RunSummary:
+        cfg = self.cfg
+        end = cfg.run.stop_at or cfg.train.steps
+        writer = None
+        if self.is_main:
+            drop_records_after(self.run_dir / "metrics.jsonl", self.start_step)
+            writer = MetricsWriter(self.run_dir, append=cfg.run.resume)
+        bar = tqdm(total=cfg.train.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
+                   disable=not (self.is_main and cfg.run.progress))
+        record: dict = {}
+        val_loss, saved = None, None
+        for step in range(self.start_step, end):
+            start = time.perf_counter()
+            record = {"step": step + 1, **self.train_step(step)}
+            seconds = time.perf_counter() - start
+            tokens_per_s = self.tokens_per_step / seconds
+            record.update(tokens_per_s=tokens_per_s, step_s=seconds,
+                          mfu=mfu(tokens_per_s, self.model.flops_per_token(), self.peak,
+                                  self.runtime.env.world_size),
+                          mem_bytes=step_memory_bytes(self.device))
+            done = step + 1
+            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end:
+                val_loss = record["val_loss"] = self.evaluate()
+            if writer:
+                writer.write(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end:
+                saved = self._save(done)
+        bar.close()
+        if writer:
+            writer.close()
+        sample = self.sample() if self.is_main and end == cfg.train.steps else None
+        return RunSummary(run_dir=self.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
+                          val_loss=val_loss, checkpoint=saved, sample=sample,
+                          unigram_entropy=self.spec.unigram_entropy)

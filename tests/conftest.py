@@ -1,0 +1,35 @@
+"""Shared fixtures: a small text corpus and short-run configurations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import Config
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~40 KB of varied text: enough windows for short runs, fast to tokenize."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    lines = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)]
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture
+def tiny_cfg(corpus, tmp_path) -> Config:
+    """gpt-tiny for a few steps: a fraction of a second per step."""
+    return Config().replace(name="gpt-tiny", data=str(corpus), seq_len=32, micro_batch=4, steps=4,
+                            warmup_steps=1, eval_every=0, eval_batches=1, sample_tokens=0,
+                            progress=False, out=str(tmp_path / "run"),
+                            cache_dir=str(tmp_path / "cache"))
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``scaletrain ARGS`` in a fresh interpreter, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)

@@ -221,7 +221,7 @@ def load_run_config(run_dir: Path) -> Config:
     """The configuration a run folder was started with."""
     path = run_dir / "config.toml"
     if not path.is_file():
-        raise UserError(f"{run_dir} has no config.toml, so it is not a scaletrain run folder; "
+        raise UserError(f"--resume: {run_dir} holds no scaletrain run (it has no config.toml); "
                         f"check --out.")
     return Config().replace(**load_toml(path))
 

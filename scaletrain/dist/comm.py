@@ -1,7 +1,7 @@
 """The one door to the network: every collective and point-to-point transfer
 goes through `Comm`, which writes what it moved into a `Ledger`.
 
-Ledger conventions (those of nccl-tests), for a group of n ranks:
+Ledger conventions, for a group of n ranks:
 
   bytes       the logical full buffer of the operation:
                 all_reduce, broadcast, send, recv   the tensor

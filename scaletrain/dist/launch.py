@@ -73,7 +73,7 @@ def _require(environ: Mapping[str, str], key: str, launcher: str) -> str:
 
 def _whole(environ: Mapping[str, str], key: str, launcher: str, minimum: int = 0) -> int:
     text = _require(environ, key, launcher)
-    if not text.strip().isdigit() or int(text) < minimum:
+    if not text.strip().isdecimal() or int(text) < minimum:
         raise UserError(f"{key}={text!r} must be a whole number of at least {minimum}; fix the {launcher} environment.")
     return int(text)
 

@@ -1,0 +1,89 @@
+"""The command line as a user meets it, in fresh interpreters."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def _tiny(corpus, out, *extra):
+    return ["train", "--model", "gpt-tiny", "--data", str(corpus), "--seq-len", "32", "--micro-batch", "4",
+            "--steps", "3", "--warmup-steps", "1", "--eval-batches", "1", "--sample-tokens", "0",
+            "--no-progress", "--out", str(out), "--cache-dir", str(out.parent / "cache"), *extra]
+
+
+def _one_sentence_exit_2(result, phrase):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert phrase in result.stderr
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--data", "/no/such/corpus"], "/no/such/corpus does not exist"),
+    (["--nproc", "2", "--dp", "3"], "choose sizes whose product is 2"),
+    (["--n-heads", "3", "--d-model", "48", "--nproc", "2", "--tp", "2"], "--tp 2"),
+    (["--not-a-flag"], "unrecognized arguments: --not-a-flag"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--resume"], "--resume"),
+])
+def test_bad_input_is_one_sentence_and_writes_nothing(corpus, tmp_path, args, phrase):
+    out = tmp_path / "run"
+    result = run_cli(*_tiny(corpus, out), *args)  # the last of a repeated flag wins
+    _one_sentence_exit_2(result, phrase)
+    assert not out.exists()
+
+
+def test_corpus_shorter_than_one_sequence(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    result = run_cli(*_tiny(short, tmp_path / "run"))
+    _one_sentence_exit_2(result, "The corpus has 9 tokens, too few for a sequence of 33")
+    assert not (tmp_path / "run").exists()
+
+
+def test_nproc_2_launch_trains_and_accounts_every_byte(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(*_tiny(corpus, out, "--nproc", "2", "--report-comm"))
+    assert result.returncode == 0, result.stderr
+    assert "layout dp2 on 2 process(es)" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    ledger = json.loads((out / "comm.json").read_text())
+    assert set(ledger) == {"0", "1"}
+    # gpt-tiny with the byte vocabulary: its parameters in fp32 bytes.
+    from scaletrain.config import ModelConfig
+    from scaletrain.models import build_model
+    model = build_model(ModelConfig(name="gpt-tiny"), vocab_size=256, seq_len=32)
+    param_bytes = 4 * sum(p.numel() for p in model.parameters())
+    tensors = list(model.parameters()) + list(model.buffers())
+    for rank in ("0", "1"):
+        reduce = ledger[rank]["all_reduce"]["dp"]
+        # per step: one flat gradient all-reduce and one 4-byte loss average
+        assert reduce["calls"] == 2 * 3
+        assert reduce["bytes"] == 3 * (param_bytes + 4)
+        assert reduce["wire_bytes"] == 3 * (param_bytes + 4)  # 2(n-1)/n = 1 for n = 2
+        broadcast = ledger[rank]["broadcast"]["dp"]
+        assert broadcast["calls"] == len(tensors) and broadcast["bytes"] == param_bytes
+    assert "all_reduce" in result.stdout  # the printed table
+
+
+def test_parity_cli_json_and_exit_codes(corpus, tmp_path):
+    common = ["parity", "--data", str(corpus), "--seq-len", "32", "--steps", "3",
+              "--cache-dir", str(tmp_path / "cache"), "--json"]
+    good = run_cli(*common, "--nproc", "2", "--dp", "2")
+    assert good.returncode == 0, good.stderr
+    report = json.loads(good.stdout.strip().splitlines()[-1])
+    assert report["pass"] and report["steps"] == 3 and report["layout"] == "dp2"
+    assert report["max_loss_rel_diff"] <= 1e-5 and report["max_param_rel_diff"] <= 1e-5
+    strict = run_cli(*common, "--nproc", "2", "--dp", "2", "--tolerance", "1e-30")
+    assert strict.returncode == 1 and json.loads(strict.stdout.strip().splitlines()[-1])["pass"] is False
+
+
+def test_help_lists_the_contract_flags():
+    result = run_cli("train", "--help")
+    for flag in ("--config", "--model", "--data", "--steps", "--micro-batch", "--grad-accum", "--seq-len",
+                 "--lr", "--seed", "--out", "--checkpoint-every", "--resume", "--nproc", "--dp", "--tp",
+                 "--pp", "--cp", "--ep", "--timeout", "--report-comm"):
+        assert flag in result.stdout

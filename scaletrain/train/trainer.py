@@ -90,6 +90,7 @@ class Trainer:
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * self.dp_group.size * positions
         self.peak = peak_tflops(t.peak_tflops, self.device)
+        self.flops_per_token = self.model.flops_per_token()
 
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,15 +128,20 @@ class Trainer:
         return sum(losses) / len(losses)
 
     def sample(self) -> str | None:
-        """A continuation of the start of the validation text (GPT only)."""
+        """A continuation of a line from the validation text (GPT only)."""
         tokenizer = self.data.tokenizer
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None
-        prompt, _ = self.data.val.get(0, 1)
-        prompt = prompt[:, :32].to(self.device)
+        window, _ = self.data.val.get(0, 1)
+        text = tokenizer.decode(window[0].tolist())
+        start = text.find("\n") + 1  # begin at a line, not mid-word
+        if start > len(text) // 2:  # no line break early enough: take the window as it is
+            start = 0
+        prompt = torch.tensor(tokenizer.encode(text[start:start + 48]), dtype=torch.long)
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
-        out = self.model.generate(prompt, self.cfg.run.sample_tokens, generator=generator)
+        out = self.model.generate(prompt[None].to(self.device), self.cfg.run.sample_tokens,
+                                  generator=generator)
         return tokenizer.decode(out[0].tolist())
 
     # -- the loop ------------------------------------------------------------
@@ -163,7 +169,7 @@ class Trainer:
             seconds = time.perf_counter() - start
             tokens_per_s = self.tokens_per_step / seconds
             record.update(tokens_per_s=tokens_per_s, step_s=seconds,
-                          mfu=mfu(tokens_per_s, self.model.flops_per_token(), self.peak,
+                          mfu=mfu(tokens_per_s, self.flops_per_token, self.peak,
                                   self.runtime.env.world_size),
                           mem_bytes=step_memory_bytes(self.device))
             done = step + 1

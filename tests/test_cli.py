@@ -1,9 +1,12 @@
 """The command line as a user meets it, in fresh interpreters."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
+from scaletrain.dist.launch import free_port
 from tests.conftest import run_cli
 
 
@@ -87,3 +90,27 @@ def test_help_lists_the_contract_flags():
                  "--lr", "--seed", "--out", "--checkpoint-every", "--resume", "--nproc", "--dp", "--tp",
                  "--pp", "--cp", "--ep", "--timeout", "--report-comm"):
         assert flag in result.stdout
+
+
+def test_torchrun_launch_prepares_on_rank_0(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = _tiny(corpus, out)[1:]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "scaletrain", "train", *args],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("layout dp2 on 2 process(es)") == 1  # rank 0 speaks for the job
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_torchrun_user_error_reaches_every_rank(corpus, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "other.txt").write_text("someone else's run")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "scaletrain", "train",
+                             *_tiny(corpus, out)[1:]], capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert result.stderr.count("already holds another run") == 2  # both ranks stop with the sentence
+    # torchrun's agent prints its own traceback for a failed child; none comes from our code
+    assert 'scaletrain/' not in "".join(l for l in result.stderr.splitlines() if l.strip().startswith("File"))

@@ -109,3 +109,16 @@ def test_parity_of_the_trivial_layout(tiny_cfg):
     report = run_parity(tiny_cfg.replace(out=None, steps=3), tolerance=1e-5)
     assert report.passed and report.max_loss_rel_diff == 0.0 and report.max_param_rel_diff == 0.0
     assert report.to_json()["steps"] == 3
+
+
+def test_bpe_tokenizer_end_to_end(tiny_cfg):
+    summary, losses = train(tiny_cfg.replace(tokenizer="bpe", vocab_size=300, steps=2, sample_tokens=5))
+    assert len(losses) == 2 and summary.sample
+    tokens = list((summary.run_dir.parent / "cache").glob("bpe-300-*.json"))
+    assert len(tokens) == 1  # the trained tokenizer is cached for the next run
+
+
+def test_mlp_on_digits_learns(tiny_cfg):
+    summary, losses = train(tiny_cfg.replace(name="mlp", data=None, steps=80, micro_batch=32, lr=3e-3))
+    assert losses[-1] < 0.4 * losses[0]  # ln(10) = 2.3 at the start
+    assert summary.val_loss < 1.0 and summary.sample is None

@@ -67,6 +67,13 @@ class TrainConfig:
     seed: int = _opt(1234, "random seed for initialization, data order and dropout")
     eval_every: int = _opt(100, "steps between validation passes (0: only at the end)")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
+    precision: str = _opt("fp32", "compute precision: fp32, bf16 autocast, or fp16 autocast with "
+                                  "dynamic loss scaling", choices=("fp32", "bf16", "fp16"))
+    optimizer: str = _opt("adamw", "AdamW, or Adafactor with factored second moments",
+                          choices=("adamw", "adafactor"))
+    offload: str = _opt("none", "'optimizer': optimizer state and step in host memory",
+                        choices=("none", "optimizer"))
+    recompute: str = _opt("none", "activation checkpointing: none, full, selective, every:K, sqrt")
     peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
                                          "(default: known GPUs from a table, otherwise MFU is n/a)")
 
@@ -90,6 +97,7 @@ class RunConfig:
     stop_at: int | None = _opt(None, "stop after this step with a checkpoint, the schedule still "
                                       "planned for --steps (for jobs with a time limit)")
     report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
+    report_memory: bool = _opt(False, "write and print the memory ledger (memory.json)")
     progress: bool = _opt(True, "show a progress bar")
     sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
 

@@ -1,6 +1,7 @@
 """The trainer end to end, in one process: equivalences, exact resume,
 checkpoint safety, parity of the trivial layout."""
 
+import json
 import pickle
 
 import pytest
@@ -122,3 +123,37 @@ def test_mlp_on_digits_learns(tiny_cfg):
     summary, losses = train(tiny_cfg.replace(name="mlp", data=None, steps=80, micro_batch=32, lr=3e-3))
     assert losses[-1] < 0.4 * losses[0]  # ln(10) = 2.3 at the start
     assert summary.val_loss < 1.0 and summary.sample is None
+
+
+def test_recompute_keeps_losses_exact(tiny_cfg, tmp_path):
+    _, plain = train(tiny_cfg.replace(out=str(tmp_path / "plain")))
+    _, full = train(tiny_cfg.replace(out=str(tmp_path / "full"), recompute="full"))
+    assert plain == full
+
+
+def test_memory_report_counts_bytes_exactly(tiny_cfg):
+    summary, _ = train(tiny_cfg.replace(report_memory=True, steps=2))
+    ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]
+    model = build_model(tiny_cfg.model, vocab_size=256, seq_len=tiny_cfg.data.seq_len)
+    params = list(model.parameters())  # the tied weight once
+    numel = sum(p.numel() for p in params)
+    assert ledger["params"] == 4 * numel and ledger["grads"] == 4 * numel
+    assert ledger["optimizer"] == 8 * numel + 4 * len(params)  # AdamW moments + a step counter each
+    assert ledger["activations_peak"] > 0
+
+
+def test_fp16_reports_the_loss_scale(tiny_cfg):
+    summary, _ = train(tiny_cfg.replace(precision="fp16", steps=2))
+    record = read_metrics(summary.run_dir / "metrics.jsonl")[-1]
+    assert record["loss_scale"] > 0 and record["skipped_steps"] >= 0
+
+
+def test_offloaded_optimizer_matches_the_device_optimizer(tiny_cfg, tmp_path):
+    _, here = train(tiny_cfg.replace(out=str(tmp_path / "here")))
+    _, offloaded = train(tiny_cfg.replace(out=str(tmp_path / "off"), offload="optimizer"))
+    assert offloaded == pytest.approx(here, rel=1e-6)
+
+
+def test_adafactor_trains(tiny_cfg):
+    _, losses = train(tiny_cfg.replace(optimizer="adafactor", steps=6, lr=1e-2))
+    assert losses[-1] < losses[0]

@@ -25,7 +25,6 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_adamw(model: nn.Module, *, lr: float, betas: tuple[float, float],
                 weight_decay: float) -> torch.optim.AdamW:
-    # foreach: one kernel launch per group instead of one per tensor; the
-    # Triton-fused variant lives in its own module.
+    # foreach: one kernel launch per group instead of one per tensor.
     return torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas,
                              eps=1e-8, foreach=True)

@@ -20,6 +20,7 @@ upper bound on what training itself holds).
 from __future__ import annotations
 
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,6 @@ def resident_bytes() -> int:
             pages = int(f.read().split()[1])
     except OSError:
         return 0
-    import resource
-
     return pages * resource.getpagesize()
 
 

@@ -21,8 +21,10 @@ from scaletrain.dist.launch import ProcessEnv, detect_environment, init_distribu
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.models import gpt_config
+from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, prepare_data
+from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
 
 # Strategies whose transforms exist; the mesh accepts every size already.
@@ -41,7 +43,10 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
     p = cfg.parallel
     dims = ParallelDims.infer(world_size, dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep)
     dims.validate(world_size)
+    parse_policy(cfg.train.recompute)
     if cfg.model.name == "mlp":
+        if cfg.train.recompute != "none":
+            raise UserError("--recompute applies to the GPT models' blocks; drop it for the mlp.")
         dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
     else:
         g = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len)
@@ -131,6 +136,8 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         summary = trainer.fit()
         if cfg.run.report_comm:
             write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
+        if cfg.run.report_memory:
+            write_memory_report(trainer.memory_report(), comm, world, Path(cfg.run.out), runtime.is_main)
         return summary
     finally:
         shutdown(runtime)
@@ -144,6 +151,14 @@ def write_comm_report(comm: Comm, world, run_dir: Path, is_main: bool) -> None:
     if is_main:
         (run_dir / "comm.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
         print(f"\ncommunication ledger, rank 0 (all ranks in {run_dir}/comm.json)\n{table}")
+
+
+def write_memory_report(mine: dict, comm: Comm, world, run_dir: Path, is_main: bool) -> None:
+    """memory.json: every rank's memory ledger, gathered to the main rank and printed."""
+    ledgers = comm.all_gather_object(mine, world)
+    if is_main:
+        (run_dir / "memory.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
+        print(f"\nmemory ledger, rank 0 (all ranks in {run_dir}/memory.json)\n{format_memory_table(mine)}")
 
 
 def print_summary(summary: RunSummary) -> None:

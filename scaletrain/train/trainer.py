@@ -7,7 +7,8 @@ sequences:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
         loss.backward()                    (gradients add up across micro-batches)
     average gradients over the data-parallel group
-    clip the global gradient norm, set the learning rate, take the AdamW step
+    unscale (fp16), clip the global gradient norm, set the learning rate, take the optimizer step
+    (skipped, with the loss scale halved, when an fp16 gradient overflowed)
 
 Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
 per step makes the update equal to one step on the whole global batch: the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +40,13 @@ from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model
-from scaletrain.optim import build_adamw, lr_at
+from scaletrain.optim import build_optimizer, lr_at
 from scaletrain.parallel.data import DataParallel
+from scaletrain.precision import DynamicLossScaler, autocast
+from scaletrain.recompute import apply_recompute
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.memory import ActivationMeter, memory_ledger
 from scaletrain.train.metrics import MetricsWriter, drop_records_after, mfu, peak_tflops, step_memory_bytes
 
 
@@ -76,17 +81,23 @@ class Trainer:
         self.dp_group = mesh.group("dp")
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and layout
+        t = cfg.train
         self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                                             n_features=self.data.n_features,
                                             n_classes=self.data.n_classes).to(self.device)
+        if t.recompute != "none":
+            apply_recompute(self.model, t.recompute)
         self.data_parallel = DataParallel(self.model, comm, self.dp_group)
-        t = cfg.train
-        self.optimizer = build_adamw(self.model, lr=t.lr, betas=(t.beta1, t.beta2),
-                                     weight_decay=t.weight_decay)
+        self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
+        self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
+        self.memory: dict | None = None  # the ledger taken on that step
+        self.optimizer = build_optimizer(self.model, t)
         self.start_step = 0
         if cfg.run.resume:
             latest = ckpt.latest_checkpoint(run_dir)
-            self.start_step = ckpt.load_checkpoint(latest, self.model, self.optimizer)["step"]
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
+            self.start_step = state["step"]
+            self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * self.dp_group.size * positions
         self.peak = peak_tflops(t.peak_tflops, self.device)
@@ -106,19 +117,47 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
             x, y = self._micro_batch(step, micro)
-            loss = loss_fn(self.model(x), y) / t.grad_accum
-            loss.backward()
+            with self._meter_first_micro_batch(micro):
+                with autocast(t.precision, self.device):
+                    logits = self.model(x)
+                loss = loss_fn(logits, y) / t.grad_accum
+                self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.data_parallel.sync_gradients()
+        overflow = False
+        if self.scaler.enabled:
+            found_inf = self.scaler.unscale_(self.model.parameters())
+            self.comm.all_reduce(found_inf, self.dp_group, op="max")  # every replica skips together
+            overflow = bool(found_inf.item())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    t.grad_clip if t.grad_clip > 0 else math.inf)
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.scaler.step(self.optimizer, overflow)
+        self.scaler.update(overflow)
+        if self.activation_meter is not None and self.memory is None:
+            # after the step (optimizer state exists), before the gradients are freed
+            self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter)
         self.optimizer.zero_grad(set_to_none=True)
         self.comm.all_reduce(loss_sum, self.dp_group, op="avg")
-        return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        if t.precision == "fp16":
+            record.update(loss_scale=self.scaler.scale_value, skipped_steps=self.scaler.skipped_steps)
+        return record
+
+    def _meter_first_micro_batch(self, micro: int):
+        """With --report-memory, measure saved activations of the run's first
+        micro-batch (the meter slows the step, so once is enough)."""
+        if not self.cfg.run.report_memory or self.activation_meter is not None or micro != 0:
+            return nullcontext()
+        self.activation_meter = ActivationMeter(self.model)
+        return self.activation_meter
+
+    def memory_report(self) -> dict:
+        """This rank's memory ledger (params, grads, optimizer, activations peak)
+        as measured on the first step of this run."""
+        return self.memory
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -148,7 +187,9 @@ class Trainer:
     def _save(self, step: int) -> Path:
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
                                     {"step": step, "world_size": self.runtime.env.world_size,
-                                     "layout": self.mesh.dims.describe()},
+                                     "layout": self.mesh.dims.describe(),
+                                     "scaler": {k: float(v) if torch.is_tensor(v) else v
+                                                for k, v in self.scaler.state_dict().items()}},
                                     is_main=self.is_main,
                                     barrier=lambda: self.comm.barrier(self.mesh.group("world")))
 

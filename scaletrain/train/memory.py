@@ -1,0 +1,238 @@
+"""The memory ledger: where one rank's bytes go during training.
+
+Four entries, each in bytes on this rank:
+
+``params``, ``grads``, ``optimizer``
+    Counted from the tensors themselves (``model_bytes``). Tensors are
+    deduplicated by storage, keyed by (device, ``untyped_storage().data_ptr()``),
+    and a storage counts its full ``nbytes``: a tied weight (the GPT's head and
+    token embedding) counts once, and a view counts the storage it looks into,
+    since that is what stays allocated. For mixed-precision AdamW in fp32 this
+    gives the familiar 4N + 4N + 8N (plus a 4-byte step counter per tensor).
+``activations_peak``
+    The most bytes of saved activations alive at one moment during forward and
+    backward of one micro-batch (``ActivationMeter``).
+``cuda_peak``
+    ``torch.cuda.max_memory_allocated`` over the same micro-batch, where the
+    model is on a GPU: the allocator's view, which also holds temporaries,
+    gradients of activations and fragmentation, so it is the number to budget
+    with, and the entries above say what it is made of.
+
+How ``ActivationMeter`` measures. Definition: a storage is a saved activation
+from the moment autograd saves a tensor on it for backward until the storage
+is freed; parameters and buffers of the metered module are excluded (a Linear
+saves its weight, which is already counted under ``params``; a weight copy
+made by autocast is not a parameter and is counted). The meter sums the
+``nbytes`` of such storages, each once, and keeps the maximum of that sum.
+
+Seeing the saves: ``torch.autograd.graph.saved_tensors_hooks`` calls a pack
+hook with every tensor autograd saves, but only the innermost hooks run, and
+non-reentrant ``torch.utils.checkpoint`` installs its own hooks inside every
+checkpointed region, in the forward (to drop the tensors) and again when it
+reruns the region in backward (to keep the recomputed tensors). Plain hooks
+would therefore miss exactly the recomputation whose memory this meter exists
+to show. So the meter also runs a ``TorchFunctionMode``, which sees every torch
+call (in backward too, where the recomputation happens): when some other
+hooks are on top, it runs the call under hooks of its own that note the
+tensor and then hand it to those hooks, so their behaviour is unchanged.
+
+Seeing the frees: a weak reference to the tensor's ``untyped_storage()``
+whose callback fires when the storage is deallocated (torch keeps one Python
+object per live storage, so the callback marks the real free, not the end of
+a Python wrapper). Counting storage lifetimes rather than autograd's own
+references means a saved storage also counts while the program holds it in
+some other way: in a checkpointed forward, the tensors checkpoint drops stay
+counted until the region's own code lets go of them, within that one block.
+That is memory really in use, and it is why the measured peak of ``full``
+recompute is the block inputs plus one block's activations (reached when a
+block is recomputed in backward), not the block inputs alone.
+
+Limits: calls that bypass torch's function API inside a checkpointed region
+(a custom ``autograd.Function`` saving with ``ctx.save_for_backward``) are not
+seen there; outside such regions the meter's base hooks see them. Gradients
+of activations and other temporaries of backward are not saved tensors and
+are left out on purpose; ``cuda_peak`` includes them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any, Self
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+CATEGORIES = ("params", "grads", "optimizer")
+ROWS = (*CATEGORIES, "activations_peak", "cuda_peak")
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once."""
+    sizes = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+    return sum(sizes.values())
+
+
+def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples (an optimizer's state)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+
+
+def model_bytes(model: nn.Module, optimizer: Any = None) -> dict:
+    """Bytes of parameters, their ``.grad`` and ``optimizer.state``, in total and per device.
+
+    ``optimizer`` is any object with a ``.state`` of (nested) tensors, a torch
+    optimizer or a wrapper; None counts no optimizer state.
+    """
+    params = list(model.parameters())
+    tensors = {
+        "params": params,
+        "grads": [p.grad for p in params if p.grad is not None],
+        "optimizer": list(_tensors_in(dict(optimizer.state))) if optimizer is not None else [],
+    }
+    devices = sorted({str(t.device) for group in tensors.values() for t in group})
+    ledger: dict = {name: tensor_bytes(group) for name, group in tensors.items()}
+    ledger["by_device"] = {
+        device: {name: tensor_bytes(t for t in group if str(t.device) == device)
+                 for name, group in tensors.items()}
+        for device in devices
+    }
+    return ledger
+
+
+def memory_ledger(model: nn.Module, optimizer: Any, meter: ActivationMeter | None = None) -> dict:
+    """``model_bytes`` plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``."""
+    ledger = model_bytes(model, optimizer)
+    if meter is not None:
+        ledger["activations_peak"] = meter.peak
+        if meter.cuda_peak is not None:
+            ledger["cuda_peak"] = meter.cuda_peak
+    return ledger
+
+
+def format_table(ledger: dict) -> str:
+    """The ledger as aligned text: one row per entry, MiB and exact bytes, then per device."""
+    lines = [f"{'memory':<18}{'MiB':>12}{'bytes':>16}"]
+    lines += [f"{name:<18}{ledger[name] / 2**20:>12.2f}{ledger[name]:>16,}" for name in ROWS if name in ledger]
+    for device, entry in ledger.get("by_device", {}).items():
+        lines += [f"{device + ' ' + name:<18}{entry[name] / 2**20:>12.2f}{entry[name]:>16,}"
+                  for name in CATEGORIES]
+    return "\n".join(lines)
+
+
+class ActivationMeter:
+    """Peak bytes of saved activations during the ``with`` block (see the module docstring).
+
+    Use around forward and backward of one micro-batch::
+
+        with ActivationMeter(model) as meter:
+            loss_fn(model(x), y).backward()
+        meter.peak   # bytes
+        meter.cuda_peak   # bytes, or None when the model is not on a GPU
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.peak = 0
+        self.current = 0
+        self.cuda_peak: int | None = None
+        self.active = False
+        self._live: dict[tuple[str, int], tuple[int, weakref.ref]] = {}
+        self._excluded: set[tuple[str, int]] = set()
+        self._cuda: torch.device | None = None
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._mode = _ChainSavedTensorHooks(self)
+
+    def __enter__(self) -> Self:
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        self._excluded = {_storage_key(t) for t in tensors}
+        self._cuda = next((t.device for t in tensors if t.is_cuda), None)
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+        self._hooks.__enter__()
+        self._mode.__enter__()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        self._mode.__exit__(*exc)
+        self._hooks.__exit__(*exc)
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+            self.cuda_peak = torch.cuda.max_memory_allocated(self._cuda)
+
+    def note(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as a saved activation until it is freed."""
+        key = _storage_key(t)
+        if key in self._live or key in self._excluded:
+            return
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        self._live[key] = (nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: tuple[str, int]) -> None:
+        nbytes, _ = self._live.pop(key)
+        self.current -= nbytes
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.note(t)
+        return t
+
+
+def _identity(x):
+    return x
+
+
+class _ChainSavedTensorHooks(TorchFunctionMode):
+    """Puts the meter in front of whatever saved-tensor hooks are innermost.
+
+    Hooks are looked up when autograd saves, inside the torch call, so running
+    the call under a pair that notes the tensor and then defers to the pair
+    that was innermost sees every save of that call, checkpoint's included.
+    """
+
+    def __init__(self, meter: ActivationMeter):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks_disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None
+        if top is None or top[0] == self.meter._pack or hooks_disabled:
+            return func(*args, **kwargs)
+        inner_pack, inner_unpack = top
+
+        def pack(t):
+            self.meter.note(t)
+            return inner_pack(t)
+
+        def unpack(packed):
+            # Checkpoint recomputes inside its unpack hook, during backward,
+            # where this mode is not otherwise on (it was switched off while
+            # handling the call to backward itself): switch it on for that.
+            if not self.meter.active:
+                return inner_unpack(packed)
+            with self:
+                return inner_unpack(packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return func(*args, **kwargs)

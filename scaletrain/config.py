@@ -69,11 +69,15 @@ class TrainConfig:
     eval_batches: int = _opt(8, "micro-batches per validation pass")
     precision: str = _opt("fp32", "compute precision: fp32, bf16 autocast, or fp16 autocast with "
                                   "dynamic loss scaling", choices=("fp32", "bf16", "fp16"))
+    param_dtype: str = _opt("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
+                                    "the optimizer (needs --precision bf16)", choices=("fp32", "bf16"))
     optimizer: str = _opt("adamw", "AdamW, or Adafactor with factored second moments",
                           choices=("adamw", "adafactor"))
-    offload: str = _opt("none", "'optimizer': optimizer state and step in host memory",
-                        choices=("none", "optimizer"))
+    offload: str = _opt("none", "'optimizer': fp32 master weights, optimizer state and step in host "
+                                "memory", choices=("none", "optimizer"))
     recompute: str = _opt("none", "activation checkpointing: none, full, selective, every:K, sqrt")
+    compile: bool = _opt(False, "compile every transformer block with torch.compile (the first steps "
+                                "pay the compile time)")
     peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
                                          "(default: known GPUs from a table, otherwise MFU is n/a)")
 
@@ -257,6 +261,9 @@ def check_values(cfg: Config) -> None:
         raise UserError("--lr and --timeout must be positive.")
     if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
         raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
+    if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
+        raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
+                        f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":
         try:

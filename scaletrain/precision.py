@@ -48,31 +48,9 @@ costs one wasted batch; with the default growth_interval of 2000 the scaler
 tries a larger scale about once per 2000 steps, so overflow skips stay rare.
 For fp32 and bf16 the scaler is disabled and is a pass-through.
 
-Master weights (`MasterWeights`, for ``--param-dtype bf16``). Storing the
-working parameters in bf16 halves their memory and the bytes moved by every
-forward and backward (and every all-gather of them). But an optimizer update
-cannot be applied to a bf16 weight directly: with 8 significant bits, the
-spacing between neighbouring bf16 values near w lies in (2^-8|w|, 2^-7|w|],
-and w + du rounds back to w whenever |du| is under half that spacing: always
-below 2^-9|w|, and up to 2^-8|w| at the bottom of a binade (w = 1 with
-lr*g = 1e-3 stays 1 forever). Late in training most updates are that small. The optimizer therefore updates an fp32 master copy, where
-such updates accumulate, and the bf16 weight is re-rounded from it after
-each step.
-
-Bytes per parameter in this implementation, with AdamW:
-
-    between steps   bf16 weight 2 + fp32 master 4 + AdamW exp_avg 4
-                    + exp_avg_sq 4                                   = 14
-    during backward + bf16 gradient 2                                = 16
-    during the step + fp32 master gradient 4, the bf16 gradient
-                    having been freed by `copy_grads_to_master`      = 18
-
-i.e. 2 (bf16 weights) + 4 (fp32 master) + 12 (fp32 gradient and the two
-Adam moments). Plain fp32 training peaks at 4 + 4 + 8 = 16, so master
-weights do not shrink the parameter-side total on one device; the gain is
-bandwidth and activation memory, and under ZeRO-style sharding, where the
-fp32 master and moments are divided across ranks while the bf16 copy is the
-only thing gathered.
+Master weights for ``--param-dtype bf16`` (bf16 working weights, fp32 copies
+that the optimizer updates) live in optim/masters.py, beside optimizer
+offload, which is the same mechanism with the copies in host memory.
 """
 
 from __future__ import annotations
@@ -81,7 +59,6 @@ import contextlib
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from scaletrain.errors import UserError
 
@@ -200,79 +177,3 @@ class DynamicLossScaler:
         self._scale = float(state["scale"])
         self._clean_steps = int(state["clean_steps"])
         self._skipped = int(state["skipped_steps"])
-
-
-class MasterWeights:
-    """Low-precision working parameters with fp32 master copies for the optimizer.
-
-    Build the optimizer over `master_params` (or `master_groups(...)`), then
-    per step: backward on the model, `copy_grads_to_master()`, optimizer
-    step, `copy_master_to_model()`, optimizer.zero_grad().
-    """
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
-        self.dtype = dtype
-        self.names: list[str] = []
-        self.model_params: list[nn.Parameter] = []
-        self.master_params: list[torch.Tensor] = []
-        # named_parameters() yields a tied weight once, so it gets one master.
-        for name, param in model.named_parameters():
-            if not param.is_floating_point():
-                continue
-            # The master is taken before rounding: it starts from the exact
-            # fp32 initialisation, not from its bf16 image.
-            master = param.detach().clone().to(torch.float32)
-            # Assigning .data keeps the same Parameter object, so optimizer
-            # groups and tied references built from the model still match.
-            param.data = param.detach().to(dtype)
-            self.names.append(name)
-            self.model_params.append(param)
-            self.master_params.append(master)
-        self._master_of = {id(p): m for p, m in zip(self.model_params, self.master_params)}
-
-    def master_groups(self, param_groups: list[dict]) -> list[dict]:
-        """The same optimizer groups with each model parameter replaced by its master."""
-        groups = []
-        for group in param_groups:
-            try:
-                masters = [self._master_of[id(p)] for p in group["params"]]
-            except KeyError:
-                raise UserError("A parameter group holds a tensor that is not a floating "
-                                "parameter of the model these master weights wrap.") from None
-            groups.append({**group, "params": masters})
-        return groups
-
-    @torch.no_grad()
-    def copy_grads_to_master(self) -> None:
-        """Add each model gradient, in fp32, to its master's gradient and free the model's.
-
-        Adding (rather than overwriting) lets gradient accumulation happen in
-        fp32: call this after every micro-batch's backward and the bf16
-        gradients never sum with each other. The optimizer's zero_grad() on
-        the masters starts each step afresh.
-        """
-        for param, master in zip(self.model_params, self.master_params):
-            if param.grad is None:
-                continue
-            if master.grad is None:
-                master.grad = param.grad.to(torch.float32)
-            else:
-                master.grad.add_(param.grad)
-            param.grad = None
-
-    @torch.no_grad()
-    def copy_master_to_model(self) -> None:
-        """Round every master to the working dtype (nearest-even) into the model's parameter."""
-        torch._foreach_copy_(self.model_params, self.master_params)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The fp32 masters by parameter name: a checkpoint needs them, the bf16 model lost their low bits."""
-        return {name: master.clone() for name, master in zip(self.names, self.master_params)}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if set(state) != set(self.names):
-            raise UserError("The checkpoint's master weights name different parameters than this model has.")
-        for name, master in zip(self.names, self.master_params):
-            master.copy_(state[name])
-        self.copy_master_to_model()

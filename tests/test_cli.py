@@ -30,6 +30,8 @@ def _one_sentence_exit_2(result, phrase):
     (["--not-a-flag"], "unrecognized arguments: --not-a-flag"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--resume"], "--resume"),
+    (["--param-dtype", "bf16"], "--param-dtype bf16 needs --precision bf16"),
+    (["--model", "mlp", "--compile"], "--compile applies to the GPT models' blocks"),
 ])
 def test_bad_input_is_one_sentence_and_writes_nothing(corpus, tmp_path, args, phrase):
     out = tmp_path / "run"

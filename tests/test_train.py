@@ -56,8 +56,11 @@ def test_grad_accumulation_equals_the_big_batch(tiny_cfg, tmp_path):
         assert torch.allclose(p, params_acc[name], rtol=1e-6, atol=1e-7), name
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_cfg, tmp_path):
-    cfg = tiny_cfg.replace(steps=6, dropout=0.1)  # dropout: the random stream must resume too
+@pytest.mark.parametrize("masters", [{}, {"precision": "bf16", "param_dtype": "bf16", "offload": "optimizer"}],
+                         ids=["fp32", "bf16-offloaded-masters"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_cfg, tmp_path, masters):
+    # dropout: the random stream must resume too; masters: their fp32 bits must
+    cfg = tiny_cfg.replace(steps=6, dropout=0.1, **masters)
     whole, whole_losses = train(cfg.replace(out=str(tmp_path / "whole")))
     part_cfg = cfg.replace(out=str(tmp_path / "part"), checkpoint_every=2)
     train(part_cfg.replace(stop_at=3))
@@ -152,6 +155,30 @@ def test_offloaded_optimizer_matches_the_device_optimizer(tiny_cfg, tmp_path):
     _, here = train(tiny_cfg.replace(out=str(tmp_path / "here")))
     _, offloaded = train(tiny_cfg.replace(out=str(tmp_path / "off"), offload="optimizer"))
     assert offloaded == pytest.approx(here, rel=1e-6)
+
+
+def test_bf16_working_weights_train_like_fp32_weights(tiny_cfg, tmp_path):
+    """--param-dtype bf16 under bf16 autocast: the matmuls saw bf16 weights already,
+    so only the norms' and embeddings' storage changes; the curve stays within 1%."""
+    _, fp32_weights = train(tiny_cfg.replace(precision="bf16", out=str(tmp_path / "fp32")))
+    summary, bf16_weights = train(tiny_cfg.replace(precision="bf16", param_dtype="bf16",
+                                                   report_memory=True, out=str(tmp_path / "bf16")))
+    assert bf16_weights == pytest.approx(fp32_weights, rel=1e-2)
+    assert bf16_weights != fp32_weights  # the weights really were bf16
+    ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]
+    numel = sum(p.numel() for p in build_model(tiny_cfg.model, vocab_size=256,
+                                               seq_len=tiny_cfg.data.seq_len).parameters())
+    assert ledger["params"] == 2 * numel and ledger["grads"] == 4 * numel
+    assert ckpt.read_model_tensors(summary.checkpoint)["tok_emb.weight"].dtype == torch.float32
+
+
+def test_compiled_blocks_match_eager(tiny_cfg, tmp_path):
+    """--compile with recompute: fused kernels round differently, so the losses agree
+    to fp32 rounding rather than bitwise."""
+    cfg = tiny_cfg.replace(steps=3, recompute="full")
+    _, eager = train(cfg.replace(out=str(tmp_path / "eager")))
+    _, compiled = train(cfg.replace(compile=True, out=str(tmp_path / "compiled")))
+    assert compiled == pytest.approx(eager, rel=1e-5)
 
 
 def test_adafactor_trains(tiny_cfg):

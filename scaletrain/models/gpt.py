@@ -41,6 +41,21 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
+class LayerNorm(nn.LayerNorm):
+    """Layer norm computed in fp32 whatever the dtype of its input and weights.
+
+    Its mean and variance reduce over d_model elements, where 16-bit rounding
+    accumulates. CUDA autocast upcasts layer_norm by itself, CPU autocast does
+    not, and bf16 working weights (``--param-dtype bf16``) would pull it to
+    bf16 on any device; the output stays fp32, which keeps the residual
+    stream in fp32 too. For fp32 inputs and weights this is nn.LayerNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                            self.eps)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -75,9 +90,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ln2 = LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +108,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
@@ -109,7 +124,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        # The residual stream is fp32 even when the embeddings are stored in bf16.
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions)).float()
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

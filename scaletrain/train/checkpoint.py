@@ -14,7 +14,10 @@ half-written one that looks complete.
 
 What is saved: the model's ``state_dict`` and the optimizer's per-parameter
 state keyed by parameter name (not by position), so a checkpoint does not
-depend on how the optimizer's groups were built. Learning rate, data position
+depend on how the optimizer's groups were built. With fp32 master weights
+(``--param-dtype bf16``, ``--offload optimizer``) the masters are saved as
+the model's weights, so every checkpoint holds fp32 weights whatever the
+working dtype and where the masters lived. Learning rate, data position
 and random streams are pure functions of the step (see the trainer), so the
 step is all the trainer state there is: nothing else to restore, nothing to
 drift.
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from scaletrain.errors import UserError
+from scaletrain.optim.masters import MasterWeights
 
 STATE_FILE = "trainer_state.json"
 _TMP_PREFIX = ".tmp_"
@@ -106,10 +110,6 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create every parameter's optimizer state (lazy in torch) so a load has
     tensors to fill: one step with zero gradients at learning rate 0, which
@@ -129,15 +129,27 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = None
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    names = _param_names(model)
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                masters: MasterWeights | None) -> dict[str, Any]:
+    """Model weights and per-parameter optimizer state, both by parameter name.
+
+    With master weights, the fp32 master stands in for its parameter, in both
+    places: the optimizer steps on the masters, and they hold the bits a bf16
+    working weight has lost (loading writes them, then re-rounds the model).
+    """
+    def stepped(tensor: torch.Tensor) -> torch.Tensor:
+        master = masters.master_of(tensor) if masters else None
+        return master if master is not None else tensor
+
+    names = {id(stepped(p)): name for name, p in model.named_parameters()}
     optim = {names[id(p)]: dict(optimizer.state[p])
              for group in optimizer.param_groups for p in group["params"]}
-    return {"model": model.state_dict(), "optim": optim}
+    weights = {key: stepped(t).detach() for key, t in model.state_dict(keep_vars=True).items()}
+    return {"model": weights, "optim": optim}
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], *, is_main: bool,
+                    masters: MasterWeights | None, trainer_state: dict[str, Any], *, is_main: bool,
                     barrier: Callable[[], None]) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
@@ -148,7 +160,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     barrier()
     materialize_optimizer_state(optimizer)
     with _single_process_quiet():
-        dcp.save(_state_dict(model, optimizer), storage_writer=FileSystemWriter(tmp))
+        dcp.save(_state_dict(model, optimizer, masters), storage_writer=FileSystemWriter(tmp))
     barrier()
     if is_main:
         state_path = tmp / STATE_FILE
@@ -170,14 +182,17 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Fill model and optimizer in place; return the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    masters: MasterWeights | None = None) -> dict[str, Any]:
+    """Fill model (and masters) and optimizer in place; return the trainer state."""
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         materialize_optimizer_state(optimizer)
-        state = _state_dict(model, optimizer)
+        state = _state_dict(model, optimizer, masters)
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        if masters:
+            masters.copy_master_to_model()
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException) as exc:
         raise UserError(f"checkpoint {path} cannot be loaded ({_reason(exc)}); delete it to fall back "
                         f"to an earlier one, or start a new run.") from None

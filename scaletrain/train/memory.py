@@ -3,7 +3,11 @@
 Four entries, each in bytes on this rank:
 
 ``params``, ``grads``, ``optimizer``
-    Counted from the tensors themselves (``model_bytes``). Tensors are
+    Counted from the tensors themselves (``model_bytes``). With fp32 master
+    weights (optim/masters.py) the masters count under ``optimizer`` (as in
+    the ZeRO paper's K = 12 bytes: master, momentum, variance) and their fp32
+    gradients under ``grads``; ``by_device`` then shows what ``--offload``
+    moved to the host. Tensors are
     deduplicated by storage, keyed by (device, ``untyped_storage().data_ptr()``),
     and a storage counts its full ``nbytes``: a tied weight (the GPT's head and
     token embedding) counts once, and a view counts the storage it looks into,
@@ -64,6 +68,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from scaletrain.optim.masters import MasterWeights
+
 CATEGORIES = ("params", "grads", "optimizer")
 ROWS = (*CATEGORIES, "activations_peak", "cuda_peak")
 
@@ -90,17 +96,20 @@ def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors_in(value)
 
 
-def model_bytes(model: nn.Module, optimizer: Any = None) -> dict:
-    """Bytes of parameters, their ``.grad`` and ``optimizer.state``, in total and per device.
+def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights | None = None) -> dict:
+    """Bytes of parameters, gradients and optimizer state, in total and per device.
 
-    ``optimizer`` is any object with a ``.state`` of (nested) tensors, a torch
-    optimizer or a wrapper; None counts no optimizer state.
+    ``optimizer`` is any object with a ``.state`` of (nested) tensors; None
+    counts no optimizer state. ``masters`` adds the fp32 master weights and
+    their gradients.
     """
     params = list(model.parameters())
+    master_params = masters.master_params if masters else []
+    state = list(_tensors_in(dict(optimizer.state))) if optimizer is not None else []
     tensors = {
         "params": params,
-        "grads": [p.grad for p in params if p.grad is not None],
-        "optimizer": list(_tensors_in(dict(optimizer.state))) if optimizer is not None else [],
+        "grads": [p.grad for p in (*params, *master_params) if p.grad is not None],
+        "optimizer": [*master_params, *state],
     }
     devices = sorted({str(t.device) for group in tensors.values() for t in group})
     ledger: dict = {name: tensor_bytes(group) for name, group in tensors.items()}
@@ -112,9 +121,10 @@ def model_bytes(model: nn.Module, optimizer: Any = None) -> dict:
     return ledger
 
 
-def memory_ledger(model: nn.Module, optimizer: Any, meter: ActivationMeter | None = None) -> dict:
+def memory_ledger(model: nn.Module, optimizer: Any, meter: ActivationMeter | None = None,
+                  masters: MasterWeights | None = None) -> dict:
     """``model_bytes`` plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``."""
-    ledger = model_bytes(model, optimizer)
+    ledger = model_bytes(model, optimizer, masters)
     if meter is not None:
         ledger["activations_peak"] = meter.peak
         if meter.cuda_peak is not None:

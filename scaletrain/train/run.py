@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from scaletrain.compile import COMPILE_NOTE
 from scaletrain.config import Config, check_values
 from scaletrain.dist.comm import Comm, Ledger
 from scaletrain.dist.launch import ProcessEnv, detect_environment, init_distributed, shutdown, spawn_local
@@ -45,8 +46,9 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
     dims.validate(world_size)
     parse_policy(cfg.train.recompute)
     if cfg.model.name == "mlp":
-        if cfg.train.recompute != "none":
-            raise UserError("--recompute applies to the GPT models' blocks; drop it for the mlp.")
+        for flag, used in (("--recompute", cfg.train.recompute != "none"), ("--compile", cfg.train.compile)):
+            if used:
+                raise UserError(f"{flag} applies to the GPT models' blocks; drop it for the mlp.")
         dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
     else:
         g = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len)
@@ -101,6 +103,8 @@ def launch(cfg: Config) -> RunSummary:
     if env.rank == 0:
         print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
         print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
+        if cfg.train.compile:
+            print(COMPILE_NOTE)
     return execute(cfg, prepare_run(cfg) if cfg.parallel.nproc > 1 else None)
 
 

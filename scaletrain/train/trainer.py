@@ -7,8 +7,10 @@ sequences:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
         loss.backward()                    (gradients add up across micro-batches)
     average gradients over the data-parallel group
+    with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
     unscale (fp16), clip the global gradient norm, set the learning rate, take the optimizer step
     (skipped, with the loss scale halved, when an fp16 gradient overflowed)
+    with master weights: round the masters back into the model's weights
 
 Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
 per step makes the update equal to one step on the whole global batch: the
@@ -35,14 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from scaletrain.compile import compile_blocks
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model
-from scaletrain.optim import build_optimizer, lr_at
+from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.parallel.data import DataParallel
-from scaletrain.precision import DynamicLossScaler, autocast
+from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
 from scaletrain.recompute import apply_recompute
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, open_data
@@ -87,15 +90,27 @@ class Trainer:
                                             n_classes=self.data.n_classes).to(self.device)
         if t.recompute != "none":
             apply_recompute(self.model, t.recompute)
+        if t.compile:
+            compile_blocks(self.model)
         self.data_parallel = DataParallel(self.model, comm, self.dp_group)
+        # fp32 masters for bf16 working weights, or in host memory with --offload
+        # (optim/masters.py); the optimizer then steps on the masters.
+        self.masters: MasterWeights | None = None
+        if t.param_dtype != "fp32" or t.offload == "optimizer":
+            self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype),
+                                         device="cpu" if t.offload == "optimizer" else None)
+        groups = decay_groups(self.model, t.weight_decay)
+        if self.masters:
+            groups = self.masters.master_groups(groups)
+        self.optimizer = build_optimizer(groups, t)
+        self.step_params = [p for group in groups for p in group["params"]]
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
         self.memory: dict | None = None  # the ledger taken on that step
-        self.optimizer = build_optimizer(self.model, t)
         self.start_step = 0
         if cfg.run.resume:
             latest = ckpt.latest_checkpoint(run_dir)
-            state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters)
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
@@ -124,21 +139,25 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.data_parallel.sync_gradients()
+        if self.masters:
+            self.masters.copy_grads_to_master()
         overflow = False
         if self.scaler.enabled:
-            found_inf = self.scaler.unscale_(self.model.parameters())
+            found_inf = self.scaler.unscale_(self.step_params)
             self.comm.all_reduce(found_inf, self.dp_group, op="max")  # every replica skips together
             overflow = bool(found_inf.item())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.step_params,
                                                    t.grad_clip if t.grad_clip > 0 else math.inf)
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.step(self.optimizer, overflow)
         self.scaler.update(overflow)
+        if self.masters:
+            self.masters.copy_master_to_model()
         if self.activation_meter is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
-            self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter)
+            self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter, self.masters)
         self.optimizer.zero_grad(set_to_none=True)
         self.comm.all_reduce(loss_sum, self.dp_group, op="avg")
         record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
@@ -162,8 +181,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = [loss_fn(self.model(x.to(self.device)), y.to(self.device)).item()
-                  for x, y in self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches)]
+        losses = []
+        for x, y in self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches):
+            with autocast(self.cfg.train.precision, self.device):
+                logits = self.model(x.to(self.device))
+            losses.append(loss_fn(logits, y.to(self.device)).item())
         return sum(losses) / len(losses)
 
     def sample(self) -> str | None:
@@ -179,13 +201,14 @@ class Trainer:
         prompt = torch.tensor(tokenizer.encode(text[start:start + 48]), dtype=torch.long)
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
-        out = self.model.generate(prompt[None].to(self.device), self.cfg.run.sample_tokens,
-                                  generator=generator)
+        with autocast(self.cfg.train.precision, self.device):
+            out = self.model.generate(prompt[None].to(self.device), self.cfg.run.sample_tokens,
+                                      generator=generator)
         return tokenizer.decode(out[0].tolist())
 
     # -- the loop ------------------------------------------------------------
     def _save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
+        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters,
                                     {"step": step, "world_size": self.runtime.env.world_size,
                                      "layout": self.mesh.dims.describe(),
                                      "scaler": {k: float(v) if torch.is_tensor(v) else v

@@ -1,4 +1,4 @@
-"""The ``scaletrain`` command: train, parity.
+"""The ``scaletrain`` command: train, parity, bench.
 
 User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
 exit with code 2, without a traceback; see CLI.md for the contract.
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from scaletrain.config import Config, add_config_flags, load_run_config, resolve
+from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve
 from scaletrain.errors import UserError
 
 
@@ -49,6 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--tolerance", type=float, default=1e-5,
                         help="largest relative difference allowed, per step and per tensor [1e-05]")
     parity.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from scaletrain.bench import BENCHMARKS
+    from scaletrain.bench.techniques import TECHNIQUES
+
+    bench = commands.add_parser(
+        "bench", help="measure techniques side by side",
+        description="Run the compared variants in one process, alternating step by step, and print "
+                    "medians and ratios (techniques: every single-device technique against the plain "
+                    "run, with its memory ledger and loss). Defaults differ from train: --steps 20 "
+                    "--eval-batches 4 --cache-dir runs/.cache.")
+    bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
+    bench.add_argument("--techniques", metavar="A,B", help=f"a subset of: {', '.join(TECHNIQUES)} "
+                                                           f"[all; the baseline always runs]")
+    bench.add_argument("--warmup", type=int, default=3, metavar="N",
+                       help="first steps left out of the timing (metering, compilation) [3]")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_train_flags(bench)
     return parser
 
 
@@ -82,10 +99,23 @@ def _parity(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from scaletrain.bench import techniques
+    from scaletrain.bench.techniques import BENCH_DEFAULTS
+
+    if args.warmup < 0:
+        raise UserError(f"--warmup must not be negative, not {args.warmup}.")
+    cfg = resolve(args, Config().replace(**BENCH_DEFAULTS))
+    check_values(cfg)
+    result = techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup)
+    print(json.dumps(result) if args.json else techniques.format_table(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "parity": _parity}[args.command](args)
+        return {"train": _train, "parity": _parity, "bench": _bench}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -51,6 +51,14 @@ That is memory really in use, and it is why the measured peak of ``full``
 recompute is the block inputs plus one block's activations (reached when a
 block is recomputed in backward), not the block inputs alone.
 
+Compiled code (``--compile``): Dynamo cannot trace through saved-tensor
+hooks, so the meter runs its micro-batch with compiled modules in eager mode
+(``torch.compiler.set_stance("force_eager")``) and reports the eager saved
+set. Inductor's partitioner saves the same tensors or fewer (it may recompute
+cheap elementwise results instead of saving them), so for a compiled model
+the figure is an upper bound; the compiled code itself runs from the next
+micro-batch on.
+
 Limits: calls that bypass torch's function API inside a checkpointed region
 (a custom ``autograd.Function`` saving with ``ctx.save_for_backward``) are not
 seen there; outside such regions the meter's base hooks see them. Gradients
@@ -164,6 +172,7 @@ class ActivationMeter:
         self._cuda: torch.device | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
         self._mode = _ChainSavedTensorHooks(self)
+        self._eager = torch.compiler.set_stance("force_eager")
 
     def __enter__(self) -> Self:
         tensors = [*self.module.parameters(), *self.module.buffers()]
@@ -172,6 +181,7 @@ class ActivationMeter:
         if self._cuda is not None:
             torch.cuda.synchronize(self._cuda)
             torch.cuda.reset_peak_memory_stats(self._cuda)
+        self._eager.__enter__()
         self._hooks.__enter__()
         self._mode.__enter__()
         self.active = True
@@ -181,6 +191,7 @@ class ActivationMeter:
         self.active = False
         self._mode.__exit__(*exc)
         self._hooks.__exit__(*exc)
+        self._eager.__exit__(*exc)
         if self._cuda is not None:
             torch.cuda.synchronize(self._cuda)
             self.cuda_peak = torch.cuda.max_memory_allocated(self._cuda)

@@ -1,0 +1,65 @@
+"""scaletrain bench techniques: measured, not asserted on time; the memory shapes it must show."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.bench.techniques import flags_of, parse_selection
+from scaletrain.errors import UserError
+from tests.conftest import run_cli
+
+
+def test_selection_keeps_the_baseline_first_and_refuses_unknown_names():
+    assert parse_selection("compile,baseline,bf16") == ["baseline", "compile", "bf16"]
+    assert parse_selection(None)[0] == "baseline"
+    with pytest.raises(UserError, match="no technique named warp-drive"):
+        parse_selection("bf16,warp-drive")
+
+
+def test_flags_are_what_a_user_types():
+    assert flags_of({"precision": "bf16", "param_dtype": "bf16"}) == "--precision bf16 --param-dtype bf16"
+    assert flags_of({"compile": True}) == "--compile"
+    assert flags_of({}) == "(none)"
+
+
+def test_bench_techniques_shows_each_technique_where_it_acts(corpus, tmp_path):
+    result = run_cli("bench", "techniques", "--json", "--model", "gpt-tiny", "--data", str(corpus),
+                     "--seq-len", "64", "--micro-batch", "4", "--steps", "3", "--warmup", "1",
+                     "--cache-dir", str(tmp_path / "cache"),
+                     "--techniques", "recompute-full,bf16,bf16-weights,adafactor,offload")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["what"] == "techniques" and report["setup"]["timed_steps"] == 2
+    base, ours = report["peer"], report["ours"]["techniques"]
+    assert set(ours) == {"recompute-full", "bf16", "bf16-weights", "adafactor", "offload"}
+    assert set(report["ratios"]) == set(ours)
+    assert report["ratio"] == pytest.approx(sorted(report["ratios"].values())[2])  # the median of five
+    assert report["ours"]["median_s"] > 0 and base["median_s"] > 0
+    for row in (base, *ours.values()):
+        assert row["median_s"] > 0 and row["activations_peak"] > 0 and row["val_loss"] > 0
+    # Activations: full recompute keeps block inputs plus one block; bf16 stores 2-byte activations.
+    assert ours["recompute-full"]["activations_ratio"] < 0.7
+    assert ours["bf16"]["activations_ratio"] < 0.85
+    # Parameter-side bytes: bf16 weights halve params and add a 4-byte master under optimizer;
+    # Adafactor's factored state is a sliver of AdamW's; offload adds the fp32 masters (here on the
+    # same host) without changing parameter or gradient bytes.
+    assert ours["bf16-weights"]["params"] * 2 == base["params"]
+    assert ours["bf16-weights"]["optimizer"] == base["optimizer"] + base["params"]
+    assert ours["adafactor"]["optimizer"] < 0.05 * base["optimizer"]
+    assert ours["offload"]["params"] == base["params"]
+    assert ours["offload"]["optimizer"] == base["optimizer"] + base["params"]
+    # Same seed, data and batch: techniques that change no arithmetic reach the very same loss.
+    assert ours["recompute-full"]["final_loss"] == base["final_loss"]
+    assert ours["offload"]["final_loss"] == pytest.approx(base["final_loss"], rel=1e-6)
+
+
+def test_bench_input_mistakes_are_one_sentence(corpus, tmp_path):
+    for args, phrase in ((["bench", "warp"], "invalid choice: 'warp'"),
+                         (["bench", "techniques", "--techniques", "nope"], "no technique named nope"),
+                         (["bench", "techniques", "--steps", "3", "--warmup", "3"], "--warmup 3 leaves no timed step")):
+        result = run_cli(*args, "--data", str(corpus), "--cache-dir", str(tmp_path / "c"))
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert phrase in result.stderr

@@ -149,10 +149,11 @@ def _report(cfg: Config, variants: list[Variant], warmup: int) -> dict:
 def format_table(result: dict) -> str:
     mib = 2**20
     s = result["setup"]
-    lines = [f"bench techniques: {s['model']}, seq {s['seq_len']}, micro-batch {s['micro_batch']}, "
-             f"{s['steps']} steps ({s['timed_steps']} timed), on {result['machine']}",
-             f"{'technique':<20}{'act MiB':>9}{'x base':>8}{'params':>8}{'grads':>8}{'optim':>8}"
-             f"{'step s':>9}{'x base':>8}{'loss':>8}{'val':>8}  flags"]
+    title = (f"bench techniques: {s['model']}, seq {s['seq_len']}, micro-batch {s['micro_batch']}, "
+             f"{s['steps']} steps ({s['timed_steps']} timed), on {result['machine']}")
+    header = (f"{'technique':<20}{'act MiB':>9}{'x base':>8}{'params':>8}{'grads':>8}{'optim':>8}"
+              f"{'step s':>9}{'x base':>8}{'loss':>8}{'val':>8}  flags")
+    lines = [title, header]
     rows = {"baseline": result["peer"], **result["ours"]["techniques"]}
     for name, r in rows.items():
         lines.append(f"{name:<20}{r['activations_peak'] / mib:>9.2f}{r['activations_ratio']:>8.2f}"

@@ -1,4 +1,4 @@
-"""Mixed precision: autocast policy, dynamic loss scaling and fp32 master weights.
+"""Mixed precision: autocast policy and dynamic loss scaling.
 
 Follows Micikevicius et al. 2018, "Mixed Precision Training": run the
 arithmetic-heavy operations in a 16-bit format, keep everything that

@@ -55,15 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench", help="measure techniques side by side",
-        description="Run the compared variants in one process, alternating step by step, and print "
-                    "medians and ratios (techniques: every single-device technique against the plain "
-                    "run, with its memory ledger and loss). Defaults differ from train: --steps 20 "
-                    "--eval-batches 4 --cache-dir runs/.cache.")
+        description="Run the compared variants side by side, alternating step by step, and print "
+                    "medians and ratios. techniques: every single-device technique against the plain "
+                    "run, with its memory ledger and loss, in one process. dp: our data parallelism "
+                    "against torch DistributedDataParallel on --nproc ranks. allreduce: the ring "
+                    "all-reduce against the backend's, bus bandwidth from 4 KiB to 64 MiB on --nproc "
+                    "ranks (--steps timed calls per size), plotted. Defaults differ from train: "
+                    "--steps 20 --eval-batches 4 --cache-dir runs/.cache.")
     bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
     bench.add_argument("--techniques", metavar="A,B", help=f"a subset of: {', '.join(TECHNIQUES)} "
                                                            f"[all; the baseline always runs]")
     bench.add_argument("--warmup", type=int, default=3, metavar="N",
                        help="first steps left out of the timing (metering, compilation) [3]")
+    bench.add_argument("--plot", metavar="FILE", default=str(Path("runs", "bench-allreduce.png")),
+                       help="where bench allreduce draws its figure [runs/bench-allreduce.png]")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_train_flags(bench)
     return parser
@@ -100,15 +105,23 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import techniques
+    from scaletrain.bench import allreduce, dp, techniques
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
         raise UserError(f"--warmup must not be negative, not {args.warmup}.")
     cfg = resolve(args, Config().replace(**BENCH_DEFAULTS))
     check_values(cfg)
-    result = techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup)
-    print(json.dumps(result) if args.json else techniques.format_table(result))
+    if args.what == "techniques":
+        result, table = techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), \
+            techniques.format_table
+    elif args.what == "dp":
+        result, table = dp.run(cfg, args.warmup), dp.format_table
+    else:
+        result = allreduce.run(cfg.parallel.nproc, repeats=cfg.train.steps, warmup=args.warmup,
+                               plot=Path(args.plot), timeout_s=cfg.parallel.timeout)
+        table = allreduce.format_table
+    print(json.dumps(result) if args.json else table(result))
     return 0
 
 

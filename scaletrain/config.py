@@ -91,6 +91,16 @@ class ParallelConfig:
     cp: int = _opt(1, "context-parallel size")
     ep: int = _opt(1, "expert-parallel size")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job ends")
+    bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
+                                  "communication starts earlier in backward, in more calls)")
+    allreduce: str = _opt("backend", "gradient all-reduce: the backend's, or the ring written with "
+                                     "send/recv in dist/ring.py", choices=("backend", "ring"))
+    reduce_dtype: str = _opt("fp32", "dtype in which gradients accumulate and are all-reduced; bf16 "
+                                     "halves the bytes of --param-dtype bf16 runs",
+                             choices=("fp32", "bf16"))
+    compress: str = _opt("none", "gradient compression with error feedback: PowerSGD (low rank) or "
+                                 "scaled sign (1 bit per element)", choices=("none", "powersgd", "sign"))
+    powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
 
 
 @dataclass
@@ -239,7 +249,7 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
-             "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp")
+             "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio")
 
@@ -257,13 +267,16 @@ def check_values(cfg: Config) -> None:
         raise UserError(f"--val-fraction must be between 0 and 1, not {cfg.data.val_fraction}.")
     if not 0 <= cfg.model.dropout < 1:
         raise UserError(f"--dropout must be in [0, 1), not {cfg.model.dropout}.")
-    if cfg.train.lr <= 0 or cfg.parallel.timeout <= 0:
-        raise UserError("--lr and --timeout must be positive.")
+    if cfg.train.lr <= 0 or cfg.parallel.timeout <= 0 or cfg.parallel.bucket_mb <= 0:
+        raise UserError("--lr, --timeout and --bucket-mb must be positive.")
     if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
         raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
     if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
         raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
                         f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
+    if cfg.parallel.reduce_dtype == "bf16" and cfg.train.param_dtype != "bf16":
+        raise UserError("--reduce-dtype bf16 reduces bf16 gradients, which only --param-dtype bf16 "
+                        "produces; add it, or keep --reduce-dtype fp32.")
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":
         try:

@@ -33,4 +33,4 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-BENCHMARKS = ("techniques",)
+BENCHMARKS = ("techniques", "dp", "allreduce")

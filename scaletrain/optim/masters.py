@@ -47,9 +47,10 @@ CPU-speed optimizer step: it pays when memory, not step time, limits the
 model size. Host buffers are pinned when CUDA is present, so the copies run
 as DMA without a staging copy.
 
-Gradient accumulation happens in the model's gradients (in the parameter
-dtype) and the copy to the master runs once per optimizer step, after the
-data-parallel reduction, because the reduction needs device tensors.
+Gradients accumulate over micro-batches in the data-parallel buckets (in
+fp32 by default, see parallel/data.py: ``--reduce-dtype``), and the copy to
+the master runs once per optimizer step, after the data-parallel reduction,
+because the reduction needs device tensors.
 
 Checkpoints save the masters, under the model's parameter names, as the
 model weights (see train/checkpoint.py): a run's checkpoint is full fp32
@@ -57,6 +58,8 @@ whatever the working dtype, and a bf16 run resumes from it exactly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -91,9 +94,6 @@ class MasterWeights:
             master = torch.empty(param.shape, dtype=torch.float32, device=device or param.device,
                                  pin_memory=self._pinned)
             master.copy_(param.detach())
-            # One gradient buffer, allocated once: pinning is expensive.
-            master.grad = torch.zeros(param.shape, dtype=torch.float32, device=master.device,
-                                      pin_memory=self._pinned)
             # Assigning .data keeps the same Parameter object, so optimizer
             # groups and tied references built from the model still match.
             param.data = param.detach().to(dtype)
@@ -101,7 +101,8 @@ class MasterWeights:
             self.model_params.append(param)
             self.master_params.append(master)
         self._master_of = {id(p): m for p, m in zip(self.model_params, self.master_params)}
-        self._grad_buffers = [m.grad for m in self.master_params]
+        # Gradient buffers of the masters, made on first need and kept: pinning is expensive.
+        self._grad_buffers: list[torch.Tensor | None] = [None] * len(self.master_params)
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The master of a model parameter, or None for any other tensor."""
@@ -120,22 +121,32 @@ class MasterWeights:
         return groups
 
     @torch.no_grad()
-    def copy_grads_to_master(self) -> None:
+    def copy_grads_to_master(self, gradient_of: Callable[[nn.Parameter], torch.Tensor | None]
+                             = lambda param: param.grad) -> None:
         """Each model gradient, as fp32, into its master's gradient; the model's are freed.
 
-        A parameter without a gradient leaves its master without one too, so
-        the optimizer skips it as it would the model parameter.
+        ``gradient_of(param)`` says where a parameter's reduced gradient lives
+        (by default ``.grad``; the data-parallel buckets when they keep it in
+        fp32). An fp32 gradient on the master's device becomes the master's
+        gradient as it is, without a copy; others are copied into a buffer
+        of the master's. A parameter without a gradient leaves its master
+        without one too, so the optimizer skips it as it would the model
+        parameter.
         """
         synced = set()
-        for param, master, buffer in zip(self.model_params, self.master_params, self._grad_buffers):
-            if param.grad is None:
-                master.grad = None
-                continue
-            buffer.copy_(param.grad, non_blocking=self._pinned)
-            master.grad = buffer
-            if param.grad.is_cuda:
-                synced.add(param.grad.device)
+        for i, (param, master) in enumerate(zip(self.model_params, self.master_params)):
+            grad = gradient_of(param)
             param.grad = None
+            if grad is None or (grad.dtype == torch.float32 and grad.device == master.device):
+                master.grad = grad
+                continue
+            if self._grad_buffers[i] is None:
+                self._grad_buffers[i] = torch.empty(master.shape, dtype=torch.float32, device=master.device,
+                                                    pin_memory=self._pinned)
+            master.grad = self._grad_buffers[i]
+            master.grad.copy_(grad, non_blocking=self._pinned)
+            if grad.is_cuda:
+                synced.add(grad.device)
         # Asynchronous device->host copies must land before the CPU reads them.
         for device in synced:
             torch.cuda.synchronize(device)

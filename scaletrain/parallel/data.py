@@ -1,47 +1,266 @@
-"""Data parallelism: replicate the model, shard the batch, average gradients.
+"""Data parallelism: replicate the model, shard the batch, average gradients,
+with the communication hidden behind the backward pass.
 
 Each of the ``n`` ranks of the dp group holds the whole model and computes the
-loss on its ``1/n`` slice of the global batch. Because the loss is a mean over
-the batch, the global gradient is the mean of the ranks' gradients:
+loss on its share of the global batch. Because the loss is a mean over the
+batch, the global gradient is the sample-weighted mean of the ranks' gradients:
 
-    g = (1/n) * sum_r g_r        (one all-reduce of the gradient bytes per step)
+    g = sum_r (b_r / B) * g_r        b_r samples on rank r, B = sum_r b_r
+      = (1/n) * sum_r g_r            when every rank has the same b_r
 
-and every rank then takes the same optimizer step, so the replicas stay equal
-(they start equal: rank 0's initialization is broadcast). A ring all-reduce
-sends 2(n-1)/n times the gradient bytes per rank (Patarasuk & Yuan 2009).
+one all-reduce of the gradient bytes per optimizer step, after which every
+rank takes the same step and the replicas stay equal (they start equal:
+`replicate` broadcasts rank 0's weights). A ring all-reduce sends 2(n-1)/n
+times the gradient bytes per rank (Patarasuk & Yuan 2009).
 
-This is the plain form: one flat all-reduce after the backward pass, no
-overlap with computation.
+Overlap (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training"). Gradients are packed into buckets of about
+``bucket_mb`` MiB, filled in the reverse order of parameter registration,
+which is roughly the order backward produces them (the last layer's first).
+A hook on every parameter fires when its gradient has been accumulated;
+when the last gradient of a bucket arrives, that bucket's all-reduce starts
+asynchronously while backward goes on computing earlier layers' gradients.
+`finish_gradient_sync` then waits only for what is still in flight. Buckets
+launch strictly in index order, so every rank issues the same collectives
+in the same order even if their hooks fire in a different one. Small
+buckets overlap sooner but pay the per-call latency more often; large ones
+the reverse (25 MiB is torch DDP's default too).
+
+Gradient memory. When the bucket dtype is the parameter dtype, each
+parameter's ``.grad`` is a view into its bucket, so backward accumulates
+straight into the buffer that is reduced: no copy per step. When it is not
+(``--reduce-dtype fp32`` with bf16 weights), the hook adds each micro-batch's
+gradient into the fp32 bucket and frees the bf16 one, so accumulation over
+micro-batches and the reduction both run in fp32 (Megatron's "main_grad");
+the optimizer's fp32 master gradients are filled from the bucket
+(`gradient`), never rounded to bf16 on the way.
+
+Gradient accumulation: inside `no_sync()` the hooks only accumulate; the
+buckets launch on the final micro-batch, so communication happens once per
+optimizer step whatever ``--grad-accum`` is.
+
+Each rank's bucket is multiplied by its weight b_r / B (1/n by default)
+before the sum, rather than divided after: low-precision sums then stay in
+range, and a short last batch (`weigh_by`) is averaged correctly.
+
+The reduction itself is pluggable: the backend's all-reduce (asynchronous
+work handles), the ring of dist/ring.py, or a gradient compressor
+(optim/compression.py); the last two run on one communication thread, in
+bucket order, so they overlap backward too.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from scaletrain.dist.comm import Comm
+from scaletrain.dist.comm import Comm, Pending
 from scaletrain.dist.mesh import Group
+from scaletrain.dist.ring import ring_all_reduce
+
+# What a bucket's reduction may be: the backend's all-reduce, the ring, or
+# a compressor's `reduce(key, flat, shapes)` (optim/compression.py).
+ALLREDUCE_KINDS = ("backend", "ring")
+
+
+def summer(comm: Comm, group: Group, allreduce: str) -> Callable[[torch.Tensor], None]:
+    """A blocking in-place sum over ``group`` by the chosen algorithm ("backend" or "ring")."""
+    if allreduce not in ALLREDUCE_KINDS:
+        raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, not {allreduce!r}")
+    if allreduce == "ring":
+        return lambda tensor: ring_all_reduce(comm, tensor, group, op="sum")
+    return lambda tensor: comm.all_reduce(tensor, group, op="sum")
+
+
+@torch.no_grad()
+def replicate(module: nn.Module, comm: Comm, group: Group) -> None:
+    """Broadcast every parameter and buffer from the group's first member, so all replicas start equal."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        comm.broadcast(tensor, group, src=0)
+
+
+@dataclass
+class Bucket:
+    """A flat buffer holding the gradients of some parameters, reduced with one collective."""
+
+    index: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    views: list[torch.Tensor]  # views[i] is params[i]'s gradient, shaped like it, inside `flat`
+    ready: set[int] = field(default_factory=set)  # ids of the params whose final gradient arrived
+    pending: Pending | None = None
+
+    @property
+    def grads_are_views(self) -> bool:
+        """Whether the parameters' ``.grad`` live in the bucket (same dtype), or are added into it."""
+        return self.flat.dtype == self.params[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self.params]
+
+
+def plan_buckets(params: list[nn.Parameter], cap_bytes: int, dtype: torch.dtype | None) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of at most ``cap_bytes`` each (a single larger
+    tensor gets a bucket of its own), never mixing parameter dtypes."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * torch.empty((), dtype=dtype or param.dtype).element_size()
+        if not buckets or size + nbytes > cap_bytes or param.dtype != buckets[-1][-1].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += nbytes
+    return buckets
 
 
 class DataParallel:
-    def __init__(self, model: nn.Module, comm: Comm, group: Group):
-        self.model = model
-        self.comm = comm
-        self.group = group
-        with torch.no_grad():
-            for tensor in itertools.chain(model.parameters(), model.buffers()):
-                comm.broadcast(tensor, group, src=0)
+    """Bucketed, overlapped gradient averaging over a dp group (see the module docstring).
 
-    def sync_gradients(self) -> None:
-        """Average every gradient over the dp group in one flat all-reduce."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.group.size == 1 or not grads:
+    Per optimizer step::
+
+        for each micro-batch but the last:  with dp.no_sync(): loss.backward()
+        final micro-batch:                  loss.backward()     (buckets launch as they fill)
+        dp.finish_gradient_sync()           (every parameter's gradient is now the average)
+        ... optimizer step ...
+        dp.zero_grad()
+
+    ``reduce_dtype`` is the dtype of the buckets (default: each parameter's
+    own); ``allreduce`` is "backend" or "ring"; ``compressor`` replaces the
+    plain sum with a compressed one.
+    """
+
+    def __init__(self, model: nn.Module, comm: Comm, group: Group, *, bucket_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None, allreduce: str = "backend",
+                 compressor: object | None = None):
+        summer(comm, group, allreduce)  # validates the name before any hook is in place
+        self.comm, self.group = comm, group
+        self.allreduce, self.compressor = allreduce, compressor
+        params = [p for p in model.parameters() if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        self.buckets: list[Bucket] = []
+        self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}
+        for index, members in enumerate(plan_buckets(params[::-1], int(bucket_mb * 2**20), reduce_dtype)):
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=reduce_dtype or members[0].dtype,
+                               device=device)
+            views = [chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in members]), members)]
+            bucket = Bucket(index, members, flat, views)
+            self.buckets.append(bucket)
+            for param, view in zip(members, views):
+                self._slot[id(param)] = (bucket, view)
+                param.register_post_accumulate_grad_hook(self._on_gradient)
+        self._syncing = True  # False inside no_sync()
+        self._next = 0  # the first bucket not launched yet in this step
+        self._scale = 1.0 / group.size
+        # The ring and compressors are blocking Python; one thread runs them
+        # in bucket order while backward continues on this one.
+        threaded = group.size > 1 and (allreduce == "ring" or compressor is not None)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="dp-comm") if threaded else None
+        self.zero_grad()
+
+    # -- the per-step protocol -------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communicating (every micro-batch but the last)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def weigh_by(self, local_samples: int) -> None:
+        """Average this step's gradients by sample count, for ranks holding
+        unequal shares of the batch (a short last batch); call before the
+        final backward. Costs one small all-reduce of the counts."""
+        counts = torch.tensor([float(local_samples)], device=self.buckets[0].flat.device
+                              if self.buckets else "cpu")
+        self.comm.all_reduce(counts, self.group, op="sum")
+        if counts.item() <= 0:
+            raise ValueError("weigh_by: the dp group holds no samples in this step")
+        self._scale = local_samples / counts.item()
+
+    def finish_gradient_sync(self) -> None:
+        """Launch what has not launched (parameters without a gradient this
+        step contribute zeros), then wait for every bucket."""
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.pending.wait()
+            bucket.pending = None
+            bucket.ready.clear()
+        for bucket in self.buckets:
+            if bucket.grads_are_views:  # also for parameters that got no gradient this step
+                for param, view in zip(bucket.params, bucket.views):
+                    param.grad = view
+        self._next = 0
+        self._scale = 1.0 / self.group.size
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the buckets and point each gradient back at its bucket view."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            for param, view in zip(bucket.params, bucket.views):
+                param.grad = view if bucket.grads_are_views else None
+
+    def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s averaged gradient after `finish_gradient_sync`, in the bucket dtype."""
+        slot = self._slot.get(id(param))
+        return slot[1] if slot is not None else param.grad
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The buckets' flat buffers (for the memory ledger)."""
+        return [bucket.flat for bucket in self.buckets]
+
+    # -- inside backward -----------------------------------------------------
+    @torch.no_grad()
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        bucket, view = self._slot[id(param)]
+        if bucket.grads_are_views:
+            # A gradient set to None (optimizer.zero_grad) comes back as a new
+            # tensor: copy it in once and accumulate in the bucket from then on.
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+                param.grad = view
+        else:
+            view.add_(param.grad)
+            param.grad = None
+        if not self._syncing:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce(flat, self.group, op="avg")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if id(param) in bucket.ready or bucket.pending is not None:
+            raise RuntimeError("a parameter's gradient arrived twice in one step, after its bucket "
+                               "was complete; run the extra backward inside no_sync()")
+        bucket.ready.add(id(param))
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start summing this rank's weighted share of ``bucket`` over the group."""
+        self._next = bucket.index + 1
+        if self.group.size == 1:
+            bucket.pending = Pending()
+            return
+        bucket.flat.mul_(self._scale)
+        if self._thread is None:
+            bucket.pending = self.comm.all_reduce(bucket.flat, self.group, op="sum", async_op=True)
+            return
+        future = self._thread.submit(self._reduce_blocking, bucket)
+        bucket.pending = Pending(finish=future.result)
+
+    def _reduce_blocking(self, bucket: Bucket) -> None:
+        if self.compressor is not None:
+            self.compressor.reduce(bucket.index, bucket.flat, bucket.shapes)
+        else:
+            summer(self.comm, self.group, self.allreduce)(bucket.flat)

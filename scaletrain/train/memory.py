@@ -104,19 +104,21 @@ def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors_in(value)
 
 
-def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights | None = None) -> dict:
+def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights | None = None,
+                grad_buffers: Iterable[torch.Tensor] = ()) -> dict:
     """Bytes of parameters, gradients and optimizer state, in total and per device.
 
     ``optimizer`` is any object with a ``.state`` of (nested) tensors; None
     counts no optimizer state. ``masters`` adds the fp32 master weights and
-    their gradients.
+    their gradients; ``grad_buffers`` the data-parallel gradient buckets
+    (which the gradients are views of, or which hold them in another dtype).
     """
     params = list(model.parameters())
     master_params = masters.master_params if masters else []
     state = list(_tensors_in(dict(optimizer.state))) if optimizer is not None else []
     tensors = {
         "params": params,
-        "grads": [p.grad for p in (*params, *master_params) if p.grad is not None],
+        "grads": [*(p.grad for p in (*params, *master_params) if p.grad is not None), *grad_buffers],
         "optimizer": [*master_params, *state],
     }
     devices = sorted({str(t.device) for group in tensors.values() for t in group})
@@ -130,9 +132,9 @@ def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights 
 
 
 def memory_ledger(model: nn.Module, optimizer: Any, meter: ActivationMeter | None = None,
-                  masters: MasterWeights | None = None) -> dict:
+                  masters: MasterWeights | None = None, grad_buffers: Iterable[torch.Tensor] = ()) -> dict:
     """``model_bytes`` plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``."""
-    ledger = model_bytes(model, optimizer, masters)
+    ledger = model_bytes(model, optimizer, masters, grad_buffers)
     if meter is not None:
         ledger["activations_peak"] = meter.peak
         if meter.cuda_peak is not None:

@@ -5,8 +5,10 @@ sequences:
 
     for each of the grad_accum micro-batches:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
-        loss.backward()                    (gradients add up across micro-batches)
-    average gradients over the data-parallel group
+        loss.backward()                    (gradients add up across micro-batches; on the last
+                                            one, gradient buckets start their all-reduce as
+                                            they fill, overlapping the rest of backward)
+    wait for the data-parallel average (parallel/data.py)
     with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
     unscale (fp16), clip the global gradient norm, set the learning rate, take the optimizer step
     (skipped, with the loss scale halved, when an fp16 gradient overflowed)
@@ -44,7 +46,8 @@ from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
-from scaletrain.parallel.data import DataParallel
+from scaletrain.optim.compression import PowerSGD, SignCompressor
+from scaletrain.parallel.data import DataParallel, replicate, summer
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
 from scaletrain.recompute import apply_recompute
 from scaletrain.train import checkpoint as ckpt
@@ -92,13 +95,17 @@ class Trainer:
             apply_recompute(self.model, t.recompute)
         if t.compile:
             compile_blocks(self.model)
-        self.data_parallel = DataParallel(self.model, comm, self.dp_group)
+        replicate(self.model, comm, self.dp_group)  # before the masters copy the weights
         # fp32 masters for bf16 working weights, or in host memory with --offload
         # (optim/masters.py); the optimizer then steps on the masters.
         self.masters: MasterWeights | None = None
         if t.param_dtype != "fp32" or t.offload == "optimizer":
             self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype),
                                          device="cpu" if t.offload == "optimizer" else None)
+        p = cfg.parallel
+        self.data_parallel = DataParallel(self.model, comm, self.dp_group, bucket_mb=p.bucket_mb,
+                                          reduce_dtype=compute_dtype(p.reduce_dtype),
+                                          allreduce=p.allreduce, compressor=self._compressor())
         groups = decay_groups(self.model, t.weight_decay)
         if self.masters:
             groups = self.masters.master_groups(groups)
@@ -118,6 +125,15 @@ class Trainer:
         self.peak = peak_tflops(t.peak_tflops, self.device)
         self.flops_per_token = self.model.flops_per_token()
 
+    def _compressor(self) -> PowerSGD | SignCompressor | None:
+        p = self.cfg.parallel
+        if p.compress == "powersgd":
+            return PowerSGD(self.comm, self.dp_group, rank=p.powersgd_rank, seed=self.cfg.train.seed,
+                            all_reduce=summer(self.comm, self.dp_group, p.allreduce))
+        if p.compress == "sign":
+            return SignCompressor(self.comm, self.dp_group)
+        return None
+
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
@@ -132,15 +148,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
             x, y = self._micro_batch(step, micro)
-            with self._meter_first_micro_batch(micro):
+            final = micro == t.grad_accum - 1
+            with self._meter_first_micro_batch(micro), \
+                    (nullcontext() if final else self.data_parallel.no_sync()):
                 with autocast(t.precision, self.device):
                     logits = self.model(x)
                 loss = loss_fn(logits, y) / t.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        self.data_parallel.sync_gradients()
+        self.data_parallel.finish_gradient_sync()
         if self.masters:
-            self.masters.copy_grads_to_master()
+            self.masters.copy_grads_to_master(self.data_parallel.gradient)
         overflow = False
         if self.scaler.enabled:
             found_inf = self.scaler.unscale_(self.step_params)
@@ -157,8 +175,10 @@ class Trainer:
             self.masters.copy_master_to_model()
         if self.activation_meter is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
-            self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter, self.masters)
-        self.optimizer.zero_grad(set_to_none=True)
+            self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter, self.masters,
+                                        self.data_parallel.gradient_buffers())
+        self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients, or the bucket views
+        self.data_parallel.zero_grad()
         self.comm.all_reduce(loss_sum, self.dp_group, op="avg")
         record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
         if t.precision == "fp16":

@@ -1,0 +1,180 @@
+"""``scaletrain bench dp``: our data parallelism against torch's DistributedDataParallel.
+
+The same model (same initial weights), the same data shards, the same ranks
+and the same training step, run by each contender in turn, step by step, so
+that machine noise falls on all alike:
+
+    micro-batches: forward, loss / grad_accum, backward (no_sync on all but the last)
+    wait for the gradient average; clip the global norm; AdamW step; zero the gradients
+
+Contenders: ours (parallel/data.py: bucketed, overlapped, gradients as bucket
+views), torch DDP with ``gradient_as_bucket_view=True`` (its fastest setting,
+the same memory layout as ours: the peer the ratio is taken against), and
+torch DDP with its defaults. All use the same bucket size (``--bucket-mb``).
+A step's time is the slowest rank's; each contender reports the median over
+the steps after ``--warmup``. Since all start from the same weights and see
+the same batches, their losses must agree step by step: the report gives the
+largest relative difference, a check that the timing compares equal work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from scaletrain.bench import machine, median
+from scaletrain.config import Config
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.mesh import Mesh, ParallelDims
+from scaletrain.errors import UserError
+from scaletrain.models import build_model
+from scaletrain.optim import build_optimizer, decay_groups
+from scaletrain.parallel.data import DataParallel, replicate
+from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
+from scaletrain.train.trainer import loss_fn
+
+OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
+
+
+@dataclass
+class Contender:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable
+    finish: Callable[[], None]
+    zero_grad: Callable[[], None]
+    step_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+def run(cfg: Config, warmup: int) -> dict:
+    """Spawn ``--nproc`` workers, race the contenders; the result as ``bench --json`` prints it."""
+    n = cfg.parallel.nproc
+    if n < 2:
+        raise UserError("bench dp compares data parallelism across processes; give --nproc 2 or more.")
+    if warmup >= cfg.train.steps:
+        raise UserError(f"--warmup {warmup} leaves no timed step of --steps {cfg.train.steps}; "
+                        f"raise --steps or lower --warmup.")
+    if detect_environment().world_size > 1:
+        raise UserError("bench dp starts its own processes; run it with --nproc N, not under a launcher.")
+    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
+    return spawn_local(n, _worker, (cfg.replace(dp=n), spec, warmup))[0]
+
+
+def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, mesh: Mesh) -> list[Contender]:
+    dp_group = mesh.group("dp")
+    contenders = []
+    for name in (OURS, PEER, PEER_DEFAULT):
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+                            n_features=data.n_features, n_classes=data.n_classes)
+        if name == OURS:
+            replicate(model, comm, dp_group)
+            dp = DataParallel(model, comm, dp_group, bucket_mb=cfg.parallel.bucket_mb)
+            no_sync, finish, zero = dp.no_sync, dp.finish_gradient_sync, dp.zero_grad
+            wrapped = model
+        else:
+            wrapped = DistributedDataParallel(model, process_group=dp_group.handle,
+                                              bucket_cap_mb=cfg.parallel.bucket_mb,
+                                              gradient_as_bucket_view=name == PEER)
+            no_sync, finish, zero = wrapped.no_sync, (lambda: None), (lambda: None)
+        optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
+        contenders.append(Contender(name, wrapped, optimizer, no_sync, finish, zero))
+    return contenders
+
+
+def _step(c: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: Config) -> float:
+    c.model.train()
+    loss_sum = 0.0
+    for micro, (x, y) in enumerate(batches):
+        with nullcontext() if micro == len(batches) - 1 else c.no_sync():
+            loss = loss_fn(c.model(x), y) / len(batches)
+            loss.backward()
+        loss_sum += loss.item()
+    c.finish()
+    params = [p for group in c.optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
+    for group in c.optimizer.param_groups:
+        group["lr"] = cfg.train.lr
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    c.zero_grad()
+    return loss_sum
+
+
+def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+    env = detect_environment()
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
+    # The ranks share the machine's cores; more threads each would only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
+    try:
+        mesh = Mesh.build(ParallelDims(dp=env.world_size), env.rank, env.world_size)
+        comm = Comm()
+        data = open_data(spec, cfg)
+        contenders = _contenders(cfg, spec, data, comm, mesh)
+        t, dp = cfg.train, mesh.group("dp")
+        for step in range(t.steps):
+            batches = [data.train.get(((step * t.grad_accum + m) * dp.size + dp.rank) * t.micro_batch,
+                                      t.micro_batch) for m in range(t.grad_accum)]
+            # Each step in another order, so that no contender always runs right after the same one.
+            order = contenders[step % 3:] + contenders[:step % 3]
+            for c in order:
+                comm.barrier(dp)
+                start = time.perf_counter()
+                c.losses.append(_step(c, batches, cfg))
+                c.step_s.append(time.perf_counter() - start)
+        # A step is done when its slowest rank is.
+        times = comm.all_gather_object({c.name: c.step_s for c in contenders}, dp)
+        return _report(cfg, contenders, times, warmup)
+    finally:
+        shutdown(runtime)
+
+
+def _report(cfg: Config, contenders: list[Contender], times: list[dict], warmup: int) -> dict:
+    rows = {}
+    reference = contenders[0].losses
+    for c in contenders:
+        slowest = [max(rank[c.name][i] for rank in times) for i in range(len(c.step_s))]
+        rows[c.name] = {"name": c.name, "median_s": median(slowest[warmup:]), "final_loss": c.losses[-1],
+                        "max_loss_rel_diff_to_ours": max(abs(a - b) / abs(b) for a, b in
+                                                         zip(c.losses, reference))}
+    t = cfg.train
+    ours, peer, default = rows[OURS], rows[PEER], rows[PEER_DEFAULT]
+    return {
+        "what": "dp",
+        "machine": machine(),
+        "setup": {"model": cfg.model.name, "ranks": len(times), "seq_len": cfg.data.seq_len,
+                  "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "steps": t.steps,
+                  "timed_steps": t.steps - warmup, "bucket_mb": cfg.parallel.bucket_mb,
+                  "torch_threads_per_rank": torch.get_num_threads()},
+        "ours": ours,
+        "peer": peer,
+        "peers": [peer, default],
+        "ratio": ours["median_s"] / peer["median_s"],
+        "ratio_to_default_ddp": ours["median_s"] / default["median_s"],
+    }
+
+
+def format_table(result: dict) -> str:
+    s = result["setup"]
+    lines = [f"bench dp: {s['model']} on {s['ranks']} ranks, seq {s['seq_len']}, micro-batch "
+             f"{s['micro_batch']} x {s['grad_accum']}, buckets {s['bucket_mb']} MiB, {s['steps']} steps "
+             f"({s['timed_steps']} timed), on {result['machine']}",
+             f"{'':<38}{'step s':>9}{'ours / it':>11}{'final loss':>12}{'loss diff':>11}"]
+    for row in (result["ours"], *result["peers"]):
+        lines.append(f"{row['name']:<38}{row['median_s']:>9.4f}"
+                     f"{result['ours']['median_s'] / row['median_s']:>11.3f}{row['final_loss']:>12.4f}"
+                     f"{row['max_loss_rel_diff_to_ours']:>11.1e}")
+    lines.append("step s: median over the timed steps of the slowest rank; loss diff: largest relative "
+                 "difference of a step's loss from ours (the same work was timed).")
+    return "\n".join(lines)

@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from scaletrain.dist.launch import detect_environment
     from scaletrain.train.run import launch, print_summary
 
     base = None
@@ -83,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
             raise UserError("--resume needs --out, the folder of the run to continue.")
         base = load_run_config(Path(args.out))
     summary = launch(resolve(args, base))
-    if summary is not None:
+    if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
         print_summary(summary)
     return 0
 

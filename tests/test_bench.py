@@ -58,8 +58,24 @@ def test_bench_techniques_shows_each_technique_where_it_acts(corpus, tmp_path):
 def test_bench_input_mistakes_are_one_sentence(corpus, tmp_path):
     for args, phrase in ((["bench", "warp"], "invalid choice: 'warp'"),
                          (["bench", "techniques", "--techniques", "nope"], "no technique named nope"),
-                         (["bench", "techniques", "--steps", "3", "--warmup", "3"], "--warmup 3 leaves no timed step")):
+                         (["bench", "techniques", "--steps", "3", "--warmup", "3"], "--warmup 3 leaves no timed step"),
+                         (["bench", "dp"], "give --nproc 2 or more"),
+                         (["bench", "allreduce"], "needs --nproc 2 or more")):
         result = run_cli(*args, "--data", str(corpus), "--cache-dir", str(tmp_path / "c"))
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
         assert phrase in result.stderr
+
+
+def test_bench_dp_races_torch_ddp_on_equal_work(corpus, tmp_path):
+    result = run_cli("bench", "dp", "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
+                     "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "4",
+                     "--warmup", "1", "--bucket-mb", "0.1", "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["what"] == "dp" and report["setup"]["ranks"] == 2 and report["setup"]["timed_steps"] == 3
+    assert report["peer"]["name"].startswith("torch DDP") and len(report["peers"]) == 2
+    assert report["ratio"] == pytest.approx(report["ours"]["median_s"] / report["peer"]["median_s"])
+    # The timing compares equal work: the same losses, step by step, as torch DDP.
+    for peer in report["peers"]:
+        assert peer["max_loss_rel_diff_to_ours"] <= 1e-5

@@ -1,6 +1,8 @@
 """The command line as a user meets it, in fresh interpreters."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -32,6 +34,10 @@ def _one_sentence_exit_2(result, phrase):
     (["--resume"], "--resume"),
     (["--param-dtype", "bf16"], "--param-dtype bf16 needs --precision bf16"),
     (["--model", "mlp", "--compile"], "--compile applies to the GPT models' blocks"),
+    (["--reduce-dtype", "bf16"], "--reduce-dtype bf16 reduces bf16 gradients"),
+    (["--bucket-mb", "0"], "--bucket-mb must be positive"),
+    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1"),
+    (["--allreduce", "tree"], "invalid choice: 'tree'"),
 ])
 def test_bad_input_is_one_sentence_and_writes_nothing(corpus, tmp_path, args, phrase):
     out = tmp_path / "run"
@@ -116,3 +122,39 @@ def test_torchrun_user_error_reaches_every_rank(corpus, tmp_path):
     assert result.stderr.count("already holds another run") == 2  # both ranks stop with the sentence
     # torchrun's agent prints its own traceback for a failed child; none comes from our code
     assert 'scaletrain/' not in "".join(l for l in result.stderr.splitlines() if l.strip().startswith("File"))
+
+
+def _ompi_env(rank: int, world: int, port: int) -> dict:
+    """The environment Open MPI's mpirun gives rank ``rank`` of a one-node job, and no torchrun variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world),
+               OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE=str(world),
+               MASTER_PORT=str(port))
+    return env
+
+
+def test_open_mpi_environment_launches_like_torchrun(corpus, tmp_path):
+    """What mpirun -np 2 does, process by process: the ranks come from OMPI_COMM_WORLD_*."""
+    out = tmp_path / "run"
+    port = free_port()
+    command = [sys.executable, "-m", "scaletrain", *_tiny(corpus, out, "--report-comm")]
+    workers = [subprocess.Popen(command, env=_ompi_env(rank, 2, port), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [worker.communicate(timeout=240) for worker in workers]
+    for worker, (_, stderr) in zip(workers, outputs):
+        assert worker.returncode == 0, stderr[-3000:]
+    assert outputs[0][0].count("layout dp2 on 2 process(es)") == 1 and not outputs[1][0].strip()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert set(json.loads((out / "comm.json").read_text())) == {"0", "1"}
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_launch(corpus, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    result = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root",
+                             sys.executable, "-m", "scaletrain", *_tiny(corpus, out)],
+                            capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("layout dp2 on 2 process(es)") == 1
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

@@ -93,6 +93,7 @@ class Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor
     views: list[torch.Tensor]  # views[i] is params[i]'s gradient, shaped like it, inside `flat`
+    filled: set[int] = field(default_factory=set)  # ids of the params with a gradient since zero_grad
     ready: set[int] = field(default_factory=set)  # ids of the params whose final gradient arrived
     pending: Pending | None = None
 
@@ -206,13 +207,15 @@ class DataParallel:
         self._next = 0
         self._scale = 1.0 / self.group.size
 
-    @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero the buckets and point each gradient back at its bucket view."""
+        """Forget the gradients. Nothing is zeroed: each parameter's first
+        gradient of the next step is copied over its slot (as torch DDP does),
+        which saves a pass over the buckets; slots left unwritten are zeroed
+        when their bucket launches."""
         for bucket in self.buckets:
-            bucket.flat.zero_()
-            for param, view in zip(bucket.params, bucket.views):
-                param.grad = view if bucket.grads_are_views else None
+            bucket.filled.clear()
+            for param in bucket.params:
+                param.grad = None
 
     def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s averaged gradient after `finish_gradient_sync`, in the bucket dtype."""
@@ -227,15 +230,17 @@ class DataParallel:
     @torch.no_grad()
     def _on_gradient(self, param: nn.Parameter) -> None:
         bucket, view = self._slot[id(param)]
-        if bucket.grads_are_views:
-            # A gradient set to None (optimizer.zero_grad) comes back as a new
-            # tensor: copy it in once and accumulate in the bucket from then on.
-            if param.grad.data_ptr() != view.data_ptr():
+        # The first gradient of a step arrives as a tensor of autograd's: it is
+        # copied into the slot, and with views the parameter's .grad becomes the
+        # slot, so autograd adds later micro-batches in place. In another dtype,
+        # every micro-batch is added into the slot and its own gradient freed.
+        if param.grad.data_ptr() != view.data_ptr():
+            if id(param) in bucket.filled:
+                view.add_(param.grad)
+            else:
                 view.copy_(param.grad)
-                param.grad = view
-        else:
-            view.add_(param.grad)
-            param.grad = None
+            param.grad = view if bucket.grads_are_views else None
+        bucket.filled.add(id(param))
         if not self._syncing:
             return
         if id(param) in bucket.ready or bucket.pending is not None:
@@ -249,6 +254,9 @@ class DataParallel:
     def _launch(self, bucket: Bucket) -> None:
         """Start summing this rank's weighted share of ``bucket`` over the group."""
         self._next = bucket.index + 1
+        for param, view in zip(bucket.params, bucket.views):
+            if id(param) not in bucket.filled:  # no gradient this step: it contributes zeros
+                view.zero_()
         if self.group.size == 1:
             bucket.pending = Pending()
             return

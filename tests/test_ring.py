@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.dist import Comm, Mesh, ParallelDims
-from scaletrain.dist.ring import ring_all_reduce
+from scaletrain.dist.ring import RingAllReduce, ring_all_reduce
 from tests.distributed import run_distributed
 
 
@@ -44,6 +44,7 @@ def _ring_matches_backend(rank: int, n: int) -> None:
     generator = torch.Generator().manual_seed(100 + rank)
     inputs = [torch.randn(length, generator=generator) for length in _lengths(n)]
     inputs += [torch.randn(5, 7, generator=generator), torch.randn(33, generator=generator, dtype=torch.float64)]
+    kept_ring = RingAllReduce(comm, world)
     for x in inputs:
         ring, reference = x.clone(), x.clone()
         before = comm.ledger.snapshot()
@@ -60,6 +61,13 @@ def _ring_matches_backend(rank: int, n: int) -> None:
         mean = x.clone()
         ring_all_reduce(comm, mean, world, op="avg")
         assert torch.equal(mean, ring / n)
+
+        # The kept scratch of RingAllReduce (grown, reused, of another dtype) gives the same bits.
+        kept = x.clone()
+        kept_ring(kept)
+        assert torch.equal(kept, ring)
+    with pytest.raises(ValueError, match="scratch buffer needs"):
+        ring_all_reduce(comm, torch.ones(10 * n), world, scratch=torch.empty(9))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

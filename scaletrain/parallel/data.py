@@ -62,7 +62,8 @@ from torch import nn
 
 from scaletrain.dist.comm import Comm, Pending
 from scaletrain.dist.mesh import Group
-from scaletrain.dist.ring import ring_all_reduce
+from scaletrain.dist.ring import RingAllReduce
+from scaletrain.optim.compression import GradientCompressor
 
 # What a bucket's reduction may be: the backend's all-reduce, the ring, or
 # a compressor's `reduce(key, flat, shapes)` (optim/compression.py).
@@ -74,7 +75,7 @@ def summer(comm: Comm, group: Group, allreduce: str) -> Callable[[torch.Tensor],
     if allreduce not in ALLREDUCE_KINDS:
         raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, not {allreduce!r}")
     if allreduce == "ring":
-        return lambda tensor: ring_all_reduce(comm, tensor, group, op="sum")
+        return RingAllReduce(comm, group)
     return lambda tensor: comm.all_reduce(tensor, group, op="sum")
 
 
@@ -144,8 +145,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, allreduce: str = "backend",
-                 compressor: object | None = None):
-        summer(comm, group, allreduce)  # validates the name before any hook is in place
+                 compressor: GradientCompressor | None = None):
+        self._sum = summer(comm, group, allreduce)  # also validates the name, before any hook is in place
         self.comm, self.group = comm, group
         self.allreduce, self.compressor = allreduce, compressor
         params = [p for p in model.parameters() if p.requires_grad]
@@ -271,4 +272,4 @@ class DataParallel:
         if self.compressor is not None:
             self.compressor.reduce(bucket.index, bucket.flat, bucket.shapes)
         else:
-            summer(self.comm, self.group, self.allreduce)(bucket.flat)
+            self._sum(bucket.flat)

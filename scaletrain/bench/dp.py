@@ -19,7 +19,6 @@ largest relative difference, a check that the timing compares equal work.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -114,9 +113,7 @@ def _step(c: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: C
 
 def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
     env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
-    # The ranks share the machine's cores; more threads each would only contend.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
     try:
         mesh = Mesh.build(ParallelDims(dp=env.world_size), env.rank, env.world_size)
         comm = Comm()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,25 +79,29 @@ class Ledger:
 
     def __init__(self) -> None:
         self._counts: dict[str, dict[str, dict[str, int]]] = {}
+        # A communication thread (data parallelism's ring and compressors) records too.
+        self._lock = threading.Lock()
 
     def record(self, op: str, group: Group, nbytes: int) -> None:
         numerator, denominator = _WIRE_FRACTION[op](group.size)
-        entry = self._counts.setdefault(op, {}).setdefault(group.name, dict.fromkeys(FIELDS, 0))
-        entry["calls"] += 1
-        entry["bytes"] += nbytes
-        entry["wire_bytes"] += nbytes * numerator // denominator
+        with self._lock:
+            entry = self._counts.setdefault(op, {}).setdefault(group.name, dict.fromkeys(FIELDS, 0))
+            entry["calls"] += 1
+            entry["bytes"] += nbytes
+            entry["wire_bytes"] += nbytes * numerator // denominator
 
     def reset(self) -> None:
         self._counts.clear()
 
     def snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
         """A copy of the counts, shaped like `to_json`."""
-        return copy.deepcopy(self._counts)
+        with self._lock:
+            return copy.deepcopy(self._counts)
 
     def since(self, before: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, dict[str, int]]]:
         """What was recorded after the snapshot `before`, shaped like `to_json`."""
         delta: dict[str, dict[str, dict[str, int]]] = {}
-        for op, groups in self._counts.items():
+        for op, groups in self.snapshot().items():
             for name, entry in groups.items():
                 old = before.get(op, {}).get(name, dict.fromkeys(FIELDS, 0))
                 change = {field: entry[field] - old[field] for field in FIELDS}

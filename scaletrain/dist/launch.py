@@ -253,6 +253,10 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
             )
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
+    if device.type == "cpu" and env.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Processes sharing a machine's cores: each takes its share, as torchrun's
+        # OMP_NUM_THREADS=1 intends; more threads each would only contend.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     if env.world_size == 1:
         return DistRuntime(env, None, device)
     # torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT,

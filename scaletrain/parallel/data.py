@@ -118,7 +118,7 @@ def plan_buckets(params: list[nn.Parameter], cap_bytes: int, dtype: torch.dtype 
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for param in params:
-        nbytes = param.numel() * torch.empty((), dtype=dtype or param.dtype).element_size()
+        nbytes = param.numel() * (dtype or param.dtype).itemsize
         if not buckets or size + nbytes > cap_bytes or param.dtype != buckets[-1][-1].dtype:
             buckets.append([])
             size = 0
@@ -147,8 +147,7 @@ class DataParallel:
                  reduce_dtype: torch.dtype | None = None, allreduce: str = "backend",
                  compressor: GradientCompressor | None = None):
         self._sum = summer(comm, group, allreduce)  # also validates the name, before any hook is in place
-        self.comm, self.group = comm, group
-        self.allreduce, self.compressor = allreduce, compressor
+        self.comm, self.group, self.compressor = comm, group, compressor
         params = [p for p in model.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         self.buckets: list[Bucket] = []

@@ -57,8 +57,11 @@ def _run(tiny_cfg, n: int, steps: int = 3, **changes) -> list[dict]:
     return run_distributed(_train_steps, n, cfg, spec, steps, timeout_s=120)
 
 
-def test_replicas_equal_and_ledger_matches_the_bucket_plan(tiny_cfg):
-    results = _run(tiny_cfg, 2, grad_accum=3, bucket_mb=0.05)
+@pytest.mark.parametrize("model", ["gpt-tiny", "mlp"])
+def test_replicas_equal_and_ledger_matches_the_bucket_plan(tiny_cfg, model):
+    data = None if model == "mlp" else tiny_cfg.data.data
+    results = _run(tiny_cfg, 2, grad_accum=3, bucket_mb=0.05 if model == "gpt-tiny" else 0.01, name=model,
+                   data=data)
     for result in results:
         assert result["buckets"] > 2
         for ledger in result["ledgers"]:

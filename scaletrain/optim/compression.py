@@ -62,8 +62,8 @@ which data-parallel replicas have.
 Trade-off: two matmuls and a QR per matrix per step of extra compute, one
 flat-sized residual and the Q's of memory, and a lossy gradient. Early in
 training the gradient is far from low rank and the loss suffers most; torch's
-implementation (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook)
-therefore runs a number of uncompressed warm-up steps first.
+own PowerSGD communication hook for DDP therefore runs a number of
+uncompressed warm-up steps first.
 
 Scaled sign (EF-SignSGD, Karimireddy et al. 2019, in the lineage of Seide,
 Fu, Droppo, Li & Yu 2014, "1-Bit Stochastic Gradient Descent and its

@@ -177,8 +177,9 @@ class Trainer:
             # after the step (optimizer state exists), before the gradients are freed
             self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter, self.masters,
                                         self.data_parallel.gradient_buffers())
-        self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients, or the bucket views
-        self.data_parallel.zero_grad()
+        if self.masters:
+            self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
+        self.data_parallel.zero_grad()  # the model's
         self.comm.all_reduce(loss_sum, self.dp_group, op="avg")
         record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
         if t.precision == "fp16":

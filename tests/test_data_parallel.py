@@ -167,6 +167,7 @@ def _gradient_arrives_twice(rank: int, n: int) -> str:
     dp = DataParallel(model, Comm(), world)
     x, y = _batch(rank, 0)
     _loss(model, x, y).backward()
+    message = "the second backward was accepted"
     try:
         _loss(model, x, y).backward()
     except RuntimeError as error:

@@ -39,7 +39,7 @@ from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
 from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
-from scaletrain.train.trainer import loss_fn
+from scaletrain.train.trainer import first_sample, loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
 
@@ -103,9 +103,7 @@ def _step(c: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: C
     c.finish()
     params = [p for group in c.optimizer.param_groups for p in group["params"]]
     torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
-    for group in c.optimizer.param_groups:
-        group["lr"] = cfg.train.lr
-    c.optimizer.step()
+    c.optimizer.step()  # at the constant --lr the optimizer was built with
     c.optimizer.zero_grad(set_to_none=True)
     c.zero_grad()
     return loss_sum
@@ -121,7 +119,7 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         contenders = _contenders(cfg, spec, data, comm, mesh)
         t, dp = cfg.train, mesh.group("dp")
         for step in range(t.steps):
-            batches = [data.train.get(((step * t.grad_accum + m) * dp.size + dp.rank) * t.micro_batch,
+            batches = [data.train.get(first_sample(step, m, t.grad_accum, dp.size, dp.rank, t.micro_batch),
                                       t.micro_batch) for m in range(t.grad_accum)]
             # Each step in another order, so that no contender always runs right after the same one.
             order = contenders[step % 3:] + contenders[:step % 3]

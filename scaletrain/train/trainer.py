@@ -72,6 +72,13 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def first_sample(step: int, micro: int, grad_accum: int, dp_size: int, dp_rank: int, micro_batch: int) -> int:
+    """Index in the data stream of the first sample of micro-batch ``micro`` of
+    ``step`` on data-parallel rank ``dp_rank``: ranks read disjoint slices of
+    the same global batch, and the index depends on nothing but the step."""
+    return ((step * grad_accum + micro) * dp_size + dp_rank) * micro_batch
+
+
 def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
 
@@ -137,7 +144,7 @@ class Trainer:
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
-        first = ((step * t.grad_accum + micro) * self.dp_group.size + self.dp_group.rank) * t.micro_batch
+        first = first_sample(step, micro, t.grad_accum, self.dp_group.size, self.dp_group.rank, t.micro_batch)
         x, y = self.data.train.get(first, t.micro_batch)
         return x.to(self.device), y.to(self.device)
 

@@ -101,6 +101,8 @@ class ParallelConfig:
     compress: str = _opt("none", "gradient compression with error feedback: PowerSGD (low rank) or "
                                  "scaled sign (1 bit per element)", choices=("none", "powersgd", "sign"))
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
+    zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
+                        "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
 
 
 @dataclass
@@ -176,7 +178,7 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
         raise UserError(f"config key '{key}' must be {typ.__name__}, not {value!r}; fix the TOML file.")
     choices = fld.metadata.get("choices")
     if choices and value not in choices:
-        raise UserError(f"config key '{key}' must be one of {', '.join(choices)}, not {value!r}.")
+        raise UserError(f"config key '{key}' must be one of {', '.join(map(str, choices))}, not {value!r}.")
     return value
 
 
@@ -277,6 +279,13 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.reduce_dtype == "bf16" and cfg.train.param_dtype != "bf16":
         raise UserError("--reduce-dtype bf16 reduces bf16 gradients, which only --param-dtype bf16 "
                         "produces; add it, or keep --reduce-dtype fp32.")
+    if cfg.parallel.zero:
+        for flag, used in (("--allreduce ring", cfg.parallel.allreduce != "backend"),
+                           ("--compress", cfg.parallel.compress != "none"),
+                           ("--optimizer adafactor", cfg.train.optimizer != "adamw")):
+            if used:
+                raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
+                                f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":
         try:

@@ -83,7 +83,7 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
         layout_cfg, dims = resolve_layout(cfg.replace(out=str(Path(tmp, "layout")), **quiet),
                                           world_size_for(cfg, env))
         reference_cfg, _ = resolve_layout(
-            layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, pp=1, cp=1, ep=1,
+            layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, pp=1, cp=1, ep=1, zero=0,
                                micro_batch=cfg.train.micro_batch * dims.dp), 1)
         runs = []
         for run_cfg in (reference_cfg, layout_cfg):

@@ -157,7 +157,7 @@ def test_ledger_and_table():
     opt = torch.optim.AdamW(model.parameters())
     with ActivationMeter(model) as meter:
         step(model)
-    ledger = memory_ledger(model, opt, meter)
+    ledger = memory_ledger(model_bytes(model, opt), meter)
     assert ledger["activations_peak"] == meter.peak > 0
     assert "cuda_peak" not in ledger
     table = format_table(ledger)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -46,10 +47,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from scaletrain.errors import UserError
 from scaletrain.optim.masters import MasterWeights
+from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
 
 STATE_FILE = "trainer_state.json"
 _TMP_PREFIX = ".tmp_"
@@ -113,11 +117,13 @@ class SafeFileSystemReader(FileSystemReader):
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create every parameter's optimizer state (lazy in torch) so a load has
     tensors to fill: one step with zero gradients at learning rate 0, which
-    leaves the parameters unchanged (as torch's own DCP helpers do)."""
+    leaves the parameters unchanged (as torch's own DCP helpers do). The
+    parameters' gradients are put back as they were (ZeRO's shards keep theirs)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if all(p in optimizer.state for p in params):
         return
     lrs = [group["lr"] for group in optimizer.param_groups]
+    grads = [p.grad for p in params]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     for p in params:
@@ -125,18 +131,75 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    for p in params:
-        p.grad = None
+    for p, grad in zip(params, grads):
+        p.grad = grad
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                masters: MasterWeights | None) -> dict[str, Any]:
+def flat_chunks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Rectangular chunks (offsets, sizes) that together hold exactly the elements
+    [start, stop) of a row-major tensor of ``shape``: a partial first row, a
+    block of whole rows, a partial last row, each split the same way one
+    dimension down."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))]
+    row = math.prod(shape[1:])
+    first, last = start // row, stop // row  # rows holding start and stop
+
+    def within(r: int, lo: int, hi: int) -> list:
+        return [((r, *offsets), (1, *sizes)) for offsets, sizes in flat_chunks(shape[1:], lo, hi)]
+
+    if first == last:  # inside one row
+        return within(first, start - first * row, stop - first * row)
+    chunks = []
+    if start % row:
+        chunks += within(first, start % row, row)
+        first += 1
+    if last > first:
+        chunks.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
+    if stop % row:
+        chunks += within(last, 0, stop % row)
+    return chunks
+
+
+def _sharded(shard: FlatShard) -> torch.Tensor:
+    """A ZeRO `FlatShard` as DCP understands it: a ShardedTensor whose chunks
+    (every rank's, so each rank knows the whole layout without asking) are the
+    rectangles of each rank's flat range; a group of one holds the plain tensor."""
+    if len(shard.spans) == 1:
+        return shard.local.view(shard.shape)
+    chunks, local = [], []
+    for rank, start, stop in shard.spans:
+        position = 0
+        for offsets, sizes in flat_chunks(tuple(shard.shape), start, stop):
+            metadata = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
+                                     placement=f"rank:{rank}/{shard.local.device}")
+            chunks.append(metadata)
+            if rank == shard.rank:
+                local.append(Shard(shard.local[position:position + math.prod(sizes)].view(sizes), metadata))
+            position += math.prod(sizes)
+    properties = TensorProperties(dtype=shard.local.dtype)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(shards_metadata=chunks, size=shard.shape, tensor_properties=properties))
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None,
+                zero: ZeroDataParallel | None) -> dict[str, Any]:
     """Model weights and per-parameter optimizer state, both by parameter name.
 
     With master weights, the fp32 master stands in for its parameter, in both
     places: the optimizer steps on the masters, and they hold the bits a bf16
     working weight has lost (loading writes them, then re-rounds the model).
+    Under ZeRO each rank gives its shards, as chunks of the full tensors: the
+    files hold the same tensors, by the same names and shapes, as any other
+    layout's, and a load reads whatever chunks its own layout needs.
     """
+    if zero is not None:
+        weights, optim = zero.flat_shards(optimizer)
+        as_chunks = lambda v: _sharded(v) if isinstance(v, FlatShard) else v  # noqa: E731
+        return {"model": {k: as_chunks(v) for k, v in weights.items()},
+                "optim": {name: {k: as_chunks(v) for k, v in state.items()} for name, state in optim.items()}}
     def stepped(tensor: torch.Tensor) -> torch.Tensor:
         master = masters.master_of(tensor) if masters else None
         return master if master is not None else tensor
@@ -149,7 +212,8 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    masters: MasterWeights | None, trainer_state: dict[str, Any], *, is_main: bool,
+                    masters: MasterWeights | None, zero: ZeroDataParallel | None,
+                    trainer_state: dict[str, Any], *, is_main: bool,
                     barrier: Callable[[], None]) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
@@ -160,7 +224,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     barrier()
     materialize_optimizer_state(optimizer)
     with _single_process_quiet():
-        dcp.save(_state_dict(model, optimizer, masters), storage_writer=FileSystemWriter(tmp))
+        dcp.save(_state_dict(model, optimizer, masters, zero), storage_writer=FileSystemWriter(tmp))
     barrier()
     if is_main:
         state_path = tmp / STATE_FILE
@@ -183,16 +247,18 @@ def _reason(exc: BaseException) -> str:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    masters: MasterWeights | None = None) -> dict[str, Any]:
+                    masters: MasterWeights | None = None, zero: ZeroDataParallel | None = None) -> dict[str, Any]:
     """Fill model (and masters) and optimizer in place; return the trainer state."""
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         materialize_optimizer_state(optimizer)
-        state = _state_dict(model, optimizer, masters)
+        state = _state_dict(model, optimizer, masters, zero)
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeFileSystemReader(path))
         if masters:
             masters.copy_master_to_model()
+        if zero:
+            zero.publish()
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException) as exc:
         raise UserError(f"checkpoint {path} cannot be loaded ({_reason(exc)}); delete it to fall back "
                         f"to an earlier one, or start a new run.") from None

@@ -26,7 +26,9 @@ How ``ActivationMeter`` measures. Definition: a storage is a saved activation
 from the moment autograd saves a tensor on it for backward until the storage
 is freed; parameters and buffers of the metered module are excluded (a Linear
 saves its weight, which is already counted under ``params``; a weight copy
-made by autocast is not a parameter and is counted). The meter sums the
+made by autocast is not a parameter and is counted). Parameters are known by
+their storage object, which survives ZeRO-3 freeing and re-gathering it (the
+storage is resized, not replaced). The meter sums the
 ``nbytes`` of such storages, each once, and keeps the maximum of that sum.
 
 Seeing the saves: ``torch.autograd.graph.saved_tensors_hooks`` calls a pack
@@ -104,23 +106,13 @@ def _tensors_in(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors_in(value)
 
 
-def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights | None = None,
-                grad_buffers: Iterable[torch.Tensor] = ()) -> dict:
-    """Bytes of parameters, gradients and optimizer state, in total and per device.
+def optimizer_state(optimizer: Any) -> list[torch.Tensor]:
+    """Every tensor of an optimizer's ``.state`` (None: no optimizer)."""
+    return list(_tensors_in(dict(optimizer.state))) if optimizer is not None else []
 
-    ``optimizer`` is any object with a ``.state`` of (nested) tensors; None
-    counts no optimizer state. ``masters`` adds the fp32 master weights and
-    their gradients; ``grad_buffers`` the data-parallel gradient buckets
-    (which the gradients are views of, or which hold them in another dtype).
-    """
-    params = list(model.parameters())
-    master_params = masters.master_params if masters else []
-    state = list(_tensors_in(dict(optimizer.state))) if optimizer is not None else []
-    tensors = {
-        "params": params,
-        "grads": [*(p.grad for p in (*params, *master_params) if p.grad is not None), *grad_buffers],
-        "optimizer": [*master_params, *state],
-    }
+
+def bytes_by_entry(tensors: dict[str, list[torch.Tensor]]) -> dict:
+    """Bytes of each entry's storages, in total and per device."""
     devices = sorted({str(t.device) for group in tensors.values() for t in group})
     ledger: dict = {name: tensor_bytes(group) for name, group in tensors.items()}
     ledger["by_device"] = {
@@ -131,10 +123,28 @@ def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights 
     return ledger
 
 
-def memory_ledger(model: nn.Module, optimizer: Any, meter: ActivationMeter | None = None,
-                  masters: MasterWeights | None = None, grad_buffers: Iterable[torch.Tensor] = ()) -> dict:
-    """``model_bytes`` plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``."""
-    ledger = model_bytes(model, optimizer, masters, grad_buffers)
+def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights | None = None,
+                grad_buffers: Iterable[torch.Tensor] = ()) -> dict:
+    """Bytes of parameters, gradients and optimizer state of a replicated model,
+    in total and per device.
+
+    ``optimizer`` is any object with a ``.state`` of (nested) tensors; None
+    counts no optimizer state. ``masters`` adds the fp32 master weights and
+    their gradients; ``grad_buffers`` the data-parallel gradient buckets
+    (which the gradients are views of, or which hold them in another dtype).
+    (A ZeRO-sharded model lists its own tensors: parallel/zero.py.)
+    """
+    params = list(model.parameters())
+    master_params = masters.master_params if masters else []
+    return bytes_by_entry({
+        "params": params,
+        "grads": [*(p.grad for p in (*params, *master_params) if p.grad is not None), *grad_buffers],
+        "optimizer": [*master_params, *optimizer_state(optimizer)],
+    })
+
+
+def memory_ledger(ledger: dict, meter: ActivationMeter | None = None) -> dict:
+    """A `bytes_by_entry` ledger plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``."""
     if meter is not None:
         ledger["activations_peak"] = meter.peak
         if meter.cuda_peak is not None:
@@ -170,7 +180,7 @@ class ActivationMeter:
         self.cuda_peak: int | None = None
         self.active = False
         self._live: dict[tuple[str, int], tuple[int, weakref.ref]] = {}
-        self._excluded: set[tuple[str, int]] = set()
+        self._excluded: dict[int, torch.UntypedStorage] = {}  # id -> storage, held so ids stay unique
         self._cuda: torch.device | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
         self._mode = _ChainSavedTensorHooks(self)
@@ -178,7 +188,7 @@ class ActivationMeter:
 
     def __enter__(self) -> Self:
         tensors = [*self.module.parameters(), *self.module.buffers()]
-        self._excluded = {_storage_key(t) for t in tensors}
+        self._excluded = {id(s): s for s in (t.untyped_storage() for t in tensors)}
         self._cuda = next((t.device for t in tensors if t.is_cuda), None)
         if self._cuda is not None:
             torch.cuda.synchronize(self._cuda)
@@ -201,9 +211,9 @@ class ActivationMeter:
     def note(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage as a saved activation until it is freed."""
         key = _storage_key(t)
-        if key in self._live or key in self._excluded:
-            return
         storage = t.untyped_storage()
+        if key in self._live or id(storage) in self._excluded:
+            return
         nbytes = storage.nbytes()
         if nbytes == 0:
             return

@@ -8,11 +8,13 @@ sequences:
         loss.backward()                    (gradients add up across micro-batches; on the last
                                             one, gradient buckets start their all-reduce as
                                             they fill, overlapping the rest of backward)
-    wait for the data-parallel average (parallel/data.py)
+    wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
+    shard of it (parallel/zero.py)
     with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
     unscale (fp16), clip the global gradient norm, set the learning rate, take the optimizer step
     (skipped, with the loss scale halved, when an fp16 gradient overflowed)
-    with master weights: round the masters back into the model's weights
+    with master weights: round the masters back into the model's weights (ZeRO-1/2: and
+    all-gather the updated shards)
 
 Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
 per step makes the update equal to one step on the whole global batch: the
@@ -48,11 +50,12 @@ from scaletrain.models import build_model
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, replicate, summer
+from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
 from scaletrain.recompute import apply_recompute
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, open_data
-from scaletrain.train.memory import ActivationMeter, memory_ledger
+from scaletrain.train.memory import ActivationMeter, bytes_by_entry, memory_ledger, model_bytes, optimizer_state
 from scaletrain.train.metrics import MetricsWriter, drop_records_after, mfu, peak_tflops, step_memory_bytes
 
 
@@ -103,19 +106,28 @@ class Trainer:
         if t.compile:
             compile_blocks(self.model)
         replicate(self.model, comm, self.dp_group)  # before the masters copy the weights
-        # fp32 masters for bf16 working weights, or in host memory with --offload
-        # (optim/masters.py); the optimizer then steps on the masters.
-        self.masters: MasterWeights | None = None
-        if t.param_dtype != "fp32" or t.offload == "optimizer":
-            self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype),
-                                         device="cpu" if t.offload == "optimizer" else None)
         p = cfg.parallel
-        self.data_parallel = DataParallel(self.model, comm, self.dp_group, bucket_mb=p.bucket_mb,
-                                          reduce_dtype=compute_dtype(p.reduce_dtype),
-                                          allreduce=p.allreduce, compressor=self._compressor())
+        master_device = "cpu" if t.offload == "optimizer" else None
+        # fp32 masters for bf16 working weights, or in host memory with --offload
+        # (optim/masters.py); the optimizer then steps on the masters. ZeRO
+        # keeps its own, sharded (parallel/zero.py).
+        self.masters: MasterWeights | None = None
+        self.zero: ZeroDataParallel | None = None
         groups = decay_groups(self.model, t.weight_decay)
-        if self.masters:
-            groups = self.masters.master_groups(groups)
+        if p.zero:
+            self.zero = ZeroDataParallel(self.model, comm, self.dp_group, stage=p.zero,
+                                         param_dtype=compute_dtype(t.param_dtype),
+                                         reduce_dtype=compute_dtype(p.reduce_dtype),
+                                         master_device=master_device, bucket_mb=p.bucket_mb)
+            groups = self.zero.optimizer_groups(groups)
+        self.data_parallel: DataParallel | ZeroDataParallel | None = self.zero
+        if not self.zero:
+            if t.param_dtype != "fp32" or master_device:
+                self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype), device=master_device)
+                groups = self.masters.master_groups(groups)
+            self.data_parallel = DataParallel(self.model, comm, self.dp_group, bucket_mb=p.bucket_mb,
+                                              reduce_dtype=compute_dtype(p.reduce_dtype),
+                                              allreduce=p.allreduce, compressor=self._compressor())
         self.optimizer = build_optimizer(groups, t)
         self.step_params = [p for group in groups for p in group["params"]]
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
@@ -124,7 +136,7 @@ class Trainer:
         self.start_step = 0
         if cfg.run.resume:
             latest = ckpt.latest_checkpoint(run_dir)
-            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters)
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters, self.zero)
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
@@ -171,8 +183,9 @@ class Trainer:
             found_inf = self.scaler.unscale_(self.step_params)
             self.comm.all_reduce(found_inf, self.dp_group, op="max")  # every replica skips together
             overflow = bool(found_inf.item())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.step_params,
-                                                   t.grad_clip if t.grad_clip > 0 else math.inf)
+        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
+        grad_norm = self.zero.clip_grad_norm_(max_norm) if self.zero else \
+            torch.nn.utils.clip_grad_norm_(self.step_params, max_norm)
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -180,10 +193,11 @@ class Trainer:
         self.scaler.update(overflow)
         if self.masters:
             self.masters.copy_master_to_model()
+        if self.zero:
+            self.zero.publish()
         if self.activation_meter is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
-            self.memory = memory_ledger(self.model, self.optimizer, self.activation_meter, self.masters,
-                                        self.data_parallel.gradient_buffers())
+            self.memory = memory_ledger(self._bytes_ledger(), self.activation_meter)
         if self.masters:
             self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         self.data_parallel.zero_grad()  # the model's
@@ -192,6 +206,13 @@ class Trainer:
         if t.precision == "fp16":
             record.update(loss_scale=self.scaler.scale_value, skipped_steps=self.scaler.skipped_steps)
         return record
+
+    def _bytes_ledger(self) -> dict:
+        if self.zero:
+            tensors = self.zero.memory_tensors()
+            tensors["optimizer"] += optimizer_state(self.optimizer)
+            return bytes_by_entry(tensors)
+        return model_bytes(self.model, self.optimizer, self.masters, self.data_parallel.gradient_buffers())
 
     def _meter_first_micro_batch(self, micro: int):
         """With --report-memory, measure saved activations of the run's first
@@ -236,7 +257,7 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------
     def _save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters,
+        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters, self.zero,
                                     {"step": step, "world_size": self.runtime.env.world_size,
                                      "layout": self.mesh.dims.describe(),
                                      "scaler": {k: float(v) if torch.is_tensor(v) else v

@@ -1,0 +1,501 @@
+"""ZeRO: data parallelism that shards the training state instead of replicating it.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models". Plain data parallelism keeps on each of the ``N`` ranks a
+whole copy of the parameters, the gradients and the optimizer state. All
+three are needed on every rank only one piece at a time, so ZeRO gives each
+rank ``1/N`` of them to own and gathers the rest when it is used:
+
+    stage 1 (P_os)     the optimizer state (and fp32 master weights) is sharded
+    stage 2 (P_os+g)   and the reduced gradients
+    stage 3 (P_os+g+p) and the parameters themselves
+
+Layout. The parameters are grouped into units; a unit's parameters are
+flattened into one buffer padded to a multiple of ``N`` elements,
+``S = ceil(numel / N)``, and rank ``r`` owns elements ``[r*S, (r+1)*S)``
+(contiguous ranges, as in DeepSpeed and torch's first FSDP, so a gather
+lands in place with no copy). The parameters are views into the unit's
+buffer. Stage 1 and 2 units are gradient buckets of ``--bucket-mb``
+(parallel/data.py); stage 3 units are the model's repeated layers (the
+transformer blocks, the mlp's linear layers) plus a root unit of the rest
+(the GPT's embeddings, final norm and head, one unit because the head's
+weight *is* the token embedding's: weight tying).
+
+Per optimizer step, on each rank::
+
+    backward: a unit's gradients land in a flat buffer; when its last one has
+              arrived, reduce-scatter it (asynchronously, overlapping the rest
+              of backward): rank r receives the sum of elements [r*S, (r+1)*S)
+    clip:     ||g||^2 = all-reduce of each rank's sum of squares of its shard
+    step:     the optimizer updates only the rank's shard (fp32 masters and
+              AdamW moments exist for that shard alone)
+    stage 1, 2: all-gather the updated shards into every rank's full parameters
+    stage 3:  nothing: the next forward gathers each unit just before it runs
+              (and prefetches the next unit while this one computes), frees it
+              after, and gathers it again for backward
+
+Memory per rank, P parameters, fp32 AdamW (state K = 8 bytes/param: two moments):
+
+    stage 0 (DP)   4P + 4P   + 8P           (parameters + gradients + optimizer)
+    stage 1        4P + 4P   + 8P/N
+    stage 2        4P + 4P/N + 8P/N
+    stage 3        4P/N + 4P/N + 8P/N
+
+with ``--param-dtype bf16`` (bf16 weights, fp32 master shard counted as
+optimizer state, so K = 12; gradients reduced in fp32, ``--reduce-dtype``):
+
+    stage 1        2P + 4P   + 12P/N
+    stage 2        2P + 4P/N + 12P/N
+    stage 3        2P/N + 4P/N + 12P/N
+
+Each ``P/N`` is really ``S`` per unit (padding: fewer than N elements per
+unit), and the optimizer holds a 4-byte step counter per tensor it updates.
+Outside these totals: while a unit is in use it is gathered (stage 3: the
+unit computing, the one prefetched, and the root unit from the start of
+forward to the end of backward), and the gradients of at most two units are
+unsharded while their reduce-scatter is in flight (stages 2 and 3).
+``--offload optimizer`` moves the master shard, its gradient and the
+optimizer state to host memory (ZeRO-Offload, Ren et al. 2021): the device
+keeps the working weights and the reduced gradient shard.
+
+Communication per step, B the bytes of the (padded) model in the working
+dtype, ``(N-1)/N`` of every collective's bytes leaving each rank:
+
+    stage 1, 2     reduce-scatter B + all-gather B            = DP's all-reduce (2 (N-1)/N B)
+    stage 3        2 all-gathers + 1 reduce-scatter per unit  = 1.5 x DP, less one
+                   gather of the root unit, which stays gathered from forward into backward
+
+Gradient accumulation: stage 1 accumulates full gradients across
+micro-batches and reduces once per step, like DP; stages 2 and 3
+reduce-scatter after every micro-batch and add the result into the shard
+(holding full gradients until the step would undo the point of stage 2),
+so their gradient traffic grows with ``--grad-accum``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
+from torch import nn
+
+from scaletrain.dist.comm import Comm, Pending
+from scaletrain.dist.mesh import Group
+from scaletrain.parallel.data import plan_buckets
+
+STAGES = (1, 2, 3)
+# Reduce-scatters in flight at once (stages 2, 3): each holds a unit's
+# unsharded gradient, so this bounds that memory while still overlapping.
+MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class FlatShard:
+    """One tensor of the model, as this rank holds it: elements ``ranges[rank]``
+    of its row-major flattening, and which elements the other ranks hold (the
+    checkpoint turns the spans into rectangular chunks of the tensor)."""
+
+    shape: torch.Size
+    spans: list[tuple[int, int, int]]  # (global rank, start, stop) for every rank of the group
+    rank: int  # this process's global rank
+    local: torch.Tensor  # 1-D: this rank's elements [start, stop)
+
+
+@dataclass
+class Piece:
+    """The part of one parameter that lies in this rank's shard of its unit."""
+
+    param: nn.Parameter  # the model's parameter
+    name: str
+    start: int  # first element of the parameter's flattening held here
+    tensor: nn.Parameter  # what the optimizer updates: a view of the unit's master shard
+
+
+@dataclass
+class Unit:
+    """Parameters flattened into one padded buffer, sharded evenly over the group (module docstring)."""
+
+    index: int  # launch order of the gradient reduce-scatter (backward order)
+    params: list[nn.Parameter]
+    offsets: list[int]  # each parameter's first element in the flat buffer
+    shard_numel: int  # S
+    start: int  # this rank's first element, rank * S
+    full: torch.Tensor  # every element, working dtype; the parameters are views of it
+    shard: torch.Tensor  # this rank's S elements of the working weights
+    master: torch.Tensor  # the same in fp32, where the optimizer runs (may be `shard` itself)
+    grad: torch.Tensor  # this rank's S elements of the reduced gradient
+    master_grad: torch.Tensor  # the same in fp32 beside the master (may be `grad` itself)
+    grad_full: torch.Tensor | None  # stage 1: the unsharded gradients, kept across micro-batches
+    module: nn.Module | None = None  # stage 3: the module whose forward uses the unit
+    staging: torch.Tensor | None = None  # stages 2, 3: this micro-batch's unsharded gradients
+    arrived: set[int] = field(default_factory=set)  # params whose gradient came since the last launch
+    filled: set[int] = field(default_factory=set)  # stage 1: params with a gradient since zero_grad
+    reduced: bool = False  # a reduce-scatter has written `grad` in this step
+    gathered: bool = True
+    gathering: Pending | None = None
+    pieces: list[Piece] = field(default_factory=list)
+
+    def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s elements of a flat buffer of this unit, shaped like it."""
+        return buffer[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view_as(self.params[i])
+
+    def span(self, i: int, owner: int) -> tuple[int, int]:
+        """The elements [start, stop) of parameter ``i``'s flattening that rank ``owner`` holds."""
+        first, last = owner * self.shard_numel, (owner + 1) * self.shard_numel
+        numel = self.params[i].numel()
+        start = min(max(first - self.offsets[i], 0), numel)
+        return start, max(start, min(last - self.offsets[i], numel))
+
+
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers of a model, in forward order: every parameter-holding
+    child of an ``nn.ModuleList`` or ``nn.Sequential`` not inside another such
+    layer (the GPT's blocks, the mlp's linear layers). Stage 3 makes each a
+    unit and the rest of the model the root unit."""
+    layers: list[nn.Module] = []
+    inside: set[int] = set()
+    for container in model.modules():  # outer modules come first
+        if id(container) in inside or not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        for child in container.children():
+            if any(True for _ in child.parameters()):
+                layers.append(child)
+                inside.update(id(m) for m in child.modules())
+    return layers
+
+
+class ZeroDataParallel:
+    """ZeRO stage 1, 2 or 3 over a data-parallel group (see the module docstring).
+
+    Per optimizer step::
+
+        for each micro-batch but the last:  with zero.no_sync(): loss.backward()
+        final micro-batch:                  loss.backward()
+        zero.finish_gradient_sync()         (each rank's master_grad shard is the average)
+        zero.clip_grad_norm_(max_norm)      (the global norm, over all shards)
+        optimizer.step()                    (an optimizer over `optimizer_groups(...)`)
+        zero.publish()                      (masters -> working weights; stages 1, 2 all-gather)
+        zero.zero_grad()
+
+    ``param_dtype`` is the working weights' dtype, ``reduce_dtype`` that of the
+    gradient reduction, ``master_device`` where the fp32 masters and the
+    optimizer live (the host, for ``--offload optimizer``). Every rank must
+    start from the same weights (`replicate`).
+    """
+
+    def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
+                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+                 master_device: torch.device | str | None = None, bucket_mb: float = 25.0):
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
+        self.model, self.comm, self.group, self.stage = model, comm, group, stage
+        self.device = next(model.parameters()).device
+        self.master_device = torch.device(master_device) if master_device is not None else self.device
+        self._pinned = self.master_device.type == "cpu" and torch.cuda.is_available()
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if stage == 3:  # the root unit first, then the layers, in forward order
+            layers = layer_modules(model)
+            in_layers = {id(p) for layer in layers for p in layer.parameters()}
+            modules_and_params = [(model, [p for p in trainable if id(p) not in in_layers]),
+                                  *((layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers)]
+            forward = [(module, params) for module, params in modules_and_params if params]
+            grouped = forward[::-1]  # gradients complete in backward order; the root's (embeddings) last
+        else:  # gradient buckets, as data parallelism makes them
+            grouped = [(None, params) for params in
+                       plan_buckets(trainable[::-1], int(bucket_mb * 2**20), reduce_dtype)]
+        self.units = [self._build_unit(index, module, params, param_dtype, reduce_dtype)
+                      for index, (module, params) in enumerate(grouped)]
+        self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
+        for param in trainable:
+            param.register_post_accumulate_grad_hook(self._on_gradient)
+        self._syncing = True
+        self._next = 0  # the first unit whose reduce-scatter has not launched in this backward
+        self._in_flight: deque[tuple[Unit, Pending, torch.Tensor, torch.Tensor]] = deque()
+        self._in_backward = False
+        self._finished_forward: list[Unit] = []  # stage 3: units in the order their forward ended
+        if stage == 3:
+            self._install_gather_hooks(model)
+        elif stage == 2:
+            model.register_forward_pre_hook(lambda *_: self._flush())
+
+    @torch.no_grad()
+    def _build_unit(self, index: int, module: nn.Module | None, params: list[nn.Parameter],
+                    param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Unit:
+        n, rank = self.group.size, self.group.rank
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        shard_numel = math.ceil(offsets.pop() / n)
+        start = rank * shard_numel
+        flat = torch.zeros(shard_numel * n, dtype=torch.float32, device=self.device)
+        for p, offset in zip(params, offsets):
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        # The fp32 master is taken before any rounding to the working dtype.
+        full = flat.to(param_dtype)
+        own = flat[start:start + shard_numel]
+        shard = full[start:start + shard_numel] if self.stage < 3 else own.to(param_dtype, copy=True)
+        master = shard if param_dtype == torch.float32 and self.master_device == self.device else \
+            self._host_or_device(own)
+        grad_full = torch.zeros(full.numel(), dtype=reduce_dtype, device=self.device) if self.stage == 1 else None
+        grad = grad_full[start:start + shard_numel] if grad_full is not None else \
+            torch.zeros(shard_numel, dtype=reduce_dtype, device=self.device)
+        master_grad = grad if reduce_dtype == torch.float32 and self.master_device == self.device else \
+            self._host_or_device(torch.zeros(shard_numel))
+        unit = Unit(index, params, offsets, shard_numel, start, full, shard, master, grad, master_grad,
+                    grad_full, module)
+        for i, param in enumerate(params):
+            param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
+            lo, hi = unit.span(i, rank)
+            if hi > lo:
+                piece = nn.Parameter(master[offsets[i] + lo - start:offsets[i] + hi - start])
+                piece.grad = master_grad[offsets[i] + lo - start:offsets[i] + hi - start]
+                unit.pieces.append(Piece(param, self.names[id(param)], lo, piece))
+        if self.stage == 3:
+            self._free(unit)
+        return unit
+
+    def _host_or_device(self, values: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of ``values`` on the master device (pinned when that is the host of a GPU)."""
+        out = torch.empty(values.shape, dtype=torch.float32, device=self.master_device, pin_memory=self._pinned)
+        return out.copy_(values)
+
+    # -- what the optimizer and the checkpoint see ---------------------------
+    def optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
+        """The same optimizer groups (by model parameter) holding this rank's pieces instead."""
+        pieces: dict[int, list[nn.Parameter]] = {}
+        for unit in self.units:
+            for piece in unit.pieces:
+                pieces.setdefault(id(piece.param), []).append(piece.tensor)
+        return [{**group, "params": [t for p in group["params"] for t in pieces.get(id(p), [])]}
+                for group in param_groups]
+
+    def flat_shards(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """This rank's part of the model (the fp32 masters, by ``state_dict`` key)
+        and of the optimizer state (by parameter name), for the checkpoint."""
+        shards: dict[int, tuple[FlatShard, Piece | None]] = {}
+        for unit in self.units:
+            pieces = {id(piece.param): piece for piece in unit.pieces}
+            for i, param in enumerate(unit.params):
+                piece = pieces.get(id(param))
+                spans = [(global_rank, *unit.span(i, q)) for q, global_rank in enumerate(self.group.ranks)]
+                local = piece.tensor.detach() if piece else unit.master[:0]
+                shards[id(param)] = (FlatShard(param.shape, spans, self.group.ranks[self.group.rank], local), piece)
+        model = {key: shards[id(t)][0] if id(t) in shards else t.detach()
+                 for key, t in self.model.state_dict(keep_vars=True).items()}
+        optim = {}
+        for shard, piece in shards.values():
+            if piece is not None and piece.tensor in optimizer.state:
+                optim[piece.name] = {key: replace(shard, local=value) if torch.is_tensor(value) and
+                                     value.shape == piece.tensor.shape else value
+                                     for key, value in optimizer.state[piece.tensor].items()}
+        return model, optim
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank keeps, by ledger entry (the optimizer's state aside)."""
+        return {
+            "params": [t for unit in self.units for t in (unit.full, unit.shard)],
+            "grads": [t for unit in self.units for t in (unit.grad, unit.master_grad, unit.grad_full)
+                      if t is not None],
+            "optimizer": [unit.master for unit in self.units if unit.master is not unit.shard],
+        }
+
+    # -- the per-step protocol -------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: accumulate full gradients without communicating (every micro-batch
+        but the last). Stages 2 and 3 reduce-scatter every micro-batch regardless."""
+        self._syncing = self.stage > 1
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def finish_gradient_sync(self) -> None:
+        """Launch what has not launched (parameters without a gradient contribute
+        zeros), wait for every reduction, and bring the shards to the masters."""
+        self._flush(final=True)
+        while self._in_flight:
+            self._complete_oldest()
+        synced = False
+        for unit in self.units:
+            unit.reduced = False
+            if unit.master_grad is not unit.grad:
+                unit.master_grad.copy_(unit.grad, non_blocking=self._pinned)
+                synced = synced or unit.grad.is_cuda
+        if synced:  # asynchronous device->host copies must land before the host optimizer reads them
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so that the global gradient norm is at most
+        ``max_norm`` (torch's clip_grad_norm_ rule); returns the norm before clipping.
+        Padding elements hold zeros, so each shard's sum of squares is exact."""
+        norms = torch.stack([torch.linalg.vector_norm(unit.master_grad) for unit in self.units])
+        total = torch.linalg.vector_norm(norms).square().to(self.device)
+        self.comm.all_reduce(total, self.group, op="sum")
+        total = total.sqrt().to(self.master_device)
+        if math.isfinite(max_norm):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for unit in self.units:
+                unit.master_grad.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """After the optimizer step: round the masters into the working shards;
+        stages 1 and 2 then all-gather every unit's full parameters in place."""
+        for unit in self.units:
+            if unit.master is not unit.shard:
+                unit.shard.copy_(unit.master, non_blocking=self._pinned)
+        if self.stage < 3:
+            gathers = [self.comm.all_gather(unit.full, unit.shard, self.group, async_op=True)
+                       for unit in self.units]
+            for pending in gathers:
+                pending.wait()
+
+    def zero_grad(self) -> None:
+        """Forget the model's gradients (stage 1 overwrites its buffers on the next
+        step's first gradient, as data parallelism does; the shards are overwritten
+        by the next step's first reduce-scatter)."""
+        for unit in self.units:
+            unit.filled.clear()
+            for param in unit.params:
+                param.grad = None
+
+    # -- inside backward: gradients to shards ---------------------------------
+    @torch.no_grad()
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        unit, i = self._unit_of[id(param)]
+        if self.stage == 1:  # accumulate into the persistent full buffer, as data parallelism does
+            view = unit.slot(unit.grad_full, i)
+            if param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad) if i in unit.filled else view.copy_(param.grad)
+                param.grad = view if view.dtype == param.dtype else None
+            unit.filled.add(i)
+            if not self._syncing:
+                return
+            if unit.index < self._next:
+                raise RuntimeError("a parameter's gradient arrived twice in one step, after its unit was "
+                                   "reduced; run the extra backward inside no_sync()")
+        else:  # this micro-batch's gradient into the staging buffer, then freed
+            if unit.staging is None:
+                unit.staging = self._new_staging(unit)
+            view = unit.slot(unit.staging, i)
+            view.add_(param.grad) if i in unit.arrived else view.copy_(param.grad)
+            param.grad = None
+        unit.arrived.add(i)
+        while self._next < len(self.units) and \
+                len(self.units[self._next].arrived) == len(self.units[self._next].params):
+            self._launch(self.units[self._next])
+
+    def _new_staging(self, unit: Unit) -> torch.Tensor:
+        staging = torch.empty(unit.full.numel(), dtype=unit.grad.dtype, device=self.device)
+        staging[unit.offsets[-1] + unit.params[-1].numel():].zero_()  # the padding
+        return staging
+
+    def _launch(self, unit: Unit) -> None:
+        """Start reduce-scattering this rank's share (1/N) of the unit's gradients."""
+        self._next = unit.index + 1
+        source = unit.grad_full if self.stage == 1 else unit.staging
+        if source is None:  # stages 2, 3: no gradient at all this micro-batch
+            source = self._new_staging(unit)
+        contributed = unit.filled if self.stage == 1 else unit.arrived
+        for i in range(len(unit.params)):
+            if i not in contributed:
+                unit.slot(source, i).zero_()
+        unit.arrived.clear()
+        unit.staging = None
+        source.mul_(1.0 / self.group.size)
+        # Stage 1 reduces in place into the rank's own slice; a step's first
+        # reduction writes the shard, later micro-batches' are added to it.
+        out = unit.grad if self.stage == 1 or not unit.reduced else torch.empty_like(unit.grad)
+        unit.reduced = True
+        pending = self.comm.reduce_scatter(out, source, self.group, async_op=True)
+        self._in_flight.append((unit, pending, out, source))
+        if self.stage == 3:
+            self._free(unit)  # its gradients are all in: backward needs it no more
+        while self.stage > 1 and len(self._in_flight) > MAX_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        unit, pending, out, _ = self._in_flight.popleft()  # dropping `source` frees the staging
+        pending.wait()
+        if out is not unit.grad:
+            unit.grad.add_(out)
+
+    def _flush(self, final: bool = False) -> None:
+        """Launch the units a backward left unlaunched (parameters without a
+        gradient): before the next micro-batch's forward (stages 2, 3), and at
+        the end of the step."""
+        started = self._next > 0 or any(unit.arrived for unit in self.units)
+        if started or (final and self.stage == 1):
+            for unit in self.units[self._next:]:
+                self._launch(unit)
+        self._next = 0
+
+    # -- stage 3: gather before use, free after ---------------------------------
+    def _install_gather_hooks(self, model: nn.Module) -> None:
+        self._forward = self.units[::-1]
+        # The unit whose forward ends last is needed first by backward: it stays.
+        self._held = self._forward[0] if self._forward[0].module is model else self._forward[-1]
+        model.register_forward_pre_hook(self._begin_forward)
+        for unit in self._forward:
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+
+    def _begin_forward(self, *_) -> None:
+        self._in_backward = False
+        self._finished_forward = []
+        self._flush()
+
+    def _pre_forward(self, unit: Unit, *_) -> None:
+        self._gather(unit)
+        if self._in_backward:  # activation recomputation inside backward: gathered already
+            return
+        position = self._forward.index(unit)
+        if position + 1 < len(self._forward):
+            self._gather(self._forward[position + 1], wait=False)  # prefetch
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
+        if self._in_backward:
+            return
+        self._finished_forward.append(unit)
+        outputs = [t for t in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._pre_backward, unit), mode="any")
+        if unit is not self._held or not outputs:
+            self._free(unit)
+
+    def _pre_backward(self, unit: Unit, _grad) -> None:
+        """Gradients of the unit's outputs are ready: its backward is next."""
+        self._in_backward = True
+        self._gather(unit)
+        order = self._finished_forward[::-1]
+        position = order.index(unit)
+        if position + 1 < len(order):
+            self._gather(order[position + 1], wait=False)  # prefetch
+
+    def _gather(self, unit: Unit, wait: bool = True) -> None:
+        if not unit.gathered:
+            unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+            unit.gathering = self.comm.all_gather(unit.full, unit.shard, self.group, async_op=True)
+            unit.gathered = True
+        if wait and unit.gathering is not None:
+            unit.gathering.wait()
+            unit.gathering = None
+
+    def _free(self, unit: Unit) -> None:
+        """Release the unit's full parameters; the parameters stay views of the
+        (now empty) storage, which the next gather fills again."""
+        if unit.gathering is not None:
+            unit.gathering.wait()
+            unit.gathering = None
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False

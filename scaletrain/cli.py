@@ -106,7 +106,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import allreduce, dp, techniques
+    from scaletrain.bench import allreduce, dp, techniques, zero
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
@@ -118,6 +118,8 @@ def _bench(args: argparse.Namespace) -> int:
             techniques.format_table
     elif args.what == "dp":
         result, table = dp.run(cfg, args.warmup), dp.format_table
+    elif args.what == "zero":
+        result, table = zero.run(cfg, args.warmup), zero.format_table
     else:
         result = allreduce.run(cfg.parallel.nproc, repeats=cfg.train.steps, warmup=args.warmup,
                                plot=Path(args.plot), timeout_s=cfg.parallel.timeout)

@@ -60,6 +60,7 @@ def test_bench_input_mistakes_are_one_sentence(corpus, tmp_path):
                          (["bench", "techniques", "--techniques", "nope"], "no technique named nope"),
                          (["bench", "techniques", "--steps", "3", "--warmup", "3"], "--warmup 3 leaves no timed step"),
                          (["bench", "dp"], "give --nproc 2 or more"),
+                         (["bench", "zero"], "give --nproc 2 or more"),
                          (["bench", "allreduce"], "needs --nproc 2 or more")):
         result = run_cli(*args, "--data", str(corpus), "--cache-dir", str(tmp_path / "c"))
         assert result.returncode == 2, result.stderr
@@ -79,3 +80,31 @@ def test_bench_dp_races_torch_ddp_on_equal_work(corpus, tmp_path):
     # The timing compares equal work: the same losses, step by step, as torch DDP.
     for peer in report["peers"]:
         assert peer["max_loss_rel_diff_to_ours"] <= 1e-5
+
+
+def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
+    result = run_cli("bench", "zero", "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
+                     "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "4",
+                     "--warmup", "1", "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["what"] == "zero" and report["setup"]["ranks"] == 2 and report["setup"]["timed_steps"] == 3
+    ours, peer = report["ours"], report["peer"]
+    assert peer["name"].startswith("torch FSDP2") and report["peers"][0] == peer
+    assert ours["median_s"] > 0 and peer["median_s"] > 0
+    assert report["ratio"] == pytest.approx(ours["median_s"] / peer["median_s"])
+    # DeepSpeed is optional: raced when it imports, else left out with the reason.
+    if report["deepspeed"] is None:
+        assert len(report["peers"]) == 1 and "deepspeed" in report["deepspeed_skipped"]
+    else:
+        assert report["peers"][1] == report["deepspeed"]
+    # The timing compares equal work: the same weights and batches give the same losses, step by step.
+    for row in report["peers"]:
+        assert row["max_loss_rel_diff_to_ours"] <= 1e-5
+    # Both shard everything over the 2 ranks: each holds about half of params + grads + AdamW state.
+    for row in (ours, peer):
+        assert (row["cuda_peak_bytes"] is None) == (report["setup"]["device"] == "cpu")
+        for rank in row["state_bytes_per_rank"]:
+            assert rank["optimizer"] == pytest.approx(2 * rank["params"], rel=0.01)
+            assert rank["grads"] == rank["params"]
+    assert ours["state_bytes"] == pytest.approx(peer["state_bytes"], rel=0.01)

@@ -11,8 +11,16 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
+
+from scaletrain.config import TrainConfig
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.mesh import Group
+from scaletrain.train.trainer import first_sample
 
 
 def machine() -> str:
@@ -33,4 +41,56 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-BENCHMARKS = ("techniques", "dp", "allreduce")
+class Racer(Protocol):
+    """What `race` records for a contender: its name, and per step its time and loss."""
+
+    name: str
+    step_s: list[float]
+    losses: list[float]
+
+
+R = TypeVar("R", bound=Racer)
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def rotated(items: Sequence[R], step: int) -> list[R]:
+    """``items`` starting from the ``step``-th, cyclically: raced in this order,
+    no contender always runs right after the same one."""
+    first = step % len(items)
+    return [*items[first:], *items[:first]]
+
+
+def step_batches(data: Any, t: TrainConfig, group: Group, step: int) -> Batches:
+    """This rank's micro-batches of ``step`` (its slice of the global batch, as the trainer reads it)."""
+    return [data.train.get(first_sample(step, m, t.grad_accum, group.size, group.rank, t.micro_batch),
+                           t.micro_batch) for m in range(t.grad_accum)]
+
+
+def race(contenders: Sequence[R], steps: int, batches_at: Callable[[int], Batches],
+         train_step: Callable[[R, Batches, int], float], comm: Comm, group: Group) -> None:
+    """Train every contender ``steps`` steps on the same batches, step by step in
+    rotating order, each step after a barrier so that all ranks start it together;
+    appends each step's time and ``train_step``'s loss to the contender."""
+    for step in range(steps):
+        batches = batches_at(step)
+        for c in rotated(contenders, step):
+            comm.barrier(group)
+            start = time.perf_counter()
+            c.losses.append(train_step(c, batches, step))
+            c.step_s.append(time.perf_counter() - start)
+
+
+def slowest_rank_medians(contenders: Sequence[Racer], warmup: int, comm: Comm, group: Group) -> dict[str, float]:
+    """Each contender's median step time over the steps after ``warmup``, a
+    step taking as long as its slowest rank did (it is done only when every rank is)."""
+    ranks = comm.all_gather_object({c.name: c.step_s for c in contenders}, group)
+    return {c.name: median([max(times) for times in zip(*(rank[c.name] for rank in ranks))][warmup:])
+            for c in contenders}
+
+
+def largest_relative_gap(values: Sequence[float], reference: Sequence[float]) -> float:
+    """The largest ``|value - reference| / |reference|``, element by element."""
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
+
+
+BENCHMARKS = ("techniques", "dp", "zero", "allreduce")

@@ -19,7 +19,6 @@ largest relative difference, a check that the timing compares equal work.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.bench import machine, median
+from scaletrain.bench import Batches, largest_relative_gap, machine, race, slowest_rank_medians, step_batches
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
@@ -39,7 +38,7 @@ from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
 from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
-from scaletrain.train.trainer import first_sample, loss_fn
+from scaletrain.train.trainer import loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
 
@@ -92,7 +91,7 @@ def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, mesh: Mesh) -> li
     return contenders
 
 
-def _step(c: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: Config) -> float:
+def _step(c: Contender, batches: Batches, cfg: Config) -> float:
     c.model.train()
     loss_sum = 0.0
     for micro, (x, y) in enumerate(batches):
@@ -117,38 +116,28 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         comm = Comm()
         data = open_data(spec, cfg)
         contenders = _contenders(cfg, spec, data, comm, mesh)
-        t, dp = cfg.train, mesh.group("dp")
-        for step in range(t.steps):
-            batches = [data.train.get(first_sample(step, m, t.grad_accum, dp.size, dp.rank, t.micro_batch),
-                                      t.micro_batch) for m in range(t.grad_accum)]
-            # Each step in another order, so that no contender always runs right after the same one.
-            order = contenders[step % 3:] + contenders[:step % 3]
-            for c in order:
-                comm.barrier(dp)
-                start = time.perf_counter()
-                c.losses.append(_step(c, batches, cfg))
-                c.step_s.append(time.perf_counter() - start)
-        # A step is done when its slowest rank is.
-        times = comm.all_gather_object({c.name: c.step_s for c in contenders}, dp)
-        return _report(cfg, contenders, times, warmup)
+        dp = mesh.group("dp")
+        race(contenders, cfg.train.steps, lambda step: step_batches(data, cfg.train, dp, step),
+             lambda c, batches, _: _step(c, batches, cfg), comm, dp)
+        medians = slowest_rank_medians(contenders, warmup, comm, dp)
+        return _report(cfg, contenders, medians, dp.size, warmup)
     finally:
         shutdown(runtime)
 
 
-def _report(cfg: Config, contenders: list[Contender], times: list[dict], warmup: int) -> dict:
+def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], ranks: int,
+            warmup: int) -> dict:
     rows = {}
     reference = contenders[0].losses
     for c in contenders:
-        slowest = [max(rank[c.name][i] for rank in times) for i in range(len(c.step_s))]
-        rows[c.name] = {"name": c.name, "median_s": median(slowest[warmup:]), "final_loss": c.losses[-1],
-                        "max_loss_rel_diff_to_ours": max(abs(a - b) / abs(b) for a, b in
-                                                         zip(c.losses, reference))}
+        rows[c.name] = {"name": c.name, "median_s": medians[c.name], "final_loss": c.losses[-1],
+                        "max_loss_rel_diff_to_ours": largest_relative_gap(c.losses, reference)}
     t = cfg.train
     ours, peer, default = rows[OURS], rows[PEER], rows[PEER_DEFAULT]
     return {
         "what": "dp",
         "machine": machine(),
-        "setup": {"model": cfg.model.name, "ranks": len(times), "seq_len": cfg.data.seq_len,
+        "setup": {"model": cfg.model.name, "ranks": ranks, "seq_len": cfg.data.seq_len,
                   "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "steps": t.steps,
                   "timed_steps": t.steps - warmup, "bucket_mb": cfg.parallel.bucket_mb,
                   "torch_threads_per_rank": torch.get_num_threads()},

@@ -82,7 +82,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.out is None:
             raise UserError("--resume needs --out, the folder of the run to continue.")
-        base = load_run_config(Path(args.out))
+        # --stop-at limits one invocation; the resumed one sets its own, or runs to --steps.
+        base = load_run_config(Path(args.out)).replace(stop_at=None)
     summary = launch(resolve(args, base))
     if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
         print_summary(summary)

@@ -38,12 +38,27 @@ def _one_sentence_exit_2(result, phrase):
     (["--bucket-mb", "0"], "--bucket-mb must be positive"),
     (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1"),
     (["--allreduce", "tree"], "invalid choice: 'tree'"),
+    (["--nproc", "2", "--zero", "2", "--compress", "sign"], "--zero 2 does not combine with --compress"),
+    (["--nproc", "2", "--zero", "3", "--allreduce", "ring"], "does not combine with --allreduce ring"),
+    (["--zero", "1", "--optimizer", "adafactor"], "does not combine with --optimizer adafactor"),
+    (["--zero", "4"], "invalid choice: 4"),
 ])
 def test_bad_input_is_one_sentence_and_writes_nothing(corpus, tmp_path, args, phrase):
     out = tmp_path / "run"
     result = run_cli(*_tiny(corpus, out), *args)  # the last of a repeated flag wins
     _one_sentence_exit_2(result, phrase)
     assert not out.exists()
+
+
+def test_resume_after_stop_at_runs_to_the_end(corpus, tmp_path):
+    """--stop-at limits one invocation: the resumed run goes on to --steps unless given its own."""
+    out = tmp_path / "run"
+    assert run_cli(*_tiny(corpus, out, "--stop-at", "1")).returncode == 0
+    _one_sentence_exit_2(run_cli("train", "--out", str(out), "--resume", "--stop-at", "1"), "--stop-at 1 is not after")
+    resumed = run_cli("train", "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
 def test_corpus_shorter_than_one_sequence(tmp_path):

@@ -16,7 +16,6 @@ from scaletrain.parity import run_parity
 from scaletrain.train.checkpoint import flat_chunks
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.trainer import Trainer
-from tests.conftest import run_cli
 from tests.distributed import run_distributed
 
 
@@ -202,18 +201,3 @@ def test_checkpoint_saved_by_one_layout_resumes_in_another(tiny_cfg):
         assert len(resumed) == 2
         for got, want in zip(resumed, straight[2:]):
             assert abs(got - want) / want < 1e-5, (n, stage, resumed, straight)
-
-
-# -- what the command line refuses -----------------------------------------------
-
-
-@pytest.mark.parametrize("flags, named", [
-    (["--compress", "sign"], "--compress"),
-    (["--allreduce", "ring"], "--allreduce ring"),
-    (["--optimizer", "adafactor"], "--optimizer adafactor"),
-])
-def test_zero_refuses_options_that_need_whole_gradients(tmp_path, flags, named):
-    result = run_cli("train", "--zero", "2", "--nproc", "2", *flags, "--out", str(tmp_path / "run"))
-    assert result.returncode == 2
-    assert named in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "run").exists()

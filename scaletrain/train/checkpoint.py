@@ -60,11 +60,15 @@ _TMP_PREFIX = ".tmp_"
 
 
 @contextmanager
-def _single_process_quiet():
+def _quiet():
     """DCP warns that it assumes one process when no group exists; that is
-    exactly the intent of a one-process run, so the warning is noise."""
+    exactly the intent of a one-process run, so the warning is noise. It also
+    warns on every ShardedTensor that DTensor is its successor: a DTensor
+    shards a tensor into even blocks per dimension and cannot describe ZeRO's
+    flat ranges, which ShardedTensor's arbitrary chunks do (see `_sharded`)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
 
 
@@ -223,7 +227,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         tmp.mkdir(parents=True)
     barrier()
     materialize_optimizer_state(optimizer)
-    with _single_process_quiet():
+    with _quiet():
         dcp.save(_state_dict(model, optimizer, masters, zero), storage_writer=FileSystemWriter(tmp))
     barrier()
     if is_main:
@@ -252,9 +256,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         materialize_optimizer_state(optimizer)
-        state = _state_dict(model, optimizer, masters, zero)
-        with _single_process_quiet():
-            dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        with _quiet():
+            dcp.load(_state_dict(model, optimizer, masters, zero), storage_reader=SafeFileSystemReader(path))
         if masters:
             masters.copy_master_to_model()
         if zero:
@@ -273,6 +276,6 @@ def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in metadata.state_dict_metadata.items()
              if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    with _single_process_quiet():
+    with _quiet():
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
     return {fqn.removeprefix("model."): tensor for fqn, tensor in state.items()}

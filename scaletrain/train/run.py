@@ -78,6 +78,9 @@ def check_run_folder(cfg: Config) -> None:
         if done >= cfg.train.steps:
             raise UserError(f"the run in {out} already finished {done} of --steps {cfg.train.steps}; "
                             f"raise --steps to train further.")
+        if cfg.run.stop_at is not None and cfg.run.stop_at <= done:
+            raise UserError(f"--stop-at {cfg.run.stop_at} is not after step {done}, where the run in {out} "
+                            f"resumes; give a later step or leave --stop-at out.")
     elif out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
 

@@ -96,9 +96,9 @@ MAX_IN_FLIGHT = 2
 
 @dataclass
 class FlatShard:
-    """One tensor of the model, as this rank holds it: elements ``ranges[rank]``
-    of its row-major flattening, and which elements the other ranks hold (the
-    checkpoint turns the spans into rectangular chunks of the tensor)."""
+    """One tensor of the model as the group holds it: which elements of its
+    row-major flattening each rank owns, and this rank's own (the checkpoint
+    turns the spans into rectangular chunks of the tensor)."""
 
     shape: torch.Size
     spans: list[tuple[int, int, int]]  # (global rank, start, stop) for every rank of the group
@@ -112,7 +112,6 @@ class Piece:
 
     param: nn.Parameter  # the model's parameter
     name: str
-    start: int  # first element of the parameter's flattening held here
     tensor: nn.Parameter  # what the optimizer updates: a view of the unit's master shard
 
 
@@ -255,7 +254,7 @@ class ZeroDataParallel:
             if hi > lo:
                 piece = nn.Parameter(master[offsets[i] + lo - start:offsets[i] + hi - start])
                 piece.grad = master_grad[offsets[i] + lo - start:offsets[i] + hi - start]
-                unit.pieces.append(Piece(param, self.names[id(param)], lo, piece))
+                unit.pieces.append(Piece(param, self.names[id(param)], piece))
         if self.stage == 3:
             self._free(unit)
         return unit

@@ -216,9 +216,8 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    masters: MasterWeights | None, zero: ZeroDataParallel | None,
-                    trainer_state: dict[str, Any], *, is_main: bool,
-                    barrier: Callable[[], None]) -> Path:
+                    masters: MasterWeights | None, trainer_state: dict[str, Any], *, is_main: bool,
+                    barrier: Callable[[], None], zero: ZeroDataParallel | None = None) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
     if is_main:

@@ -257,13 +257,13 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------
     def _save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters, self.zero,
+        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters,
                                     {"step": step, "world_size": self.runtime.env.world_size,
                                      "layout": self.mesh.dims.describe(),
                                      "scaler": {k: float(v) if torch.is_tensor(v) else v
                                                 for k, v in self.scaler.state_dict().items()}},
                                     is_main=self.is_main,
-                                    barrier=lambda: self.comm.barrier(self.mesh.group("world")))
+                                    barrier=lambda: self.comm.barrier(self.mesh.group("world")), zero=self.zero)
 
     def fit(self) -> RunSummary:
         cfg = self.cfg

@@ -51,12 +51,13 @@ others' resident state.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +112,16 @@ class Contender:
         self.state = bytes_by_entry(self.state_tensors())
 
 
-def _forward_backward(model: nn.Module, batches: Batches) -> float:
-    """Every micro-batch's forward and backward, the loss scaled by 1/grad_accum;
-    the sum of the scaled losses (this rank's loss of the step)."""
+def _forward_backward(model: nn.Module, batches: Batches,
+                      no_sync: Callable[[], AbstractContextManager] = nullcontext) -> float:
+    """Every micro-batch's forward and backward (inside ``no_sync()`` but the last),
+    the loss scaled by 1/grad_accum; the sum of the scaled losses (this rank's loss of the step)."""
     model.train()
     total = 0.0
-    for x, y in batches:
-        loss = loss_fn(model(x), y) / len(batches)
-        loss.backward()
+    for micro, (x, y) in enumerate(batches):
+        with nullcontext() if micro == len(batches) - 1 else no_sync():
+            loss = loss_fn(model(x), y) / len(batches)
+            loss.backward()
         total += loss.item()
     return total
 
@@ -133,8 +136,8 @@ class Ours(Contender):
         super().__init__(model, build_optimizer(groups, cfg.train), max_norm)
 
     def train_step(self, batches: Batches, measure: bool) -> float:
-        # Stage 3 reduce-scatters every micro-batch, inside no_sync() or not: none is needed.
-        loss = _forward_backward(self.model, batches)
+        # Stage 3 reduce-scatters every micro-batch all the same (it never holds whole gradients).
+        loss = _forward_backward(self.model, batches, self.zero.no_sync)
         self.zero.finish_gradient_sync()
         self.zero.clip_grad_norm_(self.max_norm)
         self.optimizer.step()
@@ -167,7 +170,8 @@ class FSDP2(Contender):
                          max_norm)
 
     def train_step(self, batches: Batches, measure: bool) -> float:
-        loss = _forward_backward(self.model, batches)  # gradients reduce-scattered every micro-batch
+        # No set_requires_gradient_sync(False): reduce-scatter every micro-batch, as ours does.
+        loss = _forward_backward(self.model, batches)
         torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), self.max_norm)
         self.optimizer.step()
         if measure:
@@ -182,18 +186,18 @@ class FSDP2(Contender):
                 "optimizer": [_local(t) for t in optimizer_state(self.optimizer)]}
 
 
-def import_deepspeed(device: torch.device) -> tuple[Any, str | None]:
+def _import_deepspeed(device: torch.device) -> tuple[Any, str | None]:
     """The ``deepspeed`` module, or None and why not. Its log goes to stderr
     (it writes to stdout by default, which ``--json`` keeps for the result)."""
     os.environ["DS_ACCELERATOR"] = "cpu" if device.type == "cpu" else "cuda"
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # its logger binds to the stdout of import time
+        with redirect_stdout(sys.stderr):  # its logger binds to the stdout of import time
             import deepspeed
     except ImportError as error:
         if error.name == "deepspeed":
             return None, f"the optional deepspeed package is not installed ({INSTALL_HINT})"
         return None, f"deepspeed does not import: {error}"
-    except Exception as error:  # a broken install raises anything at import
+    except Exception as error:  # noqa: BLE001 - a broken install can raise anything at import
         return None, f"deepspeed does not import: {type(error).__name__}: {error}"
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     # It calls torch.distributed's collectives by their pre-2.13 names, warning at every call.
@@ -215,7 +219,7 @@ class DeepSpeed(Contender):
             "steps_per_print": 2**31 - 1,
         }
         optimizer = build_optimizer(decay_groups(model, t.weight_decay), t)
-        with contextlib.redirect_stdout(sys.stderr):
+        with redirect_stdout(sys.stderr):
             engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         super().__init__(engine, optimizer, max_norm)
 
@@ -260,7 +264,7 @@ def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, group: Group,
                 device: torch.device) -> tuple[list[Contender], str | None]:
     """Ours, FSDP2 and, when it imports on every rank, DeepSpeed; and why DeepSpeed is left out, if it is."""
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-    deepspeed, skipped = import_deepspeed(device)
+    deepspeed, skipped = _import_deepspeed(device)
     reasons = [reason for reason in comm.all_gather_object(skipped, group) if reason]
     skipped = reasons[0] if reasons else None  # every rank must agree, or the collectives would not match
 
@@ -357,11 +361,11 @@ def _mib(nbytes: int | None) -> str:
 
 def format_table(result: dict) -> str:
     s = result["setup"]
-    lines = [f"bench zero: {s['model']} on {s['ranks']} ranks ({s['device']}), seq {s['seq_len']}, micro-batch "
-             f"{s['micro_batch']} x {s['grad_accum']}, {s['steps']} steps ({s['timed_steps']} timed), "
-             f"on {result['machine']}",
-             f"{'':<28}{'step s':>9}{'ours / it':>11}{'final loss':>12}{'loss diff':>11}"
-             f"{'state MiB':>11}{'peak MiB':>10}{'step MiB':>10}"]
+    lines = [(f"bench zero: {s['model']} on {s['ranks']} ranks ({s['device']}), seq {s['seq_len']}, "
+              f"micro-batch {s['micro_batch']} x {s['grad_accum']}, {s['steps']} steps "
+              f"({s['timed_steps']} timed), on {result['machine']}"),
+             (f"{'':<28}{'step s':>9}{'ours / it':>11}{'final loss':>12}{'loss diff':>11}"
+              f"{'state MiB':>11}{'peak MiB':>10}{'step MiB':>10}")]
     for row in (result["ours"], *result["peers"]):
         lines.append(f"{row['name']:<28}{row['median_s']:>9.4f}"
                      f"{result['ours']['median_s'] / row['median_s']:>11.3f}{row['final_loss']:>12.4f}"

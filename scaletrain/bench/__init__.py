@@ -13,13 +13,17 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
 
-from scaletrain.config import TrainConfig
+from scaletrain.config import Config, TrainConfig
 from scaletrain.dist.comm import Comm
+from scaletrain.dist.launch import detect_environment, spawn_local
 from scaletrain.dist.mesh import Group
+from scaletrain.errors import UserError
+from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.trainer import first_sample
 
 
@@ -51,6 +55,22 @@ class Racer(Protocol):
 
 R = TypeVar("R", bound=Racer)
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def spawn_race(cfg: Config, warmup: int, worker: Callable[[Config, Any, int], dict], what: str,
+               compares: str) -> dict:
+    """Check the arguments of ``bench WHAT`` for a race across ``--nproc`` processes,
+    prepare the data, and run ``worker(cfg, spec, warmup)`` in each; rank 0's result."""
+    n = cfg.parallel.nproc
+    if n < 2:
+        raise UserError(f"bench {what} compares {compares} across processes; give --nproc 2 or more.")
+    if warmup >= cfg.train.steps:
+        raise UserError(f"--warmup {warmup} leaves no timed step of --steps {cfg.train.steps}; "
+                        f"raise --steps or lower --warmup.")
+    if detect_environment().world_size > 1:
+        raise UserError(f"bench {what} starts its own processes; run it with --nproc N, not under a launcher.")
+    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
+    return spawn_local(n, worker, (cfg.replace(dp=n), spec, warmup))[0]
 
 
 def rotated(items: Sequence[R], step: int) -> list[R]:

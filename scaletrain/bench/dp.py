@@ -22,22 +22,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.bench import Batches, largest_relative_gap, machine, race, slowest_rank_medians, step_batches
+from scaletrain.bench import (
+    Batches,
+    largest_relative_gap,
+    machine,
+    race,
+    slowest_rank_medians,
+    spawn_race,
+    step_batches,
+)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.launch import (
+    detect_environment,
+    init_distributed,
+    shutdown,
+)
 from scaletrain.dist.mesh import Mesh, ParallelDims
-from scaletrain.errors import UserError
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
-from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
+from scaletrain.train.data_setup import DataSpec, open_data
 from scaletrain.train.trainer import loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
@@ -57,16 +67,7 @@ class Contender:
 
 def run(cfg: Config, warmup: int) -> dict:
     """Spawn ``--nproc`` workers, race the contenders; the result as ``bench --json`` prints it."""
-    n = cfg.parallel.nproc
-    if n < 2:
-        raise UserError("bench dp compares data parallelism across processes; give --nproc 2 or more.")
-    if warmup >= cfg.train.steps:
-        raise UserError(f"--warmup {warmup} leaves no timed step of --steps {cfg.train.steps}; "
-                        f"raise --steps or lower --warmup.")
-    if detect_environment().world_size > 1:
-        raise UserError("bench dp starts its own processes; run it with --nproc N, not under a launcher.")
-    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
-    return spawn_local(n, _worker, (cfg.replace(dp=n), spec, warmup))[0]
+    return spawn_race(cfg, warmup, _worker, "dp", "data parallelism")
 
 
 def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, mesh: Mesh) -> list[Contender]:

@@ -58,7 +58,6 @@ import sys
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext, redirect_stdout
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,17 +66,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from scaletrain.bench import Batches, largest_relative_gap, machine, race, slowest_rank_medians, step_batches
+from scaletrain.bench import (
+    Batches,
+    largest_relative_gap,
+    machine,
+    race,
+    slowest_rank_medians,
+    spawn_race,
+    step_batches,
+)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.launch import (
+    detect_environment,
+    init_distributed,
+    shutdown,
+)
 from scaletrain.dist.mesh import Group, Mesh, ParallelDims
-from scaletrain.errors import UserError
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import replicate
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
-from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
+from scaletrain.train.data_setup import DataSpec, open_data
 from scaletrain.train.memory import bytes_by_entry, optimizer_state
 from scaletrain.train.trainer import loss_fn
 
@@ -248,16 +258,7 @@ class DeepSpeed(Contender):
 
 def run(cfg: Config, warmup: int) -> dict:
     """Spawn ``--nproc`` workers, race the contenders; the result as ``bench --json`` prints it."""
-    n = cfg.parallel.nproc
-    if n < 2:
-        raise UserError("bench zero compares sharded data parallelism across processes; give --nproc 2 or more.")
-    if warmup >= cfg.train.steps:
-        raise UserError(f"--warmup {warmup} leaves no timed step of --steps {cfg.train.steps}; "
-                        f"raise --steps or lower --warmup.")
-    if detect_environment().world_size > 1:
-        raise UserError("bench zero starts its own processes; run it with --nproc N, not under a launcher.")
-    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
-    return spawn_local(n, _worker, (cfg.replace(dp=n), spec, warmup))[0]
+    return spawn_race(cfg, warmup, _worker, "zero", "sharded data parallelism")
 
 
 def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, group: Group,

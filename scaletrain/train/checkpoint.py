@@ -45,11 +45,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+)
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from scaletrain.errors import UserError
 from scaletrain.optim.masters import MasterWeights
@@ -167,10 +176,13 @@ def flat_chunks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tup
     return chunks
 
 
-def _sharded(shard: FlatShard) -> torch.Tensor:
+def _sharded(shard: FlatShard | Any) -> Any:
     """A ZeRO `FlatShard` as DCP understands it: a ShardedTensor whose chunks
     (every rank's, so each rank knows the whole layout without asking) are the
-    rectangles of each rank's flat range; a group of one holds the plain tensor."""
+    rectangles of each rank's flat range; a group of one holds the plain tensor.
+    Anything else (a buffer, a step counter) is saved as it is."""
+    if not isinstance(shard, FlatShard):
+        return shard
     if len(shard.spans) == 1:
         return shard.local.view(shard.shape)
     chunks, local = [], []
@@ -201,9 +213,8 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
     """
     if zero is not None:
         weights, optim = zero.flat_shards(optimizer)
-        as_chunks = lambda v: _sharded(v) if isinstance(v, FlatShard) else v  # noqa: E731
-        return {"model": {k: as_chunks(v) for k, v in weights.items()},
-                "optim": {name: {k: as_chunks(v) for k, v in state.items()} for name, state in optim.items()}}
+        return {"model": {k: _sharded(v) for k, v in weights.items()},
+                "optim": {name: {k: _sharded(v) for k, v in state.items()} for name, state in optim.items()}}
     def stepped(tensor: torch.Tensor) -> torch.Tensor:
         master = masters.master_of(tensor) if masters else None
         return master if master is not None else tensor

@@ -55,8 +55,20 @@ from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
 from scaletrain.recompute import apply_recompute
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, open_data
-from scaletrain.train.memory import ActivationMeter, bytes_by_entry, memory_ledger, model_bytes, optimizer_state
-from scaletrain.train.metrics import MetricsWriter, drop_records_after, mfu, peak_tflops, step_memory_bytes
+from scaletrain.train.memory import (
+    ActivationMeter,
+    bytes_by_entry,
+    memory_ledger,
+    model_bytes,
+    optimizer_state,
+)
+from scaletrain.train.metrics import (
+    MetricsWriter,
+    drop_records_after,
+    mfu,
+    peak_tflops,
+    step_memory_bytes,
+)
 
 
 @dataclass

@@ -27,22 +27,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.bench import (
-    Batches,
-    largest_relative_gap,
-    machine,
-    race,
-    slowest_rank_medians,
-    spawn_race,
-    step_batches,
-)
+from scaletrain.bench import (Batches, largest_relative_gap, machine, race, slowest_rank_medians, spawn_race,
+                              step_batches)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import (
-    detect_environment,
-    init_distributed,
-    shutdown,
-)
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups

@@ -66,22 +66,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from scaletrain.bench import (
-    Batches,
-    largest_relative_gap,
-    machine,
-    race,
-    slowest_rank_medians,
-    spawn_race,
-    step_batches,
-)
+from scaletrain.bench import (Batches, largest_relative_gap, machine, race, slowest_rank_medians, spawn_race,
+                              step_batches)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import (
-    detect_environment,
-    init_distributed,
-    shutdown,
-)
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
 from scaletrain.dist.mesh import Group, Mesh, ParallelDims
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups

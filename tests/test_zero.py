@@ -50,7 +50,8 @@ def test_zero_reproduces_single_device_training(tiny_cfg, stage, n):
     dict(name="gpt-tiny", zero=3, offload="optimizer", nproc=2, dp=2),
     dict(name="gpt-tiny", zero=1, offload="optimizer", grad_accum=2, nproc=2, dp=2),
     dict(name="mlp", zero=3, grad_accum=2, nproc=2, dp=2, data=None),
-], ids=["z2-accum-dp4", "z3-accum-recompute", "z3-offload", "z1-offload-accum", "z3-mlp-accum"])
+    pytest.param(dict(name="gpt-tiny", zero=3, compile=True, nproc=2, dp=2), marks=pytest.mark.slow),
+], ids=["z2-accum-dp4", "z3-accum-recompute", "z3-offload", "z1-offload-accum", "z3-mlp-accum", "z3-compile"])
 def test_zero_composes_with_accumulation_offload_and_recompute(tiny_cfg, changes):
     report = run_parity(tiny_cfg.replace(steps=3, **changes), tolerance=1e-5)
     assert report.passed, report.to_json()

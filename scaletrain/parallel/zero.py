@@ -123,7 +123,6 @@ class Unit:
     params: list[nn.Parameter]
     offsets: list[int]  # each parameter's first element in the flat buffer
     shard_numel: int  # S
-    start: int  # this rank's first element, rank * S
     full: torch.Tensor  # every element, working dtype; the parameters are views of it
     shard: torch.Tensor  # this rank's S elements of the working weights
     master: torch.Tensor  # the same in fp32, where the optimizer runs (may be `shard` itself)
@@ -246,14 +245,13 @@ class ZeroDataParallel:
             torch.zeros(shard_numel, dtype=reduce_dtype, device=self.device)
         master_grad = grad if reduce_dtype == torch.float32 and self.master_device == self.device else \
             self._host_or_device(torch.zeros(shard_numel))
-        unit = Unit(index, params, offsets, shard_numel, start, full, shard, master, grad, master_grad,
-                    grad_full, module)
+        unit = Unit(index, params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
         for i, param in enumerate(params):
             param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
-            lo, hi = unit.span(i, rank)
+            lo, hi = (offsets[i] + end - start for end in unit.span(i, rank))  # within the shard
             if hi > lo:
-                piece = nn.Parameter(master[offsets[i] + lo - start:offsets[i] + hi - start])
-                piece.grad = master_grad[offsets[i] + lo - start:offsets[i] + hi - start]
+                piece = nn.Parameter(master[lo:hi])
+                piece.grad = master_grad[lo:hi]
                 unit.pieces.append(Piece(param, self.names[id(param)], piece))
         if self.stage == 3:
             self._free(unit)
@@ -441,6 +439,7 @@ class ZeroDataParallel:
     # -- stage 3: gather before use, free after ---------------------------------
     def _install_gather_hooks(self, model: nn.Module) -> None:
         self._forward = self.units[::-1]
+        self._next_in_forward = dict(zip(map(id, self._forward), self._forward[1:]))
         # The unit whose forward ends last is needed first by backward: it stays.
         self._held = self._forward[0] if self._forward[0].module is model else self._forward[-1]
         model.register_forward_pre_hook(self._begin_forward)
@@ -457,9 +456,9 @@ class ZeroDataParallel:
         self._gather(unit)
         if self._in_backward:  # activation recomputation inside backward: gathered already
             return
-        position = self._forward.index(unit)
-        if position + 1 < len(self._forward):
-            self._gather(self._forward[position + 1], wait=False)  # prefetch
+        following = self._next_in_forward.get(id(unit))
+        if following is not None:
+            self._gather(following, wait=False)  # prefetch
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
         if self._in_backward:

@@ -86,7 +86,10 @@ class TrainConfig:
 class ParallelConfig:
     nproc: int = _opt(1, "spawn this many local workers (otherwise read torchrun/SLURM/MPI)")
     dp: int | None = _opt(None, "data-parallel size (default: what the other sizes leave)")
-    tp: int = _opt(1, "tensor-parallel size")
+    tp: int = _opt(1, "tensor-parallel size (Megatron: attention heads, MLP features and the "
+                      "vocabulary split over this many ranks)")
+    sp: bool = _opt(False, "sequence parallelism inside the tp group: norms, dropout and residuals "
+                           "split along the sequence (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel size")
     cp: int = _opt(1, "context-parallel size")
     ep: int = _opt(1, "expert-parallel size")
@@ -286,6 +289,20 @@ def check_values(cfg: Config) -> None:
             if used:
                 raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
                                 f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
+    tp = cfg.parallel.tp
+    if cfg.parallel.sp and tp < 2:
+        raise UserError(f"--sp splits the sequence over the tp group, which needs --tp 2 or more, "
+                        f"not --tp {tp}; add --tp or drop --sp.")
+    if tp > 1:
+        if cfg.parallel.sp and cfg.data.seq_len % tp:
+            raise UserError(f"--sp splits each sequence of --seq-len {cfg.data.seq_len} over --tp {tp} "
+                            f"ranks; choose a --seq-len divisible by {tp}.")
+        for flag, used, reason in (
+                ("--zero", cfg.parallel.zero > 0, "ZeRO here flattens whole weights, not tp slices"),
+                ("--optimizer adafactor", cfg.train.optimizer != "adamw",
+                 "Adafactor factors the second moment of whole weight matrices")):
+            if used:
+                raise UserError(f"--tp {tp} does not combine with {flag}: {reason}; drop one of the two.")
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":
         try:

@@ -62,6 +62,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from scaletrain.errors import UserError
 from scaletrain.optim.masters import MasterWeights
+from scaletrain.dist.mesh import Group
+from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
 
 STATE_FILE = "trainer_state.json"
@@ -176,32 +178,53 @@ def flat_chunks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tup
     return chunks
 
 
+def _sharded_tensor(shape: tuple[int, ...], like: torch.Tensor,
+                    pieces: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.Tensor | None]]) -> Any:
+    """A ShardedTensor from every rank's pieces (global rank, offsets, sizes, and
+    this rank's tensor for the piece or None): every rank describes the whole
+    layout, so none has to ask the others."""
+    chunks, local = [], []
+    for rank, offsets, sizes, tensor in pieces:
+        metadata = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
+                                 placement=f"rank:{rank}/{like.device}")
+        chunks.append(metadata)
+        if tensor is not None:
+            local.append(Shard(tensor, metadata))
+    properties = TensorProperties(dtype=like.dtype)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(shards_metadata=chunks, size=torch.Size(shape), tensor_properties=properties))
+
+
 def _sharded(shard: FlatShard | Any) -> Any:
-    """A ZeRO `FlatShard` as DCP understands it: a ShardedTensor whose chunks
-    (every rank's, so each rank knows the whole layout without asking) are the
-    rectangles of each rank's flat range; a group of one holds the plain tensor.
-    Anything else (a buffer, a step counter) is saved as it is."""
+    """A ZeRO `FlatShard` as DCP understands it: its chunks are the rectangles of
+    each rank's flat range; a group of one holds the plain tensor. Anything else
+    (a buffer, a step counter) is saved as it is."""
     if not isinstance(shard, FlatShard):
         return shard
     if len(shard.spans) == 1:
         return shard.local.view(shard.shape)
-    chunks, local = [], []
+    pieces = []
     for rank, start, stop in shard.spans:
         position = 0
         for offsets, sizes in flat_chunks(tuple(shard.shape), start, stop):
-            metadata = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                                     placement=f"rank:{rank}/{shard.local.device}")
-            chunks.append(metadata)
-            if rank == shard.rank:
-                local.append(Shard(shard.local[position:position + math.prod(sizes)].view(sizes), metadata))
+            mine = shard.local[position:position + math.prod(sizes)].view(sizes) if rank == shard.rank else None
+            pieces.append((rank, offsets, sizes, mine))
             position += math.prod(sizes)
-    properties = TensorProperties(dtype=shard.local.dtype)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, ShardedTensorMetadata(shards_metadata=chunks, size=shard.shape, tensor_properties=properties))
+    return _sharded_tensor(tuple(shard.shape), shard.local, pieces)
+
+
+def _tensor_parallel_sharded(tensor: torch.Tensor, split: Split, group: Group) -> Any:
+    """A tp slice (a weight, or optimizer state shaped like it) as the chunks of
+    its full tensor that each rank of the tp group holds."""
+    pieces = [(global_rank, offsets, sizes,
+               tensor.narrow(split.dim, start, sizes[split.dim]) if index == group.rank else None)
+              for index, global_rank in enumerate(group.ranks)
+              for offsets, sizes, start in split.chunks(index)]
+    return _sharded_tensor(split.full_shape, tensor, pieces)
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None,
-                zero: ZeroDataParallel | None) -> dict[str, Any]:
+                zero: ZeroDataParallel | None, tensor_parallel: TensorParallel | None) -> dict[str, Any]:
     """Model weights and per-parameter optimizer state, both by parameter name.
 
     With master weights, the fp32 master stands in for its parameter, in both
@@ -209,7 +232,8 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
     working weight has lost (loading writes them, then re-rounds the model).
     Under ZeRO each rank gives its shards, as chunks of the full tensors: the
     files hold the same tensors, by the same names and shapes, as any other
-    layout's, and a load reads whatever chunks its own layout needs.
+    layout's, and a load reads whatever chunks its own layout needs. Tensor
+    parallel slices are described the same way, as chunks of the full tensors.
     """
     if zero is not None:
         weights, optim = zero.flat_shards(optimizer)
@@ -223,12 +247,25 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
     optim = {names[id(p)]: dict(optimizer.state[p])
              for group in optimizer.param_groups for p in group["params"]}
     weights = {key: stepped(t).detach() for key, t in model.state_dict(keep_vars=True).items()}
+    if tensor_parallel is not None:
+        splits = {name: tensor_parallel.splits[p] for name, p in model.named_parameters(remove_duplicate=False)
+                  if p in tensor_parallel.splits}
+
+        def whole(name: str, tensor: Any) -> Any:
+            split = splits.get(name)
+            if split is None or not torch.is_tensor(tensor) or tensor.dim() != len(split.full_shape):
+                return tensor
+            return _tensor_parallel_sharded(tensor, split, tensor_parallel.group)
+
+        weights = {name: whole(name, t) for name, t in weights.items()}
+        optim = {name: {k: whole(name, v) for k, v in state.items()} for name, state in optim.items()}
     return {"model": weights, "optim": optim}
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     masters: MasterWeights | None, trainer_state: dict[str, Any], *, is_main: bool,
-                    barrier: Callable[[], None], zero: ZeroDataParallel | None = None) -> Path:
+                    barrier: Callable[[], None], zero: ZeroDataParallel | None = None,
+                    tensor_parallel: TensorParallel | None = None) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
     if is_main:
@@ -238,7 +275,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     barrier()
     materialize_optimizer_state(optimizer)
     with _quiet():
-        dcp.save(_state_dict(model, optimizer, masters, zero), storage_writer=FileSystemWriter(tmp))
+        dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel),
+                 storage_writer=FileSystemWriter(tmp))
     barrier()
     if is_main:
         state_path = tmp / STATE_FILE
@@ -261,13 +299,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    masters: MasterWeights | None = None, zero: ZeroDataParallel | None = None) -> dict[str, Any]:
+                    masters: MasterWeights | None = None, zero: ZeroDataParallel | None = None,
+                    tensor_parallel: TensorParallel | None = None) -> dict[str, Any]:
     """Fill model (and masters) and optimizer in place; return the trainer state."""
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         materialize_optimizer_state(optimizer)
         with _quiet():
-            dcp.load(_state_dict(model, optimizer, masters, zero), storage_reader=SafeFileSystemReader(path))
+            dcp.load(_state_dict(model, optimizer, masters, zero, tensor_parallel),
+                     storage_reader=SafeFileSystemReader(path))
         if masters:
             masters.copy_master_to_model()
         if zero:

@@ -29,7 +29,7 @@ from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
 
 # Strategies whose transforms exist; the mesh accepts every size already.
-_IMPLEMENTED = {"dp"}
+_IMPLEMENTED = {"dp", "tp"}
 
 
 def world_size_for(cfg: Config, env: ProcessEnv) -> int:

@@ -50,6 +50,7 @@ from scaletrain.models import build_model
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, replicate, summer
+from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
 from scaletrain.recompute import apply_recompute
@@ -107,18 +108,27 @@ class Trainer:
         self.device = runtime.device
         self.data = open_data(spec, cfg)
         self.dp_group = mesh.group("dp")
+        self.tp_group = mesh.group("tp")
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and layout
         t = cfg.train
         self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                                             n_features=self.data.n_features,
                                             n_classes=self.data.n_classes).to(self.device)
+        self.flops_per_token = self.model.flops_per_token()  # of the whole model, before any split
+        p = cfg.parallel
+        # Megatron tensor (and sequence) parallelism: the full weights were
+        # just built from the seed, each tp rank keeps its slices of them.
+        self.tensor_parallel: TensorParallel | None = None
+        if self.tp_group.size > 1:
+            self.tensor_parallel = parallelize(self.model, GPT_PLAN, comm, self.tp_group,
+                                               sequence_parallel=p.sp, dropout=cfg.model.dropout)
+        self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
         if t.recompute != "none":
             apply_recompute(self.model, t.recompute)
         if t.compile:
             compile_blocks(self.model)
         replicate(self.model, comm, self.dp_group)  # before the masters copy the weights
-        p = cfg.parallel
         master_device = "cpu" if t.offload == "optimizer" else None
         # fp32 masters for bf16 working weights, or in host memory with --offload
         # (optim/masters.py); the optimizer then steps on the masters. ZeRO
@@ -142,19 +152,22 @@ class Trainer:
                                               allreduce=p.allreduce, compressor=self._compressor())
         self.optimizer = build_optimizer(groups, t)
         self.step_params = [p for group in groups for p in group["params"]]
+        # The step parameters (masters, where they exist) that hold tp slices.
+        self.split_params = {id(self.masters.master_of(q) if self.masters else q)
+                             for q in (self.tensor_parallel.splits if self.tensor_parallel else ())}
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
         self.memory: dict | None = None  # the ledger taken on that step
         self.start_step = 0
         if cfg.run.resume:
             latest = ckpt.latest_checkpoint(run_dir)
-            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters, self.zero)
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters, self.zero,
+                                         self.tensor_parallel)
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * self.dp_group.size * positions
         self.peak = peak_tflops(t.peak_tflops, self.device)
-        self.flops_per_token = self.model.flops_per_token()
 
     def _compressor(self) -> PowerSGD | SignCompressor | None:
         p = self.cfg.parallel
@@ -172,9 +185,17 @@ class Trainer:
         x, y = self.data.train.get(first, t.micro_batch)
         return x.to(self.device), y.to(self.device)
 
+    def _dropout_rank(self) -> int:
+        """Which stream this rank's dropout draws from: its own, except that the
+        ranks of a tp group share one when they hold the same activations
+        (tensor parallelism without sp; parallel/tensor.py)."""
+        if self.tensor_parallel and not self.tensor_parallel.sequence_parallel:
+            return self.mesh.dims.rank_of({**self.mesh.coords, "tp": 0})
+        return self.runtime.env.rank
+
     def train_step(self, step: int) -> dict[str, float]:
         t = self.cfg.train
-        torch.manual_seed(_step_seed(t.seed, step, self.runtime.env.rank))
+        torch.manual_seed(_step_seed(t.seed, step, self._dropout_rank()))
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
@@ -184,7 +205,7 @@ class Trainer:
                     (nullcontext() if final else self.data_parallel.no_sync()):
                 with autocast(t.precision, self.device):
                     logits = self.model(x)
-                loss = loss_fn(logits, y) / t.grad_accum
+                loss = self.loss_fn(logits, y) / t.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.data_parallel.finish_gradient_sync()
@@ -196,8 +217,12 @@ class Trainer:
             self.comm.all_reduce(found_inf, self.dp_group, op="max")  # every replica skips together
             overflow = bool(found_inf.item())
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = self.zero.clip_grad_norm_(max_norm) if self.zero else \
-            torch.nn.utils.clip_grad_norm_(self.step_params, max_norm)
+        if self.zero:
+            grad_norm = self.zero.clip_grad_norm_(max_norm)
+        elif self.tensor_parallel:
+            grad_norm = self.tensor_parallel.clip_grad_norm_(self.step_params, self.split_params, max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.step_params, max_norm)
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -246,7 +271,7 @@ class Trainer:
         for x, y in self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches):
             with autocast(self.cfg.train.precision, self.device):
                 logits = self.model(x.to(self.device))
-            losses.append(loss_fn(logits, y.to(self.device)).item())
+            losses.append(self.loss_fn(logits, y.to(self.device)).item())
         return sum(losses) / len(losses)
 
     def sample(self) -> str | None:
@@ -262,7 +287,8 @@ class Trainer:
         prompt = torch.tensor(tokenizer.encode(text[start:start + 48]), dtype=torch.long)
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
-        with autocast(self.cfg.train.precision, self.device):
+        generation = self.tensor_parallel.generation() if self.tensor_parallel else nullcontext()
+        with generation, autocast(self.cfg.train.precision, self.device):
             out = self.model.generate(prompt[None].to(self.device), self.cfg.run.sample_tokens,
                                       generator=generator)
         return tokenizer.decode(out[0].tolist())
@@ -275,7 +301,8 @@ class Trainer:
                                      "scaler": {k: float(v) if torch.is_tensor(v) else v
                                                 for k, v in self.scaler.state_dict().items()}},
                                     is_main=self.is_main,
-                                    barrier=lambda: self.comm.barrier(self.mesh.group("world")), zero=self.zero)
+                                    barrier=lambda: self.comm.barrier(self.mesh.group("world")), zero=self.zero,
+                                    tensor_parallel=self.tensor_parallel)
 
     def fit(self) -> RunSummary:
         cfg = self.cfg
@@ -309,7 +336,8 @@ class Trainer:
         bar.close()
         if writer:
             writer.close()
-        sample = self.sample() if self.is_main and end == cfg.train.steps else None
+        # Every rank of the main rank's tp group computes the sample with it.
+        sample = self.sample() if 0 in self.tp_group.ranks and end == cfg.train.steps else None
         return RunSummary(run_dir=self.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
-                          val_loss=val_loss, checkpoint=saved, sample=sample,
+                          val_loss=val_loss, checkpoint=saved, sample=sample if self.is_main else None,
                           unigram_entropy=self.spec.unigram_entropy)

@@ -1,0 +1,492 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism, applied to a plain model.
+
+Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism"; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models".
+
+A transformer block's weights are split over the t ranks of the tp group so
+that each rank computes 1/t of every matrix product and the ranks talk
+twice per block each way:
+
+    attention   qkv  column-parallel: rank r holds heads [r*a/t, (r+1)*a/t) of q, k and v
+                proj row-parallel: the matching 1/t of its input features
+    MLP         fc   column-parallel: 4h/t of the hidden features
+                proj row-parallel: the matching 4h/t inputs
+
+A column-parallel layer needs its whole input and gives a slice of the
+output features; the row-parallel layer takes that slice and gives a partial
+sum of the whole output. Between them everything (attention per head, GELU
+per feature) is local. The region is entered with f (identity forward,
+all-reduce of the input's gradient backward) and left with g (all-reduce of
+the partial sums forward, identity backward): per block 2 all-reduces of
+b*s*h elements forward and 2 backward (dist/autograd.py).
+
+Embeddings and loss (vocabulary parallel). The token embedding's rows are
+split by vocabulary: a rank looks up the ids in its range, writes zeros for
+the rest, and g sums the ranks' rows. The output head shares that weight
+(weight tying), so it is column-parallel over the same rows and gives each
+rank the logits of its vocabulary slice. The cross-entropy never gathers
+them: per position, with z the logits and y the target,
+
+    loss = log sum_v exp(z_v - m) - (z_y - m),   m = max_v z_v
+
+needs only the global max (all-reduce max), the global sum of exponentials
+and the target's logit, which lives on one rank (one all-reduce of the pair).
+Its gradient, softmax(z) - onehot(y), is computed from local values.
+
+Sequence parallelism (``--sp``). Outside the tp regions (layer norms,
+dropout, residual adds) every rank would hold the same [b, s, h] activations;
+sequence parallelism splits them along the sequence instead, so rank r holds
+positions [r*s/t, (r+1)*s/t). f becomes an all-gather along the sequence (its
+backward a reduce-scatter) and g a reduce-scatter (its backward an
+all-gather): the same bytes as the all-reduces they replace. A
+column-parallel layer keeps only its own sequence chunk of the gathered
+input for backward and gathers it again there (Korthikanti et al. section
+4.2.2; the re-gather is started before the input gradient's matrix product and
+overlaps it). Replicated weights in the sequence-split region (layer norms,
+the position embedding) then see only 1/t of the positions: their gradients
+are summed over the tp group by a hook.
+
+Activation memory per block, Korthikanti's formula in 16-bit units (a heads,
+dropout masks 1 byte, the s x s attention scores kept):
+
+    tp only   s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    tp + sp   s*b*h*(34/t + 5*a*s/(h*t))
+
+This model in fp32 with dropout 0 and a fused attention kernel that keeps
+its output and log-sum-exp (b*a*s) instead of the scores, and layer norms
+that keep mean and 1/std (b*s each), saves
+
+    tp only   4*s*b*h*(4 + 13/t) + 4*b*s*(4 + a/t)       bytes
+    tp + sp   4*s*b*h*17/t       + 4*b*s*(4 + a)/t       bytes
+
+4 elements of b*s*h replicated (the two norms' inputs, the qkv and fc inputs)
+and 13 split (qkv output 3, attention output 1, proj input 1, fc output 4,
+GELU output 4); with sp every one of them is split.
+
+The plan is data: ``GPT_PLAN`` names, by module path, what each part of the
+plain GPT becomes; `parallelize` builds the full model's weights first (same
+seed, same values as one device) and keeps each rank's slices, so a tp run
+starts from exactly the single-device weights.
+
+Dropout randomness. Without sp, activations outside the tp regions are
+replicated and their dropout masks must agree across the tp group: the
+trainer seeds every tp rank alike. Inside a region (from the region's entry to
+its row-parallel layer: the attention's dropout on its heads) each rank holds
+different heads and must draw its own masks: `RegionRNG` switches to a stream
+seeded by a draw from the shared one plus the tp rank, and back at the
+row-parallel layer; the draw is replayed by recomputation, so recomputed masks
+are the same. With sp every activation is split (by heads or by positions),
+so every tp rank is simply seeded differently.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from scaletrain.dist.autograd import (
+    all_reduced,
+    copy_to_group,
+    gather_sequence,
+    reduce_from_group,
+    scatter_sequence,
+)
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.mesh import Group
+
+
+# -- the plan ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Rows split by vocabulary; the ranks' lookups summed (sp: reduce-scattered)."""
+
+
+@dataclass(frozen=True)
+class PositionEmbedding:
+    """Replicated; under sp each rank looks up its own positions."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module whose input enters a tp region: f (sp: all-gather along the sequence)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """Output features split; ``parts`` equal blocks along the output (q, k, v) each split."""
+
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """Input features split; the partial outputs summed: g (sp: reduce-scatter)."""
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """Its own region: input made whole, rows split by vocabulary (the tied
+    embedding's), logits left split for the vocabulary-parallel loss."""
+
+
+GPT_PLAN = (
+    ("tok_emb", VocabEmbedding()),
+    ("pos_emb", PositionEmbedding()),
+    ("blocks.*.attn", Region()),
+    ("blocks.*.attn.qkv", Column(parts=3)),
+    ("blocks.*.attn.proj", Row()),
+    ("blocks.*.mlp", Region()),
+    ("blocks.*.mlp.fc", Column()),
+    ("blocks.*.mlp.proj", Row()),
+    ("head", VocabHead()),
+)
+
+
+# -- how a weight is split -----------------------------------------------------
+
+
+def split_sizes(n: int, ranks: int) -> tuple[int, ...]:
+    """n split as evenly as possible, the first n % ranks ranks one larger."""
+    return tuple(n // ranks + (r < n % ranks) for r in range(ranks))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A weight cut along ``dim``, which holds ``parts`` equal blocks (the fused
+    q, k, v of an attention projection), each block cut across the ranks by
+    ``sizes``: rank r holds, of every block, the slice ``[sum(sizes[:r]), +sizes[r])``."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    parts: int
+    sizes: tuple[int, ...]
+
+    @property
+    def block(self) -> int:
+        return self.full_shape[self.dim] // self.parts
+
+    def start(self, rank: int) -> int:
+        return sum(self.sizes[:rank])
+
+    def chunks(self, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """Rank ``rank``'s pieces: (offsets in the full tensor, sizes, start in its local tensor)."""
+        pieces = []
+        for part in range(self.parts):
+            offsets = [0] * len(self.full_shape)
+            offsets[self.dim] = part * self.block + self.start(rank)
+            sizes = list(self.full_shape)
+            sizes[self.dim] = self.sizes[rank]
+            pieces.append((tuple(offsets), tuple(sizes), part * self.sizes[rank]))
+        return pieces
+
+    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s slices of ``full``, in a tensor of their own."""
+        return torch.cat([full.narrow(self.dim, offsets[self.dim], sizes[self.dim])
+                          for offsets, sizes, _ in self.chunks(rank)], dim=self.dim).contiguous()
+
+
+# -- randomness inside the regions ---------------------------------------------
+
+
+class RegionRNG:
+    """Per-rank dropout streams inside the tp regions (see the module docstring)."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def enter(self) -> None:
+        # Drawn from the shared stream, so equal on every tp rank and redrawn
+        # identically when recomputation replays the forward.
+        seed = int(torch.randint(2**62, ()).item())
+        self._saved = self._state()
+        torch.manual_seed(seed + self.rank)
+
+    def exit(self) -> None:
+        if self._saved is None:
+            return
+        cpu, cuda = self._saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        self._saved = None
+
+
+# -- the layers ----------------------------------------------------------------
+
+
+class _SequenceGatheredLinear(Function):
+    """y = x @ w.T for an input all-gathered along the sequence; keeps only this
+    rank's chunk of x for backward and gathers it again there."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm, group):
+        y = F.linear(x, weight)  # under autocast: in its dtype
+        chunk = x.shape[1] // group.size
+        ctx.comm, ctx.group, ctx.dtype = comm, group, y.dtype
+        ctx.save_for_backward(x.narrow(1, group.rank * chunk, chunk).to(y.dtype, copy=True), weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine, weight = ctx.saved_tensors
+        comm, group = ctx.comm, ctx.group
+        parts = mine.new_empty((group.size, *mine.shape))
+        pending = comm.all_gather(parts, mine, group, async_op=True)
+        grad = grad.to(ctx.dtype)
+        grad_x = grad @ weight.to(ctx.dtype)
+        pending.wait()
+        x = parts.movedim(0, 1).flatten(1, 2)
+        grad_w = grad.flatten(0, -2).T @ x.flatten(0, -2)
+        return grad_x, grad_w.to(weight.dtype), None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer holding a slice of the output features (no bias)."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence_parallel:
+            return _SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer holding a slice of the input features; leaves the region."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.rng is not None:
+            self.tp.rng.exit()
+        return self.tp.leave(F.linear(x, self.weight))
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output head: its own region, logits split by vocabulary (gathered
+    whole only while generating text)."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel, split: Split):
+        super().__init__(weight, tp)
+        self.split = split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(self.tp.enter(x))
+        return self.tp.gathered_vocab(logits, self.split) if self.tp.full_logits else logits
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel, start: int):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.leave(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class SequenceShardedEmbedding(nn.Module):
+    """A replicated position embedding; under sp a rank looks up only its positions."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence_parallel:
+            positions = positions.chunk(self.tp.group.size)[self.tp.group.rank]
+        return F.embedding(positions, self.weight)
+
+
+# -- the loss ------------------------------------------------------------------
+
+
+class _VocabParallelCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, targets, start, comm, group):
+        z = logits.float()
+        top = z.max(dim=-1).values
+        comm.all_reduce(top, group, op="max")
+        z = z - top.unsqueeze(-1)
+        local = targets - start
+        inside = (local >= 0) & (local < z.shape[-1])
+        local = local.masked_fill(~inside, 0)
+        exp = z.exp()
+        sums = torch.stack([exp.sum(dim=-1), z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside])
+        comm.all_reduce(sums, group)
+        exp.div_(sums[0].unsqueeze(-1))  # now the softmax
+        ctx.save_for_backward(exp, local, inside)
+        ctx.dtype = logits.dtype
+        return (sums[0].log() - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(local.shape[0], device=local.device)
+        grad_logits[rows, local] -= inside.to(grad_logits.dtype)
+        grad_logits.mul_(grad / local.shape[0])
+        return grad_logits.to(ctx.dtype), None, None, None, None
+
+
+# -- the transform -------------------------------------------------------------
+
+
+class TensorParallel:
+    """A model split over the tp group by a plan; what the trainer needs from it."""
+
+    def __init__(self, comm: Comm, group: Group, *, sequence_parallel: bool, rng: RegionRNG | None):
+        self.comm, self.group = comm, group
+        self.sequence_parallel = sequence_parallel
+        self.rng = rng
+        self.full_logits = False
+        self.splits: dict[nn.Parameter, Split] = {}
+        self.vocab: Split | None = None
+
+    # region entry and exit
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_sequence(x, self.comm, self.group)
+        return copy_to_group(x, self.comm, self.group)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return scatter_sequence(y, self.comm, self.group)
+        return reduce_from_group(y, self.comm, self.group)
+
+    def _region_entry_hook(self, module: nn.Module, args: tuple) -> tuple:
+        x = self.enter(args[0])
+        if self.rng is not None and module.training:
+            self.rng.enter()
+        return (x, *args[1:])
+
+    def gathered_vocab(self, logits: torch.Tensor, split: Split) -> torch.Tensor:
+        """Every rank's logits, whole (for sampling; the sizes may differ by one)."""
+        widest = max(split.sizes)
+        padded = F.pad(logits, (0, widest - logits.shape[-1])).contiguous()
+        parts = padded.new_empty((self.group.size, *padded.shape))
+        self.comm.all_gather(parts, padded, self.group)
+        return torch.cat([parts[r, ..., :size] for r, size in enumerate(split.sizes)], dim=-1)
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """Whole logits on every rank, and no sequence split (prompts of any length)."""
+        sequence_parallel = self.sequence_parallel
+        self.sequence_parallel, self.full_logits = False, True
+        try:
+            yield
+        finally:
+            self.sequence_parallel, self.full_logits = sequence_parallel, False
+
+    # loss and gradients
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every position, from vocabulary-split logits."""
+        start = self.vocab.start(self.group.rank)
+        return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start,
+                                                self.comm, self.group)
+
+    def clip_grad_norm_(self, params: Iterable[torch.Tensor], split: set[int], max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the whole model: the squares of split
+        gradients (``id`` in ``split``) summed over the group, replicated ones counted once."""
+        grads = [(p.grad, id(p) in split) for p in params if p.grad is not None]
+        squares = torch.zeros(2, dtype=torch.float32, device=grads[0][0].device)
+        for index, is_split in enumerate((True, False)):
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g, s in grads if s == is_split]
+            if norms:
+                squares[index] = torch.linalg.vector_norm(torch.stack(norms)).square()
+        self.comm.all_reduce(squares[:1], self.group)
+        total = squares.sum().sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for g, _ in grads:
+                g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+
+def _matches(plan: tuple, name: str) -> object | None:
+    return next((style for pattern, style in plan if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def parallelize(model: nn.Module, plan: tuple, comm: Comm, group: Group, *, sequence_parallel: bool,
+                dropout: float) -> TensorParallel:
+    """Split ``model`` (built whole, on every rank alike) over ``group`` by ``plan``, in place."""
+    rng = RegionRNG(group.rank, next(model.parameters()).device) if dropout > 0 and not sequence_parallel \
+        else None
+    tp = TensorParallel(comm, group, sequence_parallel=sequence_parallel, rng=rng)
+    shards: dict[int, nn.Parameter] = {}  # full weight -> its shard, so a tied weight stays one
+
+    def shard(weight: nn.Parameter, split: Split) -> nn.Parameter:
+        if id(weight) not in shards:
+            piece = nn.Parameter(split.local(weight.detach(), group.rank), requires_grad=weight.requires_grad)
+            shards[id(weight)] = piece
+            tp.splits[piece] = split
+        return shards[id(weight)]
+
+    def vocab_split(weight: nn.Parameter) -> Split:
+        return Split(tuple(weight.shape), 0, 1, split_sizes(weight.shape[0], group.size))
+
+    for name, module in list(model.named_modules()):
+        style = _matches(plan, name)
+        if style is None:
+            continue
+        if isinstance(style, Region):
+            module.register_forward_pre_hook(tp._region_entry_hook)
+            continue
+        weight = module.weight
+        if isinstance(style, VocabEmbedding):
+            tp.vocab = vocab_split(weight)
+            new = VocabParallelEmbedding(shard(weight, tp.vocab), tp, tp.vocab.start(group.rank))
+        elif isinstance(style, VocabHead):
+            tp.vocab = vocab_split(weight)
+            new = VocabParallelHead(shard(weight, tp.vocab), tp, tp.vocab)
+        elif isinstance(style, PositionEmbedding):
+            new = SequenceShardedEmbedding(weight, tp)
+        elif isinstance(style, Column):
+            out = weight.shape[0] // style.parts
+            new = ColumnParallelLinear(
+                shard(weight, Split(tuple(weight.shape), 0, style.parts, split_sizes(out, group.size))), tp)
+        elif isinstance(style, Row):
+            new = RowParallelLinear(
+                shard(weight, Split(tuple(weight.shape), 1, 1, split_sizes(weight.shape[1], group.size))), tp)
+        else:
+            raise TypeError(f"unknown tensor-parallel style {style!r} for {name}")
+        _set_module(model, name, new)
+    if sequence_parallel:
+        for param in model.parameters():
+            if param not in tp.splits:
+                param.register_hook(lambda grad: all_reduced(grad, comm, group))
+    return tp

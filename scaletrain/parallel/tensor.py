@@ -53,16 +53,19 @@ dropout masks 1 byte, the s x s attention scores kept):
     tp only   s*b*h*(10 + 24/t + 5*a*s/(h*t))
     tp + sp   s*b*h*(34/t + 5*a*s/(h*t))
 
-This model in fp32 with dropout 0 and a fused attention kernel that keeps
-its output and log-sum-exp (b*a*s) instead of the scores, and layer norms
-that keep mean and 1/std (b*s each), saves
+This model in fp32 with dropout 0 saves exactly twice those terms, less the
+two 1-byte dropout masks (no dropout), and with a fused attention kernel that
+keeps its output and log-sum-exp (b*a*s) instead of the scores, plus the
+layer norms' mean and 1/std (b*s each, two norms):
 
-    tp only   4*s*b*h*(4 + 13/t) + 4*b*s*(4 + a/t)       bytes
-    tp + sp   4*s*b*h*17/t       + 4*b*s*(4 + a)/t       bytes
+    tp only   s*b*h*(16 + 48/t) + 4*b*s*(4 + a/t)     bytes
+    tp + sp   s*b*h*64/t        + 4*b*s*(4 + a)/t     bytes
 
-4 elements of b*s*h replicated (the two norms' inputs, the qkv and fc inputs)
-and 13 split (qkv output 3, attention output 1, proj input 1, fc output 4,
-GELU output 4); with sp every one of them is split.
+that is 4 replicated elements per position and feature (the two norms'
+inputs, the qkv and fc inputs: Korthikanti's 10 less the masks) and 12 split
+ones (qkv output 3, attention output 1, which is also the projection's input,
+fc output 4, GELU output 4: his 24); with sp every one of them is split.
+tests/test_tensor.py measures these exactly with the memory ledger's meter.
 
 The plan is data: ``GPT_PLAN`` names, by module path, what each part of the
 plain GPT becomes; `parallelize` builds the full model's weights first (same
@@ -333,7 +336,7 @@ class SequenceShardedEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets, start, comm, group):
-        z = logits.float()
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit logits: in fp32
         top = z.max(dim=-1).values
         comm.all_reduce(top, group, op="max")
         z = z - top.unsqueeze(-1)

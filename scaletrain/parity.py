@@ -120,7 +120,7 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
             runs.append((losses, ckpt.read_model_tensors(summary.checkpoint)))
         (ref_losses, ref_params), (layout_losses, layout_params) = runs
         per_tensor, whole = _relative_diffs(layout_params, ref_params)
-        return ParityReport(layout=dims.describe(), tolerance=tolerance, reference_losses=ref_losses,
+        return ParityReport(layout=dims.describe() + (" with sp" if cfg.parallel.sp else ""), tolerance=tolerance, reference_losses=ref_losses,
                             layout_losses=layout_losses, param_rel_diffs=per_tensor, param_rel_diff=whole)
 
 

@@ -214,7 +214,8 @@ class Trainer:
         overflow = False
         if self.scaler.enabled:
             found_inf = self.scaler.unscale_(self.step_params)
-            self.comm.all_reduce(found_inf, self.dp_group, op="max")  # every replica skips together
+            # Every rank skips together: replicas, and tp ranks whose slices overflowed or not.
+            self.comm.all_reduce(found_inf, self.mesh.group("world"), op="max")
             overflow = bool(found_inf.item())
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         if self.zero:

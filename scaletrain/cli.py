@@ -107,7 +107,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import allreduce, dp, techniques, zero
+    from scaletrain.bench import allreduce, dp, techniques, tp, zero
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
@@ -121,6 +121,8 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = dp.run(cfg, args.warmup), dp.format_table
     elif args.what == "zero":
         result, table = zero.run(cfg, args.warmup), zero.format_table
+    elif args.what == "tp":
+        result, table = tp.run(cfg, args.warmup), tp.format_table
     else:
         result = allreduce.run(cfg.parallel.nproc, repeats=cfg.train.steps, warmup=args.warmup,
                                plot=Path(args.plot), timeout_s=cfg.parallel.timeout)

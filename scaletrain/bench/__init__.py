@@ -58,9 +58,10 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def spawn_race(cfg: Config, warmup: int, worker: Callable[[Config, Any, int], dict], what: str,
-               compares: str) -> dict:
+               compares: str, *, dim: str = "dp") -> dict:
     """Check the arguments of ``bench WHAT`` for a race across ``--nproc`` processes,
-    prepare the data, and run ``worker(cfg, spec, warmup)`` in each; rank 0's result."""
+    prepare the data, and run ``worker(cfg, spec, warmup)`` in each, the processes
+    forming the mesh dim ``dim`` (the others of size 1); rank 0's result."""
     n = cfg.parallel.nproc
     if n < 2:
         raise UserError(f"bench {what} compares {compares} across processes; give --nproc 2 or more.")
@@ -70,7 +71,7 @@ def spawn_race(cfg: Config, warmup: int, worker: Callable[[Config, Any, int], di
     if detect_environment().world_size > 1:
         raise UserError(f"bench {what} starts its own processes; run it with --nproc N, not under a launcher.")
     spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
-    return spawn_local(n, worker, (cfg.replace(dp=n), spec, warmup))[0]
+    return spawn_local(n, worker, (cfg.replace(**{"dp": 1, dim: n}), spec, warmup))[0]
 
 
 def rotated(items: Sequence[R], step: int) -> list[R]:
@@ -113,4 +114,4 @@ def largest_relative_gap(values: Sequence[float], reference: Sequence[float]) ->
     return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
-BENCHMARKS = ("techniques", "dp", "zero", "allreduce")
+BENCHMARKS = ("techniques", "dp", "zero", "tp", "allreduce")

@@ -1,0 +1,269 @@
+"""``scaletrain bench tp``: our Megatron tensor parallelism against torch's DTensor tensor parallel.
+
+Every process is one rank of a tp group (``--nproc`` ranks, no data
+parallelism). Both contenders split the same GPT the Megatron way
+(Shoeybi et al. 2019): the attention's fused qkv and the MLP's fc by output
+features (column-parallel), the two projections by input features
+(row-parallel, one all-reduce each forward), the token embedding and the
+tied output head by vocabulary, and the cross-entropy computed from the
+vocabulary-split logits without gathering them. Each builds the model whole
+from the same seed and keeps its slices, so both start from the same
+weights; every rank feeds both the same batches; they are raced step by
+step in rotating order, each step after a barrier:
+
+    micro-batches: forward, loss / grad_accum, backward
+    clip the global gradient norm; AdamW step; zero the gradients
+
+Contenders:
+
+  ours  parallel/tensor.py: ``parallelize(model, GPT_PLAN, ...)`` without
+        sequence parallelism, its vocabulary-parallel cross-entropy
+        (``TensorParallel.loss``) and its clip, which sums the split
+        gradients' squares over the group and counts replicated ones once.
+  peer  torch's ``parallelize_module`` over a DeviceMesh of the tp group:
+        ``ColwiseParallel`` on qkv and fc, ``RowwiseParallel`` on the two
+        projections, ``RowwiseParallel`` on the token embedding (its rows
+        split, the ids replicated), ``ColwiseParallel`` on the head with the
+        logits left as a vocabulary-sharded DTensor, and the cross-entropy
+        under ``loss_parallel()``. The layer norms and the position
+        embedding are outside the plan and stay plain (replicated) tensors;
+        torch's foreach kernels refuse lists that mix them with DTensors, so
+        each AdamW group is cut in its DTensors and its plain tensors, and
+        the clip is torch's ``clip_grad_norm_`` in its two public halves:
+        ``get_total_norm`` of each kind (the DTensors' reduced over the
+        mesh), combined, then ``clip_grads_with_norm_`` on each kind.
+
+Why this is the same work:
+
+  - The qkv weight stacks q, k and v along its output ([3, heads, head_dim]).
+    Ours splits each of the three blocks over the ranks; ``ColwiseParallel``
+    cuts the output in ``nproc`` contiguous pieces, which would give rank 0
+    all of q and half of k. So before the peer is parallelized its qkv rows
+    are permuted to [q, k, v of rank 0's heads; q, k, v of rank 1's; ...],
+    and each rank's attention module is told its local width
+    (``qkv.out_features``), from which it reads its head count: both then
+    hold the same heads on the same rank and compute the same attention.
+  - The head's weight is the token embedding's (tied). ``parallelize_module``
+    distributes each module's parameters anew, which unties them; the head's
+    weight is set back to the embedding's DTensor (both Shard(0) on the same
+    mesh), so the peer, like ours, trains one vocabulary matrix.
+  - ``loss_parallel()`` is torch's vocabulary-parallel cross-entropy: like
+    ours it never gathers the logits.
+  - Both use the same AdamW (``build_optimizer``: torch's, foreach) with the
+    same settings and weight decay on the same parameters, and clip the
+    norm of the whole model's gradient (replicated ones counted once) to
+    the same ``--grad-clip``.
+
+A step's time is the slowest rank's; each contender reports the median over
+the steps after ``--warmup``. Since both compute the same function of the
+same weights on the same data, their losses (rank 0's; every tp rank has the
+whole loss) must agree step by step up to rounding: the report gives the
+largest relative difference, the check that the timing compares equal work.
+Each rank's weight shards are then the same in both, bit for bit, and so is
+the first step's loss; the gradients agree to float32 rounding, not bit for
+bit, so at gpt-tiny the losses stay equal while at gpt-small a difference of
+about 1e-7 grows at the loss spikes of the constant learning rate to some
+1e-5 in 30 steps (as in bench zero). A wrong head grouping or an untied head
+shows from the first steps as 1e-3. The JSON keeps both loss curves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from scaletrain.bench import (Batches, largest_relative_gap, machine, race, slowest_rank_medians, spawn_race,
+                              step_batches)
+from scaletrain.config import Config
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
+from scaletrain.dist.mesh import Group, Mesh, ParallelDims
+from scaletrain.errors import UserError
+from scaletrain.models import GPT, build_model, gpt_config
+from scaletrain.optim import build_optimizer, decay_groups
+from scaletrain.parallel.tensor import GPT_PLAN, parallelize
+from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.trainer import loss_fn
+
+OURS, PEER = "scaletrain tensor parallel", "torch DTensor TP (parallelize_module)"
+
+# The peer's plan: Megatron's split of each block, the vocabulary-parallel embedding and head.
+PEER_PLAN = {
+    "tok_emb": RowwiseParallel(input_layouts=Replicate()),
+    "blocks.*.attn.qkv": ColwiseParallel(),
+    "blocks.*.attn.proj": RowwiseParallel(),
+    "blocks.*.mlp.fc": ColwiseParallel(),
+    "blocks.*.mlp.proj": RowwiseParallel(),
+    "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+}
+
+
+@dataclass
+class Contender:
+    """A tensor-parallel GPT, its optimizer, how it takes its loss and clips; what the race records."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    clip: Callable[[], object]
+    loss_context: Callable[[], AbstractContextManager] = nullcontext
+    step_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def train_step(self, batches: Batches) -> float:
+        """One optimizer step on ``batches`` (micro-batches); the step's loss."""
+        self.model.train()
+        total = 0.0
+        for x, y in batches:
+            logits = self.model(x)
+            with self.loss_context():  # loss_parallel must cover the backward too
+                loss = self.loss(logits, y) / len(batches)
+                loss.backward()
+            total += _whole(loss).item()
+        self.clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def run(cfg: Config, warmup: int) -> dict:
+    """Spawn ``--nproc`` tp ranks, race the contenders; the result as ``bench --json`` prints it."""
+    n = cfg.parallel.nproc
+    if cfg.model.name == "mlp":
+        raise UserError("bench tp splits attention heads; give a GPT --model, not the mlp.")
+    heads = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len).n_heads
+    if n > 1 and heads % n:
+        raise UserError(f"bench tp splits the model's {heads} attention heads over --nproc {n} ranks; "
+                        f"give an --nproc that divides {heads}.")
+    return spawn_race(cfg, warmup, _worker, "tp", "tensor parallelism", dim="tp")
+
+
+def _max_norm(cfg: Config) -> float:
+    return cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+
+
+def _ours(model: GPT, comm: Comm, group: Group, cfg: Config) -> Contender:
+    tp = parallelize(model, GPT_PLAN, comm, group, sequence_parallel=False, dropout=0.0)
+    params, split = list(model.parameters()), {id(p) for p in tp.splits}
+    optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
+    return Contender(OURS, model, optimizer, tp.loss, lambda: tp.clip_grad_norm_(params, split, _max_norm(cfg)))
+
+
+def _regroup_heads(qkv: nn.Linear, ranks: int) -> None:
+    """Reorder the fused qkv rows from [q | k | v] (each [heads, head_dim]) to the
+    ranks' pieces one after the other, each [q | k | v] of its own heads, so that
+    an even split of the output gives each rank whole heads of all three."""
+    with torch.no_grad():
+        w = qkv.weight
+        w.copy_(w.view(3, ranks, -1, w.shape[1]).transpose(0, 1).reshape(w.shape))
+
+
+def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` as [DTensors, plain tensors], leaving out an empty kind: torch's
+    foreach kernels refuse a list that mixes the two."""
+    kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+    return [kind for kind in kinds if kind]
+
+
+def _clip_mixed(kinds: list[list[torch.Tensor]], max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_``, taken in its two public halves (``get_total_norm``,
+    ``clip_grads_with_norm_``) once per kind: the split weights' gradients are
+    DTensors whose norm is reduced over the mesh, the replicated ones' plain and
+    counted once, as in ours."""
+    norms = [_whole(get_total_norm([p.grad for p in kind if p.grad is not None])) for kind in kinds]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for kind in kinds:
+        clip_grads_with_norm_(kind, max_norm, total)
+    return total
+
+
+def _peer(model: GPT, group: Group, device: torch.device, cfg: Config) -> Contender:
+    ranks = group.size
+    for block in model.blocks:
+        _regroup_heads(block.attn.qkv, ranks)
+    parallelize_module(model, DeviceMesh.from_group(group.handle, device.type), PEER_PLAN)
+    model.head.weight = model.tok_emb.weight  # re-tie: parallelize_module distributed each anew
+    for block in model.blocks:
+        block.attn.qkv.out_features //= ranks  # the attention reads its local head count from it
+    # The layer norms and the position embedding are outside the plan and stay plain
+    # tensors: every optimizer group and the clip take the two kinds apart.
+    groups = [{**g, "params": kind} for g in decay_groups(model, cfg.train.weight_decay)
+              for kind in _by_kind(g["params"])]
+    kinds = _by_kind(list(model.parameters()))
+    return Contender(PEER, model, build_optimizer(groups, cfg.train), loss_fn,
+                     lambda: _clip_mixed(kinds, _max_norm(cfg)), loss_parallel)
+
+
+def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+    env = detect_environment()
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
+    try:
+        mesh = Mesh.build(ParallelDims(tp=env.world_size), env.rank, env.world_size)
+        comm, tp, dp, device = Comm(), mesh.group("tp"), mesh.group("dp"), runtime.device
+        data = open_data(spec, cfg)
+
+        def fresh_model() -> GPT:
+            torch.manual_seed(cfg.train.seed)  # the same initial weights for both
+            return build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len).to(device)
+
+        contenders = [_ours(fresh_model(), comm, tp, cfg), _peer(fresh_model(), tp, device, cfg)]
+
+        def batches_at(step: int) -> Batches:  # dp has one rank: every tp rank reads the whole batch
+            return [(x.to(device), y.to(device)) for x, y in step_batches(data, cfg.train, dp, step)]
+
+        race(contenders, cfg.train.steps, batches_at, lambda c, batches, _: c.train_step(batches), comm, tp)
+        medians = slowest_rank_medians(contenders, warmup, comm, tp)
+        return _report(cfg, contenders, medians, tp.size, warmup, device)
+    finally:
+        shutdown(runtime)
+
+
+def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], ranks: int, warmup: int,
+            device: torch.device) -> dict:
+    reference = contenders[0].losses
+    ours, peer = ({"name": c.name, "median_s": medians[c.name], "final_loss": c.losses[-1],
+                   "max_loss_rel_diff_to_ours": largest_relative_gap(c.losses, reference),
+                   "losses": c.losses} for c in contenders)
+    t = cfg.train
+    return {
+        "what": "tp",
+        "machine": machine(),
+        "nproc": ranks,
+        "steps": t.steps,
+        "warmup": warmup,
+        "setup": {"model": cfg.model.name, "tp": ranks, "dp": 1, "seq_len": cfg.data.seq_len,
+                  "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "timed_steps": t.steps - warmup,
+                  "grad_clip": t.grad_clip, "device": device.type,
+                  "torch_threads_per_rank": torch.get_num_threads()},
+        "ours": ours,
+        "peer": peer,
+        "ratio": ours["median_s"] / peer["median_s"],
+        "max_loss_rel_diff": peer["max_loss_rel_diff_to_ours"],
+    }
+
+
+def format_table(result: dict) -> str:
+    s = result["setup"]
+    title = (f"bench tp: {s['model']} over {result['nproc']} tp ranks ({s['device']}), seq {s['seq_len']}, "
+             f"micro-batch {s['micro_batch']} x {s['grad_accum']}, {result['steps']} steps "
+             f"({s['timed_steps']} timed), on {result['machine']}")
+    rows = [f"{row['name']:<40}{row['median_s']:>9.4f}{row['final_loss']:>12.4f}"
+            for row in (result["ours"], result["peer"])]
+    return "\n".join([title, f"{'':<40}{'step s':>9}{'final loss':>12}", *rows,
+                      f"ours / peer: {result['ratio']:.3f}; loss diff: {result['max_loss_rel_diff']:.1e}",
+                      ("step s: median over the timed steps of the slowest rank; loss diff: largest relative "
+                       "difference of a step's loss from ours (the same work was timed).")])

@@ -10,15 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
-from scaletrain.dist.launch import DistRuntime
+from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.models.gpt import GPT, GPTConfig
-from scaletrain.parallel.tensor import GPT_PLAN, RegionRNG, Split, parallelize, split_sizes
+from scaletrain.parallel.tensor import (
+    GPT_PLAN,
+    RegionRNG,
+    Split,
+    parallelize,
+    split_sizes,
+)
 from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.memory import ActivationMeter
-from scaletrain.train.trainer import Trainer, loss_fn
+from scaletrain.train.trainer import loss_fn
 from tests.distributed import run_distributed
+from tests.trainers import build_trainer, train_and_save
 
 # b, s, h, a, vocabulary, layers of the models built directly here
 B, S, H, A, V = 2, 32, 64, 4, 256
@@ -98,7 +104,7 @@ def _vocab_loss(rank: int, n: int, vocab: int) -> dict:
     want_loss = F.cross_entropy(logits.flatten(0, 1).clone().requires_grad_(), targets.flatten())
     full = logits.clone().requires_grad_()
     F.cross_entropy(full.flatten(0, 1), targets.flatten()).backward()
-    model, tp, comm = _split_gpt(rank, n, sp=False, vocab=vocab)
+    _, tp, comm = _split_gpt(rank, n, sp=False, vocab=vocab)
     split = Split(tuple(logits.shape), 2, 1, tp.vocab.sizes)  # the logits' last dim, as the head splits it
     local = split.local(logits, rank).requires_grad_()
     before = comm.ledger.snapshot()
@@ -245,15 +251,8 @@ def test_region_streams_differ_inside_and_agree_outside():
     assert torch.equal(ranks[0]["after"], ranks[1]["after"])
 
 
-def _trainer(rank: int, n: int, cfg, spec) -> Trainer:
-    env = ProcessEnv(rank, n, rank, n, "127.0.0.1", 0, "single")
-    p = cfg.parallel
-    mesh = Mesh.build(ParallelDims.infer(n, tp=p.tp), rank, n)
-    return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, Comm(), Path(cfg.run.out))
-
-
 def _train_with_dropout(rank: int, n: int, cfg, spec) -> dict:
-    trainer = _trainer(rank, n, cfg, spec)
+    trainer = build_trainer(rank, n, cfg, spec)
     losses = [trainer.train_step(step)["loss"] for step in range(cfg.train.steps)]
     replicated = {name: p.detach().clone() for name, p in trainer.model.named_parameters()
                   if p not in trainer.tensor_parallel.splits}
@@ -280,24 +279,14 @@ def test_dropout_agrees_where_activations_are_replicated(tiny_cfg, sp):
 # -- checkpoints across layouts ------------------------------------------------------
 
 
-def _train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[float]:
-    trainer = _trainer(rank, n, cfg, spec)
-    losses = []
-    for step in range(trainer.start_step, cfg.train.steps):
-        losses.append(trainer.train_step(step)["loss"])
-        if step + 1 == save_at:
-            trainer._save(step + 1)
-    return losses
-
-
 def test_checkpoint_saved_by_one_layout_resumes_in_another(tiny_cfg):
     """Saved split over tp2 with sp, the run continues exactly in one process and over
     dp2: the files hold full tensors' chunks, weights and AdamW moments alike."""
     cfg = tiny_cfg.replace(nproc=2, tp=2, sp=True, steps=4)
     spec = prepare_data(cfg, Path(cfg.data.cache_dir))
-    straight = run_distributed(_train_and_save, 2, cfg, spec, 2, timeout_s=120)[0]
+    straight = run_distributed(train_and_save, 2, cfg, spec, 2, timeout_s=120)[0]
     for n, layout in ((1, dict(tp=1, sp=False)), (2, dict(tp=1, sp=False, dp=2, micro_batch=2)),
                       (2, dict(tp=2, sp=False))):
         resumed_cfg = cfg.replace(nproc=n, resume=True, **layout)
-        resumed = run_distributed(_train_and_save, n, resumed_cfg, spec, None, timeout_s=120)[0]
+        resumed = run_distributed(train_and_save, n, resumed_cfg, spec, None, timeout_s=120)[0]
         assert resumed == pytest.approx(straight[2:], rel=1e-5), layout

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
-from scaletrain.dist.launch import DistRuntime
 from scaletrain.parity import run_parity
 from scaletrain.train.checkpoint import flat_chunks
 from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed
+from tests.trainers import build_trainer, train_and_save
 
 
 def test_flat_chunks_hold_exactly_the_range():
@@ -60,15 +58,9 @@ def test_zero_composes_with_accumulation_offload_and_recompute(tiny_cfg, changes
 # -- the ledgers ---------------------------------------------------------------
 
 
-def _trainer(rank: int, n: int, cfg, spec) -> tuple[Trainer, Comm]:
-    env = ProcessEnv(rank, n, rank, n, "127.0.0.1", 0, "single")
-    mesh = Mesh.build(ParallelDims(dp=n), rank, n)
-    comm = Comm()
-    return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, comm, Path(cfg.run.out)), comm
-
-
 def _one_step(rank: int, n: int, cfg, spec) -> dict:
-    trainer, comm = _trainer(rank, n, cfg, spec)
+    trainer = build_trainer(rank, n, cfg, spec)
+    comm = trainer.comm
     before = comm.ledger.snapshot()
     trainer.train_step(0)
     traffic = comm.ledger.since(before)
@@ -154,7 +146,7 @@ def test_communication_ledger_matches_the_zero_volumes(tiny_cfg):
 
 
 def _gathered_counts(rank: int, n: int, cfg, spec) -> dict:
-    trainer, _ = _trainer(rank, n, cfg, spec)
+    trainer = build_trainer(rank, n, cfg, spec)
     zero = trainer.zero
     counts: list[int] = []
     for unit in zero.units:
@@ -179,26 +171,16 @@ def test_stage3_gathers_one_unit_ahead_and_frees_after_use(tiny_cfg):
 # -- checkpoints across layouts ------------------------------------------------
 
 
-def _train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[float]:
-    trainer, _ = _trainer(rank, n, cfg, spec)
-    losses = []
-    for step in range(trainer.start_step, cfg.train.steps):
-        losses.append(trainer.train_step(step)["loss"])
-        if step + 1 == save_at:
-            trainer._save(step + 1)
-    return losses
-
-
 def test_checkpoint_saved_by_one_layout_resumes_in_another(tiny_cfg):
     """Saved sharded by ZeRO-3 over 2 ranks, the run continues exactly over 4 ranks with
     ZeRO-1, and in one process without ZeRO: weights and optimizer state are resharded."""
     base = tiny_cfg.replace(steps=4, micro_batch=4)  # global batch 8 in every layout
     cfg = base.replace(nproc=2, dp=2, zero=3)
     spec = prepare_data(cfg, Path(cfg.data.cache_dir))
-    straight = run_distributed(_train_and_save, 2, cfg, spec, 2, timeout_s=120)[0]
+    straight = run_distributed(train_and_save, 2, cfg, spec, 2, timeout_s=120)[0]
     for n, stage in ((4, 1), (1, 0)):
         resumed_cfg = base.replace(nproc=n, dp=n, zero=stage, micro_batch=8 // n, resume=True)
-        resumed = run_distributed(_train_and_save, n, resumed_cfg, spec, None, timeout_s=120)[0]
+        resumed = run_distributed(train_and_save, n, resumed_cfg, spec, None, timeout_s=120)[0]
         assert len(resumed) == 2
         for got, want in zip(resumed, straight[2:]):
             assert abs(got - want) / want < 1e-5, (n, stage, resumed, straight)

@@ -59,64 +59,38 @@ def scattered_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tenso
     return out
 
 
-class _CopyToGroup(Function):
-    @staticmethod
-    def forward(ctx, x, comm, group):
-        ctx.comm, ctx.group = comm, group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduced(grad, ctx.comm, ctx.group), None, None
+def _identity(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ReduceFromGroup(Function):
+class _Conjugate(Function):
+    """``forward(x)`` forward and ``backward(grad)`` backward: one of the pairs above."""
+
     @staticmethod
-    def forward(ctx, x, comm, group):
-        return all_reduced(x, comm, group)
+    def forward(ctx, x, forward, backward, comm, group):
+        ctx.backward_op, ctx.comm, ctx.group = backward, comm, group
+        return forward(x, comm, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherSequence(Function):
-    @staticmethod
-    def forward(ctx, x, comm, group):
-        ctx.comm, ctx.group = comm, group
-        return gathered_sequence(x, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return scattered_sequence(grad, ctx.comm, ctx.group), None, None
-
-
-class _ScatterSequence(Function):
-    @staticmethod
-    def forward(ctx, x, comm, group):
-        ctx.comm, ctx.group = comm, group
-        return scattered_sequence(x, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gathered_sequence(grad, ctx.comm, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.comm, ctx.group), None, None, None, None
 
 
 def copy_to_group(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
-    return _CopyToGroup.apply(x, comm, group)
+    return _Conjugate.apply(x, _identity, all_reduced, comm, group)
 
 
 def reduce_from_group(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
-    return _ReduceFromGroup.apply(x, comm, group)
+    return _Conjugate.apply(x, all_reduced, _identity, comm, group)
 
 
 def gather_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """All-gather along the sequence forward, reduce-scatter of the gradient backward."""
-    return _GatherSequence.apply(x, comm, group)
+    return _Conjugate.apply(x, gathered_sequence, scattered_sequence, comm, group)
 
 
 def scatter_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """Reduce-scatter along the sequence forward, all-gather of the gradient backward."""
-    return _ScatterSequence.apply(x, comm, group)
+    return _Conjugate.apply(x, scattered_sequence, gathered_sequence, comm, group)

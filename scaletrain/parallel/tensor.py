@@ -106,7 +106,6 @@ from scaletrain.dist.autograd import (
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
 
-
 # -- the plan ------------------------------------------------------------------
 
 
@@ -259,14 +258,18 @@ class _SequenceGatheredLinear(Function):
         return grad_x, grad_w.to(weight.dtype), None, None
 
 
-class ColumnParallelLinear(nn.Module):
-    """A linear layer holding a slice of the output features (no bias)."""
+class _SlicedLinear(nn.Module):
+    """A linear layer (no bias) holding a tp slice of its weight."""
 
     def __init__(self, weight: nn.Parameter, tp: TensorParallel):
         super().__init__()
         self.weight = weight
         self.tp = tp
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = weight.shape  # local sizes: the attention reads them
+
+
+class ColumnParallelLinear(_SlicedLinear):
+    """Holds a slice of the output features; its input is whole."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sequence_parallel:
@@ -274,14 +277,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-class RowParallelLinear(nn.Module):
-    """A linear layer holding a slice of the input features; leaves the region."""
-
-    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
-        super().__init__()
-        self.weight = weight
-        self.tp = tp
-        self.out_features, self.in_features = weight.shape
+class RowParallelLinear(_SlicedLinear):
+    """Holds a slice of the input features; its partial outputs are summed, leaving the region."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.rng is not None:

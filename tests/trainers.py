@@ -1,0 +1,32 @@
+"""A `Trainer` inside a `run_distributed` rank, and the save-then-resume routine
+the cross-layout checkpoint tests share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
+from scaletrain.dist.launch import DistRuntime
+from scaletrain.train.trainer import Trainer
+
+
+def build_trainer(rank: int, n: int, cfg, spec) -> Trainer:
+    """The trainer of rank ``rank`` of ``n``, in the layout ``cfg`` names (dp filled in)."""
+    env = ProcessEnv(rank, n, rank, n, "127.0.0.1", 0, "single")
+    p = cfg.parallel
+    mesh = Mesh.build(ParallelDims.infer(n, dp=p.dp, tp=p.tp), rank, n)
+    return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, Comm(), Path(cfg.run.out))
+
+
+def train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[float]:
+    """Train from where the run stands (``--resume`` loads its checkpoint) to ``--steps``,
+    saving after step ``save_at``; the losses of the steps taken."""
+    trainer = build_trainer(rank, n, cfg, spec)
+    losses = []
+    for step in range(trainer.start_step, cfg.train.steps):
+        losses.append(trainer.train_step(step)["loss"])
+        if step + 1 == save_at:
+            trainer._save(step + 1)
+    return losses

@@ -127,6 +127,22 @@ def test_vocabulary_parallel_cross_entropy_never_gathers_the_logits():
                                                            "wire_bytes": 2 * 3 * 3 * 35 * 8 // 4}}}
 
 
+def _generation_logits(rank: int, n: int) -> float:
+    full = _gpt(vocab=10)
+    model, tp, _ = _split_gpt(rank, n, sp=True, vocab=10)
+    prompt = torch.randint(0, 10, (1, 5), generator=torch.Generator().manual_seed(3))
+    full.eval()
+    model.eval()
+    with torch.no_grad(), tp.generation():
+        return (model(prompt) - full(prompt)).abs().max().item()
+
+
+def test_generation_gathers_whole_logits_for_any_prompt_length():
+    """Sampling needs every logit: under generation() the head gathers the uneven
+    vocabulary slices (10 over 4 ranks), and sp steps aside for a 5-token prompt."""
+    assert max(run_distributed(_generation_logits, 4)) < 1e-6
+
+
 # -- parity ---------------------------------------------------------------------------
 
 

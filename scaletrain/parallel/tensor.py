@@ -290,13 +290,9 @@ class VocabParallelHead(ColumnParallelLinear):
     """The output head: its own region, logits split by vocabulary (gathered
     whole only while generating text)."""
 
-    def __init__(self, weight: nn.Parameter, tp: TensorParallel, split: Split):
-        super().__init__(weight, tp)
-        self.split = split
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(self.tp.enter(x))
-        return self.tp.gathered_vocab(logits, self.split) if self.tp.full_logits else logits
+        return self.tp.gathered_vocab(logits) if self.tp.full_logits else logits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -389,13 +385,14 @@ class TensorParallel:
             self.rng.enter()
         return (x, *args[1:])
 
-    def gathered_vocab(self, logits: torch.Tensor, split: Split) -> torch.Tensor:
-        """Every rank's logits, whole (for sampling; the sizes may differ by one)."""
-        widest = max(split.sizes)
+    def gathered_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits, whole (for sampling; the slices may differ by one)."""
+        sizes = self.vocab.sizes
+        widest = max(sizes)
         padded = F.pad(logits, (0, widest - logits.shape[-1])).contiguous()
         parts = padded.new_empty((self.group.size, *padded.shape))
         self.comm.all_gather(parts, padded, self.group)
-        return torch.cat([parts[r, ..., :size] for r, size in enumerate(split.sizes)], dim=-1)
+        return torch.cat([parts[r, ..., :size] for r, size in enumerate(sizes)], dim=-1)
 
     @contextmanager
     def generation(self) -> Iterator[None]:
@@ -472,7 +469,7 @@ def parallelize(model: nn.Module, plan: tuple, comm: Comm, group: Group, *, sequ
             new = VocabParallelEmbedding(shard(weight, tp.vocab), tp, tp.vocab.start(group.rank))
         elif isinstance(style, VocabHead):
             tp.vocab = vocab_split(weight)
-            new = VocabParallelHead(shard(weight, tp.vocab), tp, tp.vocab)
+            new = VocabParallelHead(shard(weight, tp.vocab), tp)
         elif isinstance(style, PositionEmbedding):
             new = SequenceShardedEmbedding(weight, tp)
         elif isinstance(style, Column):

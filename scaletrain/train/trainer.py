@@ -5,13 +5,16 @@ sequences:
 
     for each of the grad_accum micro-batches:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
+                                           (with --tp: from vocabulary-split logits, the
+                                            tp ranks of a replica sharing one micro-batch)
         loss.backward()                    (gradients add up across micro-batches; on the last
                                             one, gradient buckets start their all-reduce as
                                             they fill, overlapping the rest of backward)
     wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
     shard of it (parallel/zero.py)
     with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
-    unscale (fp16), clip the global gradient norm, set the learning rate, take the optimizer step
+    unscale (fp16), clip the global gradient norm (each weight counted once: tp slices summed over
+    the tp group), set the learning rate, take the optimizer step
     (skipped, with the loss scale halved, when an fp16 gradient overflowed)
     with master weights: round the masters back into the model's weights (ZeRO-1/2: and
     all-gather the updated shards)

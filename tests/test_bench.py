@@ -82,17 +82,25 @@ def test_bench_dp_races_torch_ddp_on_equal_work(corpus, tmp_path):
         assert peer["max_loss_rel_diff_to_ours"] <= 1e-5
 
 
-def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
-    result = run_cli("bench", "zero", "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
-                     "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "4",
+def _two_rank_race(what: str, corpus, tmp_path, steps: int) -> dict:
+    """``bench WHAT --json`` over 2 ranks on gpt-tiny; its report, with the timing checked:
+    positive medians and ratio = ours / peer."""
+    result = run_cli("bench", what, "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
+                     "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", str(steps),
                      "--warmup", "1", "--cache-dir", str(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["what"] == "zero" and report["setup"]["ranks"] == 2 and report["setup"]["timed_steps"] == 3
+    ours, peer = report["ours"], report["peer"]
+    assert report["what"] == what and ours["median_s"] > 0 and peer["median_s"] > 0
+    assert report["ratio"] == pytest.approx(ours["median_s"] / peer["median_s"])
+    return report
+
+
+def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
+    report = _two_rank_race("zero", corpus, tmp_path, steps=4)
+    assert report["setup"]["ranks"] == 2 and report["setup"]["timed_steps"] == 3
     ours, peer = report["ours"], report["peer"]
     assert peer["name"].startswith("torch FSDP2") and report["peers"][0] == peer
-    assert ours["median_s"] > 0 and peer["median_s"] > 0
-    assert report["ratio"] == pytest.approx(ours["median_s"] / peer["median_s"])
     # DeepSpeed is optional: raced when it imports, else left out with the reason.
     if report["deepspeed"] is None:
         assert len(report["peers"]) == 1 and "deepspeed" in report["deepspeed_skipped"]
@@ -111,18 +119,12 @@ def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
 
 
 def test_bench_tp_races_torch_dtensor_tp_on_equal_work(corpus, tmp_path):
-    result = run_cli("bench", "tp", "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
-                     "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "3",
-                     "--warmup", "1", "--cache-dir", str(tmp_path / "cache"))
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    assert report["what"] == "tp" and report["nproc"] == 2 and report["steps"] == 3 and report["warmup"] == 1
+    report = _two_rank_race("tp", corpus, tmp_path, steps=3)
+    assert report["nproc"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     assert report["setup"]["tp"] == 2 and report["setup"]["dp"] == 1 and report["setup"]["timed_steps"] == 2
     assert isinstance(report["machine"], str) and report["machine"]
     ours, peer = report["ours"], report["peer"]
     assert ours["name"].startswith("scaletrain") and peer["name"].startswith("torch DTensor TP")
-    assert ours["median_s"] > 0 and peer["median_s"] > 0
-    assert report["ratio"] == pytest.approx(ours["median_s"] / peer["median_s"])
     # The timing compares equal work: with q, k, v regrouped by rank and the head re-tied to the
     # embedding, torch's split computes our function of the same weights, step by step.
     assert report["max_loss_rel_diff"] == peer["max_loss_rel_diff_to_ours"]

@@ -59,9 +59,9 @@ the steps after ``--warmup``. Since both compute the same function of the
 same weights on the same data, their losses (rank 0's; every tp rank has the
 whole loss) must agree step by step up to rounding: the report gives the
 largest relative difference, the check that the timing compares equal work.
-Each rank's weight shards are then the same in both, bit for bit, and so is
-the first step's loss; the gradients agree to float32 rounding, not bit for
-bit, so at gpt-tiny the losses stay equal while at gpt-small a difference of
+Measured once, each rank's weight shards were the same in both, bit for bit,
+and so was the first step's loss; the gradients agree to float32 rounding,
+not bit for bit, so at gpt-tiny the losses stay equal while at gpt-small a difference of
 about 1e-7 grows at the loss spikes of the constant learning rate to some
 1e-5 in 30 steps (as in bench zero). A wrong head grouping or an untied head
 shows from the first steps as 1e-3. The JSON keeps both loss curves.

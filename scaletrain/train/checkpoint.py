@@ -60,9 +60,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
 from scaletrain.optim.masters import MasterWeights
-from scaletrain.dist.mesh import Group
 from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
 

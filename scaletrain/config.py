@@ -90,7 +90,15 @@ class ParallelConfig:
                       "vocabulary split over this many ranks)")
     sp: bool = _opt(False, "sequence parallelism inside the tp group: norms, dropout and residuals "
                            "split along the sequence (needs --tp > 1)")
-    pp: int = _opt(1, "pipeline-parallel size")
+    pp: int = _opt(1, "pipeline-parallel size: the model's blocks cut into stages, one (or "
+                      "--virtual-stages) per rank, micro-batches flowing through them")
+    microbatches: int | None = _opt(None, "micro-batches of --micro-batch sequences per pipeline round "
+                                          "(default: 2 x --pp with --pp, else 1); a step runs --grad-accum rounds")
+    pp_schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    virtual_stages: int | None = _opt(None, "stages per rank for --pp-schedule interleaved (default: 2 "
+                                            "for interleaved, else 1)")
+    pp_balance: str = _opt("params", "cut stages for equal parameter counts, or equal measured forward and "
+                                     "backward time per block", choices=("params", "time"))
     cp: int = _opt(1, "context-parallel size")
     ep: int = _opt(1, "expert-parallel size")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job ends")
@@ -254,7 +262,7 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
-             "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank")
+             "microbatches", "virtual_stages", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio")
 

@@ -30,18 +30,22 @@ rounding, about 1e-6 relative, not bitwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from torch import nn
+
 from scaletrain.models.gpt import GPT
 
 COMPILE_NOTE = ("--compile: the first step compiles every distinct block graph (seconds to minutes); "
                 "later steps reuse it.")
 
 
-def compile_blocks(model: GPT) -> None:
-    """Compile each of ``model.blocks`` in place.
+def compile_blocks(model: GPT, blocks: Sequence[nn.Module] | None = None) -> None:
+    """Compile each of ``model.blocks`` (or of ``blocks``, a pipeline stage's) in place.
 
     ``nn.Module.compile`` keeps the module object, its parameter names and
     its ``state_dict`` keys, so checkpoints and the parallel transforms, which
     address parameters by name, see the same model.
     """
-    for block in model.blocks:
+    for block in model.blocks if blocks is None else blocks:
         block.compile()

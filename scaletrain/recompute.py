@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +88,11 @@ def parse_policy(text: str) -> tuple[str, int]:
     raise UserError(f"Recompute policy {text!r} is not valid; use one of {POLICY_FORMS}.")
 
 
-def apply_recompute(model: GPT, policy: str) -> None:
-    """Make ``model`` recompute activations in backward according to ``policy``."""
+def apply_recompute(model: GPT, policy: str, blocks: Sequence[nn.Module] | None = None) -> None:
+    """Make ``model`` recompute activations in backward according to ``policy``
+    (over ``blocks``, by default all of ``model.blocks``: a pipeline stage gives its own)."""
     kind, k = parse_policy(policy)
-    blocks = list(model.blocks)
+    blocks = list(model.blocks if blocks is None else blocks)
     if any("forward" in m.__dict__ for block in blocks for m in (block, block.attn)):
         raise UserError("This model already has a recompute policy; apply_recompute once, to a fresh model.")
     if kind == "every":

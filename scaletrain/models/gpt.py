@@ -121,14 +121,22 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         # The residual stream is fp32 even when the embeddings are stored in bf16.
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions)).float()
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions)).float()
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the last block -> logits [batch, seq, vocab]."""
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.unembed(x)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N + 12 * L * d * s (Kaplan et al. 2020;
@@ -151,10 +159,16 @@ class GPT(nn.Module):
                  top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :] / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, next_id], dim=1)
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :]
+            idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
         return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 50,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of last-position ``logits`` [batch, vocab]: top-k, then temperature sampling."""
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)

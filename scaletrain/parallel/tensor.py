@@ -86,7 +86,6 @@ so every tp rank is simply seeded differently.
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,6 +104,7 @@ from scaletrain.dist.autograd import (
 )
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
+from scaletrain.optim.clip import clip_grad_norm_
 
 # -- the plan ------------------------------------------------------------------
 
@@ -414,19 +414,11 @@ class TensorParallel:
     def clip_grad_norm_(self, params: Iterable[torch.Tensor], split: set[int], max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ over the whole model: the squares of split
         gradients (``id`` in ``split``) summed over the group, replicated ones counted once."""
-        grads = [(p.grad, id(p) in split) for p in params if p.grad is not None]
-        squares = torch.zeros(2, dtype=torch.float32, device=grads[0][0].device)
-        for index, is_split in enumerate((True, False)):
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g, s in grads if s == is_split]
-            if norms:
-                squares[index] = torch.linalg.vector_norm(torch.stack(norms)).square()
-        self.comm.all_reduce(squares[:1], self.group)
-        total = squares.sum().sqrt()
-        if math.isfinite(max_norm):
-            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for g, _ in grads:
-                g.mul_(coef.to(g.device, g.dtype))
-        return total
+        params = [p for p in params if p.grad is not None]
+        return clip_grad_norm_([p.grad for p in params], max_norm,
+                               parts=[p.grad for p in params if id(p) in split],
+                               replicated=[p.grad for p in params if id(p) not in split],
+                               comm=self.comm, group=self.group)
 
 
 def _matches(plan: tuple, name: str) -> object | None:

@@ -1,0 +1,143 @@
+"""The pipeline runtime: one rank executes its list of actions (schedules.py).
+
+For every step of the list, in order:
+
+    a batch of transfers   post the sends and the receives together
+                           (``batch_isend_irecv``), wait for the receives only;
+                           sends complete in the background and are waited for
+                           at the end of the round (their tensors kept alive
+                           until then)
+    F  (micro m, stage s)  input: the micro-batch (first stage) or the received
+                           activation, made a leaf that requires grad; output
+                           kept for backward; on the last stage the output is
+                           the loss, ``loss_fn(logits, targets) / divisor``
+    BW / B                 backward from the stage's output with the received
+                           gradient (the last stage: from the scaled loss); the
+                           input's ``.grad`` is what the next transfer sends
+                           upstream. B holds the weight gradients back
+                           (weight_grad.py) ...
+    W                      ... and W computes them
+
+Shapes are known ahead: every activation and gradient crossing a stage
+boundary has the shape the caller gives (``[micro_batch, seq, d_model]`` for
+the GPT), so a receive allocates its buffer and no size is ever exchanged.
+
+The loss is averaged over micro-batches exactly as on one device: each
+micro-batch's mean loss is divided by the number of micro-batches in the step
+before its backward, so the gradients add up to the gradient of the mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from scaletrain.dist.comm import Comm, Pending
+from scaletrain.dist.mesh import Group
+from scaletrain.parallel.pipeline.partition import Stage
+from scaletrain.parallel.pipeline.schedules import Action, Schedule, Span
+from scaletrain.parallel.pipeline.weight_grad import WeightGradStore
+
+
+class PipelineRuntime:
+    """Runs a `Schedule`'s actions for this rank's stages over the pp ``group``."""
+
+    def __init__(self, stages: list[Stage], comm: Comm, group: Group, store: WeightGradStore | None = None):
+        self.stages = {stage.index: stage for stage in stages}
+        self.comm, self.group, self.store = comm, group, store
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._received: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._sending: list[tuple[Pending, list[torch.Tensor]]] = []
+
+    def run(self, schedule: Schedule, *, boundary: tuple[tuple[int, ...], torch.dtype, torch.device],
+            inputs: Callable[[int], torch.Tensor], loss: Callable[[int, torch.Tensor], torch.Tensor] | None,
+            backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+            forward_context: Callable[[], AbstractContextManager] = nullcontext,
+            clock: Callable[[], float] | None = None) -> tuple[dict[int, torch.Tensor], list[Span]]:
+        """Execute this rank's list of ``schedule``. ``inputs(m)`` is micro-batch
+        m's input to the first stage, ``loss(m, output)`` its loss on the last
+        (None: forward only, the outputs are returned). Returns the last stage's
+        per-micro-batch losses (or outputs), detached, and with ``clock`` the
+        computations' spans in its time."""
+        training = loss is not None and torch.is_grad_enabled()
+        results: dict[int, torch.Tensor] = {}
+        spans: list[Span] = []
+        for step in schedule.steps(self.group.rank):
+            if isinstance(step, tuple):
+                self._transfer(step, boundary, training)
+                continue
+            start = clock() if clock else 0.0
+            if step.kind == "F":
+                result = self._forward(step, inputs, loss, forward_context, training)
+                if result is not None:
+                    results[step.micro] = result
+            elif step.kind in ("BW", "B"):
+                self._backward(step, backward_scale, deferred=step.kind == "B")
+            else:
+                self.store.flush((step.micro, step.stage))
+            if clock:
+                spans.append(Span(step, start, clock()))
+        for pending, _ in self._sending:
+            pending.wait()
+        self._sending.clear()
+        if self._inputs or self._outputs or self._received:
+            raise RuntimeError(f"schedule {schedule.name} left tensors behind on rank {self.group.rank}")
+        return results, spans
+
+    # -- computations ----------------------------------------------------------
+    def _forward(self, a: Action, inputs, loss, forward_context, training: bool) -> torch.Tensor | None:
+        stage = self.stages[a.stage]
+        if stage.is_first:
+            x = inputs(a.micro)
+        else:
+            x = self._received.pop(("act", a.micro, a.stage - 1))
+            if training:
+                x.requires_grad_(True)
+                self._inputs[a.micro, a.stage] = x
+        with forward_context():
+            y = stage(x)
+        if not stage.is_last:
+            self._outputs[a.micro, a.stage] = y
+            return None
+        if loss is None:
+            return y.detach()
+        y = loss(a.micro, y)
+        if training:
+            self._outputs[a.micro, a.stage] = y
+        return y.detach()
+
+    def _backward(self, a: Action, scale, deferred: bool) -> None:
+        y = self._outputs.pop((a.micro, a.stage))
+        stage = self.stages[a.stage]
+        grad = None if stage.is_last else self._received.pop(("grad", a.micro, a.stage + 1))
+        with self.store.deferring((a.micro, a.stage)) if deferred else nullcontext():
+            torch.autograd.backward(scale(y) if stage.is_last else y, grad_tensors=grad)
+
+    # -- transfers ---------------------------------------------------------------
+    def _transfer(self, batch: tuple[Action, ...], boundary, training: bool) -> None:
+        shape, dtype, device = boundary
+        sends, recvs = [], []
+        for a in batch:
+            if a.kind == "send_act":
+                out = self._outputs[a.micro, a.stage] if training else self._outputs.pop((a.micro, a.stage))
+                sends.append(("send", out.detach().contiguous(), a.peer))
+            elif a.kind == "send_grad":
+                sends.append(("send", self._inputs.pop((a.micro, a.stage)).grad, a.peer))
+            else:
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                self._received[a.kind[5:], a.micro, a.stage] = buffer
+                recvs.append(("recv", buffer, a.peer))
+        if sends:
+            self._sending.append((self.comm.batch_isend_irecv(sends, self.group), [t for _, t, _ in sends]))
+        if recvs:
+            self.comm.batch_isend_irecv(recvs, self.group).wait()
+
+
+def timer(origin: float | None = None) -> Callable[[], float]:
+    """Seconds since ``origin`` (default: now), for recording spans."""
+    start = time.perf_counter() if origin is None else origin
+    return lambda: time.perf_counter() - start

@@ -71,6 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where bench allreduce draws its figure [runs/bench-allreduce.png]")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_train_flags(bench)
+
+    from scaletrain.parallel.pipeline.schedules import SCHEDULES
+
+    # No defaults here: with --measured, a flag left out takes the run's value.
+    schedule = commands.add_parser(
+        "schedule", help="draw a pipeline schedule's timeline",
+        description="Draw the pipeline timeline, one row per rank, and print the bubble fraction (the "
+                    "idle share of each rank's step) against the papers' formula. Planned timelines "
+                    "take one unit per chunk forward and equal forward, backward and weight-gradient "
+                    "costs. With --measured, the sizes come from the run and its recorded step is "
+                    "drawn beside the plan.")
+    schedule.add_argument("--pp", type=int, metavar="N", help="pipeline ranks [4]")
+    schedule.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step [8]")
+    schedule.add_argument("--pp-schedule", choices=SCHEDULES, help="the schedule [1f1b]")
+    schedule.add_argument("--virtual-stages", type=int, metavar="V",
+                          help="chunks per rank [2 for interleaved, else 1]")
+    schedule.add_argument("--png", metavar="FILE", help="also draw a Gantt chart into this PNG")
+    schedule.add_argument("--measured", metavar="RUN_DIR",
+                          help="a training run's folder: draw the step it recorded (pipeline.json) too")
+    schedule.add_argument("--json", action="store_true", help="print one JSON object instead of the drawing")
     return parser
 
 
@@ -131,10 +151,27 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule(args: argparse.Namespace) -> int:
+    import shutil
+
+    from scaletrain.parallel.pipeline import timeline
+
+    result = timeline.load(args.pp_schedule, args.pp, args.microbatches, args.virtual_stages,
+                           None if args.measured is None else Path(args.measured))
+    if args.png:
+        timeline.draw_png(Path(args.png), result.panels())
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:  # colour and the terminal's width only for a person watching, never in pipes or files
+        tty = sys.stdout.isatty()
+        print(result.report(colour=tty, width=shutil.get_terminal_size().columns if tty else None))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "parity": _parity, "bench": _bench}[args.command](args)
+        return {"train": _train, "parity": _parity, "bench": _bench, "schedule": _schedule}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from scaletrain.errors import UserError
+from scaletrain.parallel.pipeline import schedules
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None) -> Any:
@@ -114,6 +115,11 @@ class ParallelConfig:
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
+
+    def pipeline_sizes(self) -> tuple[int, int]:
+        """(micro-batches per pipeline round, stages per rank), defaults filled in."""
+        micro = self.microbatches or (2 * self.pp if self.pp > 1 else 1)
+        return micro, self.virtual_stages or (2 if self.pp_schedule == "interleaved" else 1)
 
 
 @dataclass
@@ -311,6 +317,7 @@ def check_values(cfg: Config) -> None:
                  "Adafactor factors the second moment of whole weight matrices")):
             if used:
                 raise UserError(f"--tp {tp} does not combine with {flag}: {reason}; drop one of the two.")
+    _check_pipeline(cfg.parallel)
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":
         try:
@@ -318,3 +325,20 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_pipeline(p: ParallelConfig) -> None:
+    if p.pp == 1:
+        for flag, used in (("--microbatches", (p.microbatches or 1) > 1),
+                           ("--virtual-stages", (p.virtual_stages or 1) > 1)):
+            if used:
+                raise UserError(f"{flag} shapes a pipeline, which needs --pp 2 or more; add --pp, or use "
+                                f"--grad-accum for more micro-batches per step.")
+        return
+    try:
+        schedules.check(p.pp_schedule, p.pp, *p.pipeline_sizes())
+    except ValueError as exc:
+        raise UserError(f"{exc}.") from None
+    for flag, used in (("--tp", p.tp > 1), ("--zero", p.zero > 0)):
+        if used:
+            raise UserError(f"--pp {p.pp} does not combine with {flag} in this version; drop one of the two.")

@@ -108,10 +108,14 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
                      report_comm=False)
         layout_cfg, dims = resolve_layout(cfg.replace(out=str(Path(tmp, "layout")), **quiet),
                                           world_size_for(cfg, env))
+        micro_batches, _ = cfg.parallel.pipeline_sizes()
+        # One device sees the whole global batch: each micro-batch dp times larger, and the
+        # pipeline's micro-batches as accumulation steps.
         reference_cfg, _ = resolve_layout(
             layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, sp=False, pp=1, cp=1,
-                               ep=1, zero=0,
-                               micro_batch=cfg.train.micro_batch * dims.dp), 1)
+                               ep=1, zero=0, microbatches=None, virtual_stages=None, pp_schedule="1f1b",
+                               micro_batch=cfg.train.micro_batch * dims.dp,
+                               grad_accum=cfg.train.grad_accum * micro_batches), 1)
         runs = []
         for run_cfg in (reference_cfg, layout_cfg):
             spec = prepare_run(run_cfg)
@@ -120,8 +124,18 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
             runs.append((losses, ckpt.read_model_tensors(summary.checkpoint)))
         (ref_losses, ref_params), (layout_losses, layout_params) = runs
         per_tensor, whole = _relative_diffs(layout_params, ref_params)
-        return ParityReport(layout=dims.describe() + (" with sp" if cfg.parallel.sp else ""), tolerance=tolerance, reference_losses=ref_losses,
+        return ParityReport(layout=_describe(cfg, dims), tolerance=tolerance, reference_losses=ref_losses,
                             layout_losses=layout_losses, param_rel_diffs=per_tensor, param_rel_diff=whole)
+
+
+def _describe(cfg: Config, dims) -> str:
+    """The layout in words: its mesh, and the options that change how it runs."""
+    text = dims.describe() + (" with sp" if cfg.parallel.sp else "")
+    if dims.pp > 1:
+        micro, virtual = cfg.parallel.pipeline_sizes()
+        text += f" {cfg.parallel.pp_schedule}, {micro} micro-batches" + (f", {virtual} stages per rank"
+                                                                          if virtual > 1 else "")
+    return text
 
 
 def format_table(report: ParityReport) -> str:

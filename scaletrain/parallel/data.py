@@ -229,6 +229,8 @@ class DataParallel:
     # -- inside backward -----------------------------------------------------
     @torch.no_grad()
     def _on_gradient(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a backward that holds this weight's gradient back (zero bubble's B)
+            return
         bucket, view = self._slot[id(param)]
         # The first gradient of a step arrives as a tensor of autograd's: it is
         # copied into the slot, and with views the parameter's .grad becomes the

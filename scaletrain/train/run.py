@@ -29,7 +29,7 @@ from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
 
 # Strategies whose transforms exist; the mesh accepts every size already.
-_IMPLEMENTED = {"dp", "tp"}
+_IMPLEMENTED = {"dp", "tp", "pp"}
 
 
 def world_size_for(cfg: Config, env: ProcessEnv) -> int:
@@ -56,6 +56,11 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
             raise UserError(f"--d-model {g.d_model} is not divisible by --n-heads {g.n_heads}; "
                             f"choose sizes where it is.")
         dims.validate_for_model(n_heads=g.n_heads, n_layers=g.n_layers, seq_len=cfg.data.seq_len)
+        _, virtual = cfg.parallel.pipeline_sizes()
+        if dims.pp * virtual > g.n_layers:
+            raise UserError(f"--pp {dims.pp} with --virtual-stages {virtual} cuts the model into "
+                            f"{dims.pp * virtual} stages, but it has {g.n_layers} layers; lower one of the two "
+                            f"or raise --n-layers.")
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(dims, name) > 1 and name not in _IMPLEMENTED:
             raise UserError(f"--{name} {getattr(dims, name)}: this version has no {name} transform yet; "
@@ -145,6 +150,8 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
         if cfg.run.report_memory:
             write_memory_report(trainer.memory_report(), comm, world, Path(cfg.run.out), runtime.is_main)
+        if trainer.pipeline:
+            write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, Path(cfg.run.out))
         return summary
     finally:
         shutdown(runtime)
@@ -166,6 +173,24 @@ def write_memory_report(mine: dict, comm: Comm, world, run_dir: Path, is_main: b
     if is_main:
         (run_dir / "memory.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
         print(f"\nmemory ledger, rank 0 (all ranks in {run_dir}/memory.json)\n{format_memory_table(mine)}")
+
+
+def write_pipeline_timeline(cfg: Config, step: int, spans: list | None, mesh: Mesh, comm: Comm,
+                            run_dir: Path) -> None:
+    """pipeline.json: the computations of the run's last step on each pp rank of
+    the first replica, in seconds from the step's start (``scaletrain schedule
+    --measured`` draws them beside the plan)."""
+    first_replica = all(mesh.coords[dim] == 0 for dim in ("dp", "ep", "cp", "tp"))
+    mine = [{"kind": s.action.kind, "micro": s.action.micro, "stage": s.action.stage, "start": s.start,
+             "end": s.end} for s in spans or ()] if first_replica else None
+    gathered = comm.all_gather_object((mesh.coords["pp"], mine), mesh.group("world"))
+    if mesh.rank != 0:
+        return
+    micro, virtual = cfg.parallel.pipeline_sizes()
+    ranks = [entries for _, entries in sorted((pp, e) for pp, e in gathered if e is not None)]
+    (run_dir / "pipeline.json").write_text(json.dumps(
+        {"schedule": cfg.parallel.pp_schedule, "pp": len(ranks), "microbatches": micro,
+         "virtual_stages": virtual, "step": step, "ranks": ranks}))
 
 
 def print_summary(summary: RunSummary) -> None:

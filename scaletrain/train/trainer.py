@@ -49,10 +49,15 @@ from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
-from scaletrain.models import build_model
+from scaletrain.models import build_model, gpt_config
+from scaletrain.models.gpt import sample_next
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, replicate, summer
+from scaletrain.parallel.pipeline.parallel import PipelineParallel
+from scaletrain.parallel.pipeline.partition import GPT_STAGES
+from scaletrain.parallel.pipeline.runtime import timer
+from scaletrain.parallel.pipeline.schedules import Span
 from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
@@ -112,6 +117,7 @@ class Trainer:
         self.data = open_data(spec, cfg)
         self.dp_group = mesh.group("dp")
         self.tp_group = mesh.group("tp")
+        self.pp_group = mesh.group("pp")
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and layout
         t = cfg.train
@@ -127,10 +133,18 @@ class Trainer:
             self.tensor_parallel = parallelize(self.model, GPT_PLAN, comm, self.tp_group,
                                                sequence_parallel=p.sp, dropout=cfg.model.dropout)
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
-        if t.recompute != "none":
-            apply_recompute(self.model, t.recompute)
-        if t.compile:
-            compile_blocks(self.model)
+        # Pipeline parallelism: each pp rank keeps its stages of the model.
+        self.micro_batches, _ = p.pipeline_sizes()
+        self.pipeline: PipelineParallel | None = None
+        if self.pp_group.size > 1:
+            self.pipeline = self._cut_into_stages()
+        # Per-block transforms, per pipeline stage (a sqrt segment must not cross a cut).
+        stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [None]
+        for blocks in stage_blocks:
+            if t.recompute != "none":
+                apply_recompute(self.model, t.recompute, blocks)
+            if t.compile:
+                compile_blocks(self.model, blocks)
         replicate(self.model, comm, self.dp_group)  # before the masters copy the weights
         master_device = "cpu" if t.offload == "optimizer" else None
         # fp32 masters for bf16 working weights, or in host memory with --offload
@@ -156,8 +170,10 @@ class Trainer:
         self.optimizer = build_optimizer(groups, t)
         self.step_params = [p for group in groups for p in group["params"]]
         # The step parameters (masters, where they exist) that hold tp slices.
-        self.split_params = {id(self.masters.master_of(q) if self.masters else q)
-                             for q in (self.tensor_parallel.splits if self.tensor_parallel else ())}
+        self.split_params = {id(self._stepped(q)) for q in (self.tensor_parallel.splits if self.tensor_parallel else ())}
+        # Pipeline: the step parameters that copy a tied weight another stage counts.
+        self.tied_copies = {id(self._stepped(q)) for q in (self.pipeline.copies if self.pipeline else ())}
+        self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
         self.memory: dict | None = None  # the ledger taken on that step
@@ -169,8 +185,23 @@ class Trainer:
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
-        self.tokens_per_step = t.micro_batch * t.grad_accum * self.dp_group.size * positions
+        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.dp_group.size * positions
         self.peak = peak_tflops(t.peak_tflops, self.device)
+
+    def _stepped(self, param: nn.Parameter) -> torch.Tensor:
+        """The tensor the optimizer steps for ``param``: its fp32 master, where there is one."""
+        return self.masters.master_of(param) if self.masters else param
+
+    def _cut_into_stages(self) -> PipelineParallel:
+        cfg, p = self.cfg, self.cfg.parallel
+        width = gpt_config(cfg.model, vocab_size=self.spec.vocab_size, seq_len=cfg.data.seq_len).d_model
+        _, virtual = p.pipeline_sizes()
+        return PipelineParallel(
+            self.model, GPT_STAGES, self.comm, self.pp_group, schedule=p.pp_schedule,
+            micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
+            # The GPT's residual stream crosses the cuts, in fp32 whatever the precision.
+            boundary=lambda batch, seq: ((batch, seq, width), torch.float32, self.device),
+            sample=self._micro_batch(0, 0)[0])
 
     def _compressor(self) -> PowerSGD | SignCompressor | None:
         p = self.cfg.parallel
@@ -184,7 +215,8 @@ class Trainer:
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
-        first = first_sample(step, micro, t.grad_accum, self.dp_group.size, self.dp_group.rank, t.micro_batch)
+        first = first_sample(step, micro, t.grad_accum * self.micro_batches, self.dp_group.size,
+                             self.dp_group.rank, t.micro_batch)
         x, y = self.data.train.get(first, t.micro_batch)
         return x.to(self.device), y.to(self.device)
 
@@ -196,10 +228,9 @@ class Trainer:
             return self.mesh.dims.rank_of({**self.mesh.coords, "tp": 0})
         return self.runtime.env.rank
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches; the sum of their losses / grad_accum."""
         t = self.cfg.train
-        torch.manual_seed(_step_seed(t.seed, step, self._dropout_rank()))
-        self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
             x, y = self._micro_batch(step, micro)
@@ -211,7 +242,43 @@ class Trainer:
                 loss = self.loss_fn(logits, y) / t.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
+        return loss_sum
+
+    def _pipeline_forward_backward(self, step: int, record: bool) -> torch.Tensor:
+        """``--grad-accum`` rounds of the pipeline schedule over the step's
+        micro-batches, gradients synchronised after the last; the loss, as the
+        last stage has it, on every pp rank. ``record``: keep the first round's
+        timeline, its clock started together on every pp rank."""
+        t = self.cfg.train
+        loss_sum = torch.zeros((), device=self.device)
+        with self.data_parallel.no_sync():
+            for round_ in range(t.grad_accum):
+                clock = None
+                if record and round_ == 0:
+                    self.comm.barrier(self.pp_group)
+                    clock = timer()
+                with self._meter_first_micro_batch(round_):
+                    loss, spans = self.pipeline.train_round(
+                        lambda m, r=round_: self._micro_batch(step, r * self.micro_batches + m),
+                        loss_fn=self.loss_fn, divisor=t.grad_accum * self.micro_batches,
+                        backward_scale=self.scaler.scale,
+                        forward_context=lambda: autocast(t.precision, self.device), clock=clock)
+                loss_sum += loss
+                if clock:
+                    self.timeline = spans
+        return self.pipeline.from_last_stage(loss_sum)
+
+    def train_step(self, step: int, record: bool = False) -> dict[str, float]:
+        t = self.cfg.train
+        torch.manual_seed(_step_seed(t.seed, step, self._dropout_rank()))
+        self.model.train()
+        if self.pipeline:
+            loss_sum = self._pipeline_forward_backward(step, record)
+        else:
+            loss_sum = self._forward_backward(step)
         self.data_parallel.finish_gradient_sync()
+        if self.pipeline:
+            self.pipeline.sum_shared_gradients(self.data_parallel.gradient)
         if self.masters:
             self.masters.copy_grads_to_master(self.data_parallel.gradient)
         overflow = False
@@ -225,6 +292,8 @@ class Trainer:
             grad_norm = self.zero.clip_grad_norm_(max_norm)
         elif self.tensor_parallel:
             grad_norm = self.tensor_parallel.clip_grad_norm_(self.step_params, self.split_params, max_norm)
+        elif self.pipeline:
+            grad_norm = self.pipeline.clip_grad_norm_(self.step_params, self.tied_copies, max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.step_params, max_norm)
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
@@ -271,8 +340,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        batches = self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches)
+        if self.pipeline:
+            return self.pipeline.evaluate([(x.to(self.device), y.to(self.device)) for x, y in batches],
+                                          self.loss_fn, lambda: autocast(self.cfg.train.precision, self.device))
         losses = []
-        for x, y in self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches):
+        for x, y in batches:
             with autocast(self.cfg.train.precision, self.device):
                 logits = self.model(x.to(self.device))
             losses.append(self.loss_fn(logits, y.to(self.device)).item())
@@ -291,10 +364,15 @@ class Trainer:
         prompt = torch.tensor(tokenizer.encode(text[start:start + 48]), dtype=torch.long)
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
+        prompt = prompt[None].to(self.device)
+        if self.pipeline:
+            out = self.pipeline.generate(prompt, self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
+                                         sample_next=lambda logits: sample_next(logits, generator=generator),
+                                         forward_context=lambda: autocast(self.cfg.train.precision, self.device))
+            return tokenizer.decode(out[0].tolist())
         generation = self.tensor_parallel.generation() if self.tensor_parallel else nullcontext()
         with generation, autocast(self.cfg.train.precision, self.device):
-            out = self.model.generate(prompt[None].to(self.device), self.cfg.run.sample_tokens,
-                                      generator=generator)
+            out = self.model.generate(prompt, self.cfg.run.sample_tokens, generator=generator)
         return tokenizer.decode(out[0].tolist())
 
     # -- the loop ------------------------------------------------------------
@@ -321,7 +399,7 @@ class Trainer:
         val_loss, saved = None, None
         for step in range(self.start_step, end):
             start = time.perf_counter()
-            record = {"step": step + 1, **self.train_step(step)}
+            record = {"step": step + 1, **self.train_step(step, record=step == end - 1)}
             seconds = time.perf_counter() - start
             tokens_per_s = self.tokens_per_step / seconds
             record.update(tokens_per_s=tokens_per_s, step_s=seconds,
@@ -340,8 +418,9 @@ class Trainer:
         bar.close()
         if writer:
             writer.close()
-        # Every rank of the main rank's tp group computes the sample with it.
-        sample = self.sample() if 0 in self.tp_group.ranks and end == cfg.train.steps else None
+        # Every rank of the main rank's model replica (its tp and pp ranks) computes the sample with it.
+        in_first_replica = all(self.mesh.coords[dim] == 0 for dim in ("dp", "ep", "cp"))
+        sample = self.sample() if in_first_replica and end == cfg.train.steps else None
         return RunSummary(run_dir=self.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
                           val_loss=val_loss, checkpoint=saved, sample=sample if self.is_main else None,
                           unigram_entropy=self.spec.unigram_entropy)

@@ -251,6 +251,12 @@ def build(name: str, n: int, m: int, v: int = 1) -> Schedule:
     return Schedule(name, n, m, v, _with_transfers(orders, n, n * v))
 
 
+def forward_only(n: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation and generation: each micro-batch through every stage, no backward."""
+    orders = [[Action("F", i, c * n + r) for i in range(m) for c in range(v)] for r in range(n)]
+    return Schedule("forward", n, m, v, _with_transfers(orders, n, n * v))
+
+
 # -- properties, for the tests, the drawing and the planner ---------------------
 def live_activations(order: list[Action]) -> int:
     """The most chunk-activations a rank holds at once: a micro-batch's from
@@ -334,9 +340,14 @@ def simulate(schedule: Schedule, costs: dict[str, float] = UNIT_COSTS) -> list[l
     return spans
 
 
-def bubble(spans: list[list[Span]]) -> float:
-    """The idle share of the step, averaged over ranks: 1 - busy / (last end - first start)."""
+def idle_shares(spans: list[list[Span]]) -> list[float]:
+    """Each rank's idle share of the step: 1 - busy / (last end - first start), over all ranks."""
     start = min(s.start for rank in spans for s in rank)
     total = max(s.end for rank in spans for s in rank) - start
-    busy = [sum(s.end - s.start for s in rank) for rank in spans]
-    return sum(1 - b / total for b in busy) / len(busy)
+    return [1 - sum(s.end - s.start for s in rank) / total for rank in spans]
+
+
+def bubble(spans: list[list[Span]]) -> float:
+    """The idle share of the step, averaged over ranks."""
+    shares = idle_shares(spans)
+    return sum(shares) / len(shares)

@@ -96,7 +96,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None
         if ctx.store.key is not None:
-            ctx.store.hold(x_c, grad_output, ctx.weight)
+            ctx.store.hold(x_c.detach(), grad_output.detach(), ctx.weight)
             return grad_x, None, None
         return grad_x, _weight_grad(x_c, grad_output).to(ctx.weight.dtype), None
 

@@ -1,0 +1,169 @@
+"""Pipeline parallelism as the trainer sees it: cut the model, run rounds of
+micro-batches through a schedule, and keep the cut model equal to the whole.
+
+    pipeline = PipelineParallel(model, GPT_STAGES, comm, pp_group, schedule="1f1b", ...)
+    losses = pipeline.train_round(batch, divisor=M)      forward and backward of M micro-batches
+    pipeline.sum_shared_gradients(grad_of)               tied weights: the holders add their parts
+    pipeline.clip_grad_norm_(params, max_norm)           each weight counted once over the stages
+    ... optimizer step on this rank's stages ...
+
+The pieces: partition.py (where the cuts go, what each rank keeps),
+schedules.py (the order of the work, as data), runtime.py (executing it),
+weight_grad.py (B and W apart, for ZB-H1).
+
+Evaluation and generation run the same stages forward only. Generation
+passes one growing sequence through the stages per new token; the last stage
+samples the token and broadcasts it to the other stages, which feed it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.mesh import Group
+from scaletrain.optim.clip import clip_grad_norm_
+from scaletrain.parallel.pipeline.partition import (
+    Costs,
+    StagePlan,
+    balance,
+    describe,
+    keep_stages,
+    parameter_costs,
+    shared_parameters,
+    time_costs,
+)
+from scaletrain.parallel.pipeline.runtime import PipelineRuntime
+from scaletrain.parallel.pipeline.schedules import Schedule, Span, build, forward_only
+from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class PipelineParallel:
+    """This rank's stages of ``model`` (pruned in place) and the schedule that runs them.
+
+    ``boundary(batch, seq)`` gives the (shape, dtype, device) of what crosses
+    a stage boundary for a micro-batch of that size; ``sample`` is one
+    micro-batch of input, timed when ``balance_by`` is "time".
+    """
+
+    def __init__(self, model: nn.Module, plan: StagePlan, comm: Comm, group: Group, *, schedule: str,
+                 micro_batches: int, virtual_stages: int, balance_by: str,
+                 boundary: Callable[[int, int], tuple[tuple[int, ...], torch.dtype, torch.device]],
+                 sample: torch.Tensor):
+        self.comm, self.group, self.boundary = comm, group, boundary
+        n, v = group.size, virtual_stages
+        self.schedule: Schedule = build(schedule, n, micro_batches, v)
+        self.ranges = balance(self._costs(model, plan, balance_by, sample), n * v)
+        self.layout = describe(self.ranges, plan)
+        shared = shared_parameters(model, plan, self.ranges)
+        self.stages = keep_stages(model, plan, self.ranges, self.schedule.stages_of(group.rank))
+        self.store = WeightGradStore() if self.schedule.split_backward else None
+        if self.store:
+            make_deferrable(model, self.store)
+        self.runtime = PipelineRuntime(self.stages, comm, group, self.store)
+        params = dict(model.named_parameters())
+        # Tied weights on this rank, with every pp rank holding a copy (ascending).
+        self.shared = [(params[name], sorted({self.schedule.rank_of(s) for s in stages}))
+                       for name, stages in shared.items() if name in params]
+        # Each tied weight counts towards the norm on its first holder only; the others hold copies.
+        self.copies = [p for p, holders in self.shared if holders[0] != group.rank]
+        self.last_rank = self.schedule.rank_of(self.schedule.stages - 1)
+
+    def _costs(self, model: nn.Module, plan: StagePlan, balance_by: str, sample: torch.Tensor) -> Costs:
+        if balance_by == "params":
+            return parameter_costs(model, plan)
+        measured = time_costs(model, plan, sample)
+        # Ranks time alike but not equally: the average makes them cut alike.
+        flat = torch.tensor([*measured.layers, measured.first, measured.last], dtype=torch.float64)
+        self.comm.all_reduce(flat, self.group, op="avg")
+        values = flat.tolist()
+        return Costs(tuple(values[:-2]), values[-2], values[-1])
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.group.rank == self.last_rank
+
+    def blocks(self) -> list[nn.Module]:
+        """This rank's layers, for per-block transforms (recompute, compile)."""
+        return [block for stage in self.stages for block in stage.blocks()]
+
+    # -- training ------------------------------------------------------------------
+    def train_round(self, batch: Callable[[int], Batch], *, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    divisor: float, backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                    forward_context: Callable[[], AbstractContextManager] = nullcontext,
+                    clock: Callable[[], float] | None = None) -> tuple[torch.Tensor, list[Span]]:
+        """Forward and backward of the schedule's micro-batches; ``batch(m)`` is
+        micro-batch m's (input, target). Returns the sum of the micro-batches'
+        ``loss / divisor`` on the last stage (zero elsewhere) and, with
+        ``clock``, the spans of this rank's computations."""
+        x0, _ = batch(0)
+        losses, spans = self.runtime.run(
+            self.schedule, boundary=self.boundary(*x0.shape[:2]), inputs=lambda m: batch(m)[0],
+            loss=lambda m, logits: loss_fn(logits, batch(m)[1]) / divisor, backward_scale=backward_scale,
+            forward_context=forward_context, clock=clock)
+        total = torch.zeros((), device=x0.device)
+        for m in sorted(losses):
+            total += losses[m]
+        return total, spans
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the last stage has it, on every rank of the group."""
+        self.comm.broadcast(value, self.group, src=self.last_rank)
+        return value
+
+    @torch.no_grad()
+    def sum_shared_gradients(self, grad_of: Callable[[nn.Parameter], torch.Tensor | None]) -> None:
+        """Every holder of a tied weight gets the sum of all holders' gradients,
+        added in rank order so that every copy is bitwise the same."""
+        for param, holders in self.shared:
+            mine = grad_of(param)
+            others = {r: torch.empty_like(mine) for r in holders if r != self.group.rank}
+            ops = [("send", mine, r) for r in others] + [("recv", t, r) for r, t in others.items()]
+            self.comm.batch_isend_irecv(ops, self.group).wait()
+            parts = {**others, self.group.rank: mine.clone()}
+            mine.copy_(sum(parts[r] for r in holders))
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], copies: set[int], max_norm: float) -> torch.Tensor:
+        """torch's rule over the whole model: each stage's squares summed over the
+        group, a tied weight counted once (the ``id``s in ``copies`` left out:
+        `copies`, or their fp32 masters)."""
+        params = [p for p in params if p.grad is not None]
+        return clip_grad_norm_([p.grad for p in params], max_norm,
+                               parts=[p.grad for p in params if id(p) not in copies], replicated=[],
+                               comm=self.comm, group=self.group)
+
+    # -- forward only --------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 forward_context: Callable[[], AbstractContextManager] = nullcontext) -> float:
+        """The mean loss over ``batches``, on every rank."""
+        x0, _ = batches[0]
+        losses, _ = self.runtime.run(
+            forward_only(self.group.size, len(batches), self.schedule.virtual_stages),
+            boundary=self.boundary(*x0.shape[:2]), inputs=lambda m: batches[m][0],
+            loss=lambda m, logits: loss_fn(logits, batches[m][1]), forward_context=forward_context)
+        mean = torch.stack([losses[m] for m in sorted(losses)]).mean() if losses \
+            else torch.zeros((), device=x0.device)
+        return self.from_last_stage(mean.float()).item()
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, context: int,
+                 sample_next: Callable[[torch.Tensor], torch.Tensor],
+                 forward_context: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
+        """Sample ``new_tokens`` continuations of ``idx`` [batch, seq], the last
+        ``context`` tokens as input; every rank returns the same ids."""
+        schedule = forward_only(self.group.size, 1, self.schedule.virtual_stages)
+        for _ in range(new_tokens):
+            window = idx[:, -context:]
+            logits, _ = self.runtime.run(schedule, boundary=self.boundary(*window.shape[:2]),
+                                         inputs=lambda m, w=window: w, loss=None, forward_context=forward_context)
+            next_id = sample_next(logits[0][:, -1, :]) if self.holds_loss \
+                else torch.empty((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
+            idx = torch.cat([idx, self.from_last_stage(next_id)], dim=1)
+        return idx

@@ -16,7 +16,7 @@ def build_trainer(rank: int, n: int, cfg, spec) -> Trainer:
     """The trainer of rank ``rank`` of ``n``, in the layout ``cfg`` names (dp filled in)."""
     env = ProcessEnv(rank, n, rank, n, "127.0.0.1", 0, "single")
     p = cfg.parallel
-    mesh = Mesh.build(ParallelDims.infer(n, dp=p.dp, tp=p.tp), rank, n)
+    mesh = Mesh.build(ParallelDims.infer(n, dp=p.dp, tp=p.tp, pp=p.pp), rank, n)
     return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, Comm(), Path(cfg.run.out))
 
 

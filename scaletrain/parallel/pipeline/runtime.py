@@ -2,11 +2,13 @@
 
 For every step of the list, in order:
 
-    a batch of transfers   post the sends and the receives together
-                           (``batch_isend_irecv``), wait for the receives only;
+    a batch of transfers   post its sends (one ``batch_isend_irecv``) and its
+                           receives (another), then wait for the receives only:
                            sends complete in the background and are waited for
-                           at the end of the round (their tensors kept alive
-                           until then)
+                           at the end of the round, their tensors kept alive
+                           until then (two calls, because a backend may return
+                           one handle for a whole batch, and waiting for a send
+                           would stall the rank until its neighbour asks for it)
     F  (micro m, stage s)  input: the micro-batch (first stage) or the received
                            activation, made a leaf that requires grad; output
                            kept for backward; on the last stage the output is

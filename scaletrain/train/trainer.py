@@ -201,7 +201,7 @@ class Trainer:
             micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
             # The GPT's residual stream crosses the cuts, in fp32 whatever the precision.
             boundary=lambda batch, seq: ((batch, seq, width), torch.float32, self.device),
-            sample=self._micro_batch(0, 0)[0])
+            sample=self._micro_batch(0, 0)[0], world=self.mesh.group("world"))
 
     def _compressor(self) -> PowerSGD | SignCompressor | None:
         p = self.cfg.parallel

@@ -49,17 +49,18 @@ class PipelineParallel:
 
     ``boundary(batch, seq)`` gives the (shape, dtype, device) of what crosses
     a stage boundary for a micro-batch of that size; ``sample`` is one
-    micro-batch of input, timed when ``balance_by`` is "time".
+    micro-batch of input, timed when ``balance_by`` is "time", the timings
+    averaged over ``world`` (every replica must cut alike).
     """
 
     def __init__(self, model: nn.Module, plan: StagePlan, comm: Comm, group: Group, *, schedule: str,
                  micro_batches: int, virtual_stages: int, balance_by: str,
                  boundary: Callable[[int, int], tuple[tuple[int, ...], torch.dtype, torch.device]],
-                 sample: torch.Tensor):
+                 sample: torch.Tensor, world: Group):
         self.comm, self.group, self.boundary = comm, group, boundary
         n, v = group.size, virtual_stages
         self.schedule: Schedule = build(schedule, n, micro_batches, v)
-        self.ranges = balance(self._costs(model, plan, balance_by, sample), n * v)
+        self.ranges = balance(self._costs(model, plan, balance_by, sample, world), n * v)
         self.layout = describe(self.ranges, plan)
         shared = shared_parameters(model, plan, self.ranges)
         self.stages = keep_stages(model, plan, self.ranges, self.schedule.stages_of(group.rank))
@@ -75,13 +76,15 @@ class PipelineParallel:
         self.copies = [p for p, holders in self.shared if holders[0] != group.rank]
         self.last_rank = self.schedule.rank_of(self.schedule.stages - 1)
 
-    def _costs(self, model: nn.Module, plan: StagePlan, balance_by: str, sample: torch.Tensor) -> Costs:
+    def _costs(self, model: nn.Module, plan: StagePlan, balance_by: str, sample: torch.Tensor,
+               world: Group) -> Costs:
         if balance_by == "params":
             return parameter_costs(model, plan)
         measured = time_costs(model, plan, sample)
-        # Ranks time alike but not equally: the average makes them cut alike.
-        flat = torch.tensor([*measured.layers, measured.first, measured.last], dtype=torch.float64)
-        self.comm.all_reduce(flat, self.group, op="avg")
+        # Ranks time alike but not equally: the average makes them all cut alike.
+        flat = torch.tensor([*measured.layers, measured.first, measured.last], dtype=torch.float64,
+                            device=sample.device)
+        self.comm.all_reduce(flat, world, op="avg")
         values = flat.tolist()
         return Costs(tuple(values[:-2]), values[-2], values[-1])
 

@@ -129,6 +129,48 @@ def test_deferrable_linear_outside_deferring_is_a_plain_linear():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7)
 
 
+# -- forward only: evaluation and generation ------------------------------------------
+
+
+def _forward_through_stages(rank: int, n: int) -> dict:
+    """Two ranks, two chunks each (stages 0-3): evaluation over batches of 4 and 2
+    sequences, and 5 generated tokens, against the whole model in one process."""
+    from scaletrain.dist import Comm, Mesh, ParallelDims
+    from scaletrain.models.gpt import sample_next
+    from scaletrain.parallel.pipeline.parallel import PipelineParallel
+    from scaletrain.train.trainer import loss_fn
+
+    whole, model = _gpt(), _gpt()
+    mesh = Mesh.build(ParallelDims(pp=n), rank, n)
+    pipeline = PipelineParallel(model, GPT_STAGES, Comm(), mesh.group("pp"), schedule="interleaved",
+                                micro_batches=2, virtual_stages=2, balance_by="params",
+                                boundary=lambda b, s: ((b, s, 32), torch.float32, torch.device("cpu")),
+                                sample=_tokens(), world=mesh.group("world"))
+    tokens = torch.randint(0, 64, (6, 16), generator=torch.Generator().manual_seed(2))
+    batches = [(tokens[:4, :-1], tokens[:4, 1:]), (tokens[4:, :-1], tokens[4:, 1:])]
+    with torch.no_grad():
+        expected = sum(loss_fn(whole(x), y).item() for x, y in batches) / 2
+    got = pipeline.evaluate(batches, loss_fn)
+
+    def sampler(logits: torch.Tensor) -> torch.Tensor:
+        return sample_next(logits, generator=torch.Generator().manual_seed(3))
+
+    prompt = tokens[:1, :12]
+    generated = pipeline.generate(prompt, 5, context=16, sample_next=sampler)
+    reference = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            reference = torch.cat([reference, sampler(whole(reference[:, -16:])[:, -1, :])], dim=1)
+    return {"loss": (got, expected), "same_tokens": torch.equal(generated, reference)}
+
+
+def test_evaluation_and_generation_run_through_the_stages():
+    """A short last validation batch included; every rank gets the loss and the tokens."""
+    for result in run_distributed(_forward_through_stages, 2):
+        assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-6)
+        assert result["same_tokens"]
+
+
 # -- parity with one device -----------------------------------------------------------
 
 

@@ -145,6 +145,10 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
                 raise UserError(outcome)
             spec = outcome
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
+        if trainer.pipeline and runtime.is_main:
+            schedule = trainer.pipeline.schedule
+            print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
+                  f"{schedule.virtual_stages} stage(s) per rank\n{trainer.pipeline.layout}\n")
         summary = trainer.fit()
         if cfg.run.report_comm:
             write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)

@@ -107,7 +107,7 @@ class PipelineParallel:
         ``clock``, the spans of this rank's computations."""
         x0, _ = batch(0)
         losses, spans = self.runtime.run(
-            self.schedule, boundary=self.boundary(*x0.shape[:2]), inputs=lambda m: batch(m)[0],
+            self.schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: batch(m)[0],
             loss=lambda m, logits: loss_fn(logits, batch(m)[1]) / divisor, backward_scale=backward_scale,
             forward_context=forward_context, clock=clock)
         total = torch.zeros((), device=x0.device)
@@ -149,7 +149,7 @@ class PipelineParallel:
         x0, _ = batches[0]
         losses, _ = self.runtime.run(
             forward_only(self.group.size, len(batches), self.schedule.virtual_stages),
-            boundary=self.boundary(*x0.shape[:2]), inputs=lambda m: batches[m][0],
+            boundary=lambda m: self.boundary(*batches[m][0].shape[:2]), inputs=lambda m: batches[m][0],
             loss=lambda m, logits: loss_fn(logits, batches[m][1]), forward_context=forward_context)
         mean = torch.stack([losses[m] for m in sorted(losses)]).mean() if losses \
             else torch.zeros((), device=x0.device)
@@ -164,8 +164,9 @@ class PipelineParallel:
         schedule = forward_only(self.group.size, 1, self.schedule.virtual_stages)
         for _ in range(new_tokens):
             window = idx[:, -context:]
-            logits, _ = self.runtime.run(schedule, boundary=self.boundary(*window.shape[:2]),
-                                         inputs=lambda m, w=window: w, loss=None, forward_context=forward_context)
+            shape = self.boundary(*window.shape[:2])
+            logits, _ = self.runtime.run(schedule, boundary=lambda m, s=shape: s, inputs=lambda m, w=window: w,
+                                         loss=None, forward_context=forward_context)
             next_id = sample_next(logits[0][:, -1, :]) if self.holds_loss \
                 else torch.empty((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
             idx = torch.cat([idx, self.from_last_stage(next_id)], dim=1)

@@ -21,8 +21,9 @@ For every step of the list, in order:
     W                      ... and W computes them
 
 Shapes are known ahead: every activation and gradient crossing a stage
-boundary has the shape the caller gives (``[micro_batch, seq, d_model]`` for
-the GPT), so a receive allocates its buffer and no size is ever exchanged.
+boundary has the shape the caller gives for its micro-batch (``[micro_batch,
+seq, d_model]`` for the GPT), so a receive allocates its buffer and no size is
+ever exchanged.
 
 The loss is averaged over micro-batches exactly as on one device: each
 micro-batch's mean loss is divided by the number of micro-batches in the step
@@ -55,14 +56,15 @@ class PipelineRuntime:
         self._received: dict[tuple[str, int, int], torch.Tensor] = {}
         self._sending: list[tuple[Pending, list[torch.Tensor]]] = []
 
-    def run(self, schedule: Schedule, *, boundary: tuple[tuple[int, ...], torch.dtype, torch.device],
+    def run(self, schedule: Schedule, *, boundary: Callable[[int], tuple[tuple[int, ...], torch.dtype, torch.device]],
             inputs: Callable[[int], torch.Tensor], loss: Callable[[int, torch.Tensor], torch.Tensor] | None,
             backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
             forward_context: Callable[[], AbstractContextManager] = nullcontext,
             clock: Callable[[], float] | None = None) -> tuple[dict[int, torch.Tensor], list[Span]]:
         """Execute this rank's list of ``schedule``. ``inputs(m)`` is micro-batch
         m's input to the first stage, ``loss(m, output)`` its loss on the last
-        (None: forward only, the outputs are returned). Returns the last stage's
+        (None: forward only, the outputs are returned), ``boundary(m)`` the
+        (shape, dtype, device) of its activations between stages. Returns the last stage's
         per-micro-batch losses (or outputs), detached, and with ``clock`` the
         computations' spans in its time."""
         training = loss is not None and torch.is_grad_enabled()
@@ -121,7 +123,6 @@ class PipelineRuntime:
 
     # -- transfers ---------------------------------------------------------------
     def _transfer(self, batch: tuple[Action, ...], boundary, training: bool) -> None:
-        shape, dtype, device = boundary
         sends, recvs = [], []
         for a in batch:
             if a.kind == "send_act":
@@ -130,6 +131,7 @@ class PipelineRuntime:
             elif a.kind == "send_grad":
                 sends.append(("send", self._inputs.pop((a.micro, a.stage)).grad, a.peer))
             else:
+                shape, dtype, device = boundary(a.micro)
                 buffer = torch.empty(shape, dtype=dtype, device=device)
                 self._received[a.kind[5:], a.micro, a.stage] = buffer
                 recvs.append(("recv", buffer, a.peer))

@@ -127,7 +127,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import allreduce, dp, techniques, tp, zero
+    from scaletrain.bench import allreduce, dp, pp, techniques, tp, zero
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
@@ -143,6 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = zero.run(cfg, args.warmup), zero.format_table
     elif args.what == "tp":
         result, table = tp.run(cfg, args.warmup), tp.format_table
+    elif args.what == "pp":
+        result, table = pp.run(cfg, args.warmup), pp.format_table
     else:
         result = allreduce.run(cfg.parallel.nproc, repeats=cfg.train.steps, warmup=args.warmup,
                                plot=Path(args.plot), timeout_s=cfg.parallel.timeout)

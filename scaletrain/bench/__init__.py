@@ -12,7 +12,9 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -20,10 +22,10 @@ import torch
 
 from scaletrain.config import Config, TrainConfig
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, spawn_local
-from scaletrain.dist.mesh import Group
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.mesh import Group, Mesh, ParallelDims
 from scaletrain.errors import UserError
-from scaletrain.train.data_setup import prepare_data
+from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
 from scaletrain.train.trainer import first_sample
 
 
@@ -72,6 +74,29 @@ def spawn_race(cfg: Config, warmup: int, worker: Callable[[Config, Any, int], di
         raise UserError(f"bench {what} starts its own processes; run it with --nproc N, not under a launcher.")
     spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
     return spawn_local(n, worker, (cfg.replace(**{"dp": 1, dim: n}), spec, warmup))[0]
+
+
+@dataclass
+class RaceRank:
+    """One process of a race that `spawn_race` started: its mesh (every rank
+    along one dim), its door to the network, its device and the opened data."""
+
+    mesh: Mesh
+    comm: Comm
+    device: torch.device
+    data: Any
+
+
+@contextmanager
+def race_rank(cfg: Config, spec: DataSpec, dim: str) -> Iterator[RaceRank]:
+    """Join the race's process group as one rank along ``dim``; leave it on exit."""
+    env = detect_environment()
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
+    try:
+        mesh = Mesh.build(ParallelDims(**{dim: env.world_size}), env.rank, env.world_size)
+        yield RaceRank(mesh, Comm(), runtime.device, open_data(spec, cfg))
+    finally:
+        shutdown(runtime)
 
 
 def rotated(items: Sequence[R], step: int) -> list[R]:

@@ -27,16 +27,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.bench import (Batches, largest_relative_gap, machine, race, slowest_rank_medians, spawn_race,
-                              step_batches)
+from scaletrain.bench import (Batches, largest_relative_gap, machine, race, race_rank, slowest_rank_medians,
+                              spawn_race, step_batches)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.mesh import Mesh, ParallelDims
+from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
-from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.trainer import loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
@@ -99,20 +98,13 @@ def _step(c: Contender, batches: Batches, cfg: Config) -> float:
 
 
 def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
-    env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
-    try:
-        mesh = Mesh.build(ParallelDims(dp=env.world_size), env.rank, env.world_size)
-        comm = Comm()
-        data = open_data(spec, cfg)
-        contenders = _contenders(cfg, spec, data, comm, mesh)
-        dp = mesh.group("dp")
+    with race_rank(cfg, spec, "dp") as rank:
+        comm, data, dp = rank.comm, rank.data, rank.mesh.group("dp")
+        contenders = _contenders(cfg, spec, data, comm, rank.mesh)
         race(contenders, cfg.train.steps, lambda step: step_batches(data, cfg.train, dp, step),
              lambda c, batches, _: _step(c, batches, cfg), comm, dp)
         medians = slowest_rank_medians(contenders, warmup, comm, dp)
         return _report(cfg, contenders, medians, dp.size, warmup)
-    finally:
-        shutdown(runtime)
 
 
 def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], ranks: int,

@@ -116,14 +116,14 @@ from scaletrain.bench import (
     largest_relative_gap,
     machine,
     race,
+    race_rank,
     slowest_rank_medians,
     spawn_race,
     step_batches,
 )
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.mesh import Group, Mesh, ParallelDims
+from scaletrain.dist.mesh import Group, Mesh
 from scaletrain.errors import UserError
 from scaletrain.models import GPT, build_model, gpt_config
 from scaletrain.optim import build_optimizer, decay_groups
@@ -136,7 +136,7 @@ from scaletrain.parallel.pipeline.partition import (
     keep_stages,
     parameter_costs,
 )
-from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.trainer import loss_fn
 
 OURS, PEER = "scaletrain PipelineParallel", "torch.distributed.pipelining"
@@ -294,12 +294,9 @@ def _peer(model: GPT, schedule: str, pp: Group, cfg: Config, ranges: list[range]
 
 
 def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
-    env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
-    try:
-        mesh = Mesh.build(ParallelDims(pp=env.world_size), env.rank, env.world_size)
-        comm, pp, dp, device = Comm(), mesh.group("pp"), mesh.group("dp"), runtime.device
-        data = open_data(spec, cfg)
+    with race_rank(cfg, spec, "pp") as rank:
+        mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
+        pp, dp = mesh.group("pp"), mesh.group("dp")
         micro, _ = cfg.parallel.pipeline_sizes()
         # A step reads grad_accum x M micro-batches, as the trainer does with pp.
         reads = replace(cfg.train, grad_accum=cfg.train.grad_accum * micro)
@@ -327,8 +324,6 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         # Only the last stage holds the losses: everyone takes its.
         losses = comm.all_gather_object({c.name: c.losses for c in contenders}, pp)[pp.size - 1]
         return _report(cfg, contenders, medians, losses, ranges, warmup, device)
-    finally:
-        shutdown(runtime)
 
 
 def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], losses: dict[str, list[float]],

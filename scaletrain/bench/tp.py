@@ -81,17 +81,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from scaletrain.bench import (Batches, largest_relative_gap, machine, race, slowest_rank_medians, spawn_race,
-                              step_batches)
+from scaletrain.bench import (Batches, largest_relative_gap, machine, race, race_rank, slowest_rank_medians,
+                              spawn_race, step_batches)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.mesh import Group, Mesh, ParallelDims
+from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
 from scaletrain.models import GPT, build_model, gpt_config
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.tensor import GPT_PLAN, parallelize
-from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.trainer import loss_fn
 
 OURS, PEER = "scaletrain tensor parallel", "torch DTensor TP (parallelize_module)"
@@ -209,12 +208,9 @@ def _peer(model: GPT, group: Group, device: torch.device, cfg: Config) -> Conten
 
 
 def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
-    env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
-    try:
-        mesh = Mesh.build(ParallelDims(tp=env.world_size), env.rank, env.world_size)
-        comm, tp, dp, device = Comm(), mesh.group("tp"), mesh.group("dp"), runtime.device
-        data = open_data(spec, cfg)
+    with race_rank(cfg, spec, "tp") as rank:
+        mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
+        tp, dp = mesh.group("tp"), mesh.group("dp")
 
         def fresh_model() -> GPT:
             torch.manual_seed(cfg.train.seed)  # the same initial weights for both
@@ -228,8 +224,6 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         race(contenders, cfg.train.steps, batches_at, lambda c, batches, _: c.train_step(batches), comm, tp)
         medians = slowest_rank_medians(contenders, warmup, comm, tp)
         return _report(cfg, contenders, medians, tp.size, warmup, device)
-    finally:
-        shutdown(runtime)
 
 
 def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], ranks: int, warmup: int,

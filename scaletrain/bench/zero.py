@@ -66,17 +66,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from scaletrain.bench import (Batches, largest_relative_gap, machine, race, slowest_rank_medians, spawn_race,
-                              step_batches)
+from scaletrain.bench import (Batches, largest_relative_gap, machine, race, race_rank, slowest_rank_medians,
+                              spawn_race, step_batches)
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.mesh import Group, Mesh, ParallelDims
+from scaletrain.dist.mesh import Group
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import replicate
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
-from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.memory import bytes_by_entry, optimizer_state
 from scaletrain.train.trainer import loss_fn
 
@@ -271,12 +270,8 @@ def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, group: Group,
 
 
 def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
-    env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
-    try:
-        mesh = Mesh.build(ParallelDims(dp=env.world_size), env.rank, env.world_size)
-        comm, dp, device = Comm(), mesh.group("dp"), runtime.device
-        data = open_data(spec, cfg)
+    with race_rank(cfg, spec, "dp") as rank:
+        comm, dp, device, data = rank.comm, rank.mesh.group("dp"), rank.device, rank.data
         contenders, skipped = _contenders(cfg, spec, data, comm, dp, device)
         cuda = device.type == "cuda"
         last = cfg.train.steps - 1
@@ -299,8 +294,6 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         medians = slowest_rank_medians(contenders, warmup, comm, dp)
         memory = comm.all_gather_object({c.name: (c.state, c.cuda_peak, c.cuda_step) for c in contenders}, dp)
         return _report(cfg, contenders, medians, memory, warmup, skipped, device)
-    finally:
-        shutdown(runtime)
 
 
 def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], memory: list[dict],

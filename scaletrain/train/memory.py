@@ -15,7 +15,8 @@ Four entries, each in bytes on this rank:
     gives the familiar 4N + 4N + 8N (plus a 4-byte step counter per tensor).
 ``activations_peak``
     The most bytes of saved activations alive at one moment during forward and
-    backward of one micro-batch (``ActivationMeter``).
+    backward of one micro-batch (``ActivationMeter``); with ``--pp``, of a
+    whole round of the schedule on this rank's stages.
 ``cuda_peak``
     ``torch.cuda.max_memory_allocated`` over the same micro-batch, where the
     model is on a GPU: the allocator's view, which also holds temporaries,

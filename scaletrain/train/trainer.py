@@ -1,7 +1,10 @@
 """The training loop, the same for every layout.
 
 One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp``
-sequences:
+sequences (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
+``--microbatches`` micro-batches each take the place of the loop below:
+parallel/pipeline/parallel.py; then the tied embedding's gradient is summed
+over the stages that hold it):
 
     for each of the grad_accum micro-batches:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
@@ -326,7 +329,9 @@ class Trainer:
 
     def _meter_first_micro_batch(self, micro: int):
         """With --report-memory, measure saved activations of the run's first
-        micro-batch (the meter slows the step, so once is enough)."""
+        micro-batch (the meter slows the step, so once is enough); with a
+        pipeline, of its first round, whose schedule decides how many
+        micro-batches are alive at once."""
         if not self.cfg.run.report_memory or self.activation_meter is not None or micro != 0:
             return nullcontext()
         self.activation_meter = ActivationMeter(self.model)

@@ -27,7 +27,7 @@ from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.run import launch
 from tests.distributed import run_distributed
-from tests.trainers import train_and_save
+from tests.trainers import build_trainer, train_and_save
 
 
 def _gpt(layers: int = 4) -> GPT:
@@ -202,6 +202,26 @@ def test_pipeline_reproduces_single_device_training(tiny_cfg, schedule, n, sizes
 def test_pipeline_composes(tiny_cfg, changes):
     report = run_parity(tiny_cfg.replace(steps=3, **changes), tolerance=1e-5)
     assert report.passed, report.to_json()
+
+
+def _tied_weight_after_training(rank: int, n: int, cfg: Config, spec) -> torch.Tensor:
+    trainer = build_trainer(rank, n, cfg, spec)
+    for step in range(cfg.train.steps):
+        trainer.train_step(step)
+    return trainer.model.tok_emb.weight.detach().clone()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_tied_weight_stays_one_weight_on_both_ends(tiny_cfg, precision):
+    """The first stage's embedding and the last stage's head are copies of one weight:
+    after steps of ZB-H1 (bf16 too) they are still bitwise equal, and have moved."""
+    cfg = tiny_cfg.replace(nproc=2, pp=2, pp_schedule="zb-h1", steps=3, precision=precision)
+    spec = prepare_data(cfg, Path(cfg.data.cache_dir))
+    first, last = run_distributed(_tied_weight_after_training, 2, cfg, spec, timeout_s=120)
+    assert torch.equal(first, last)
+    torch.manual_seed(cfg.train.seed)
+    initial = GPT(GPTConfig(vocab_size=spec.vocab_size, seq_len=32, n_layers=2, n_heads=4, d_model=64))
+    assert not torch.equal(first, initial.tok_emb.weight.detach())
 
 
 # -- a real run: bytes, memory, timeline -------------------------------------------------

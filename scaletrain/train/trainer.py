@@ -173,7 +173,8 @@ class Trainer:
         self.optimizer = build_optimizer(groups, t)
         self.step_params = [p for group in groups for p in group["params"]]
         # The step parameters (masters, where they exist) that hold tp slices.
-        self.split_params = {id(self._stepped(q)) for q in (self.tensor_parallel.splits if self.tensor_parallel else ())}
+        self.split_params = {id(self._stepped(q))
+                             for q in (self.tensor_parallel.splits if self.tensor_parallel else ())}
         # Pipeline: the step parameters that copy a tied weight another stage counts.
         self.tied_copies = {id(self._stepped(q)) for q in (self.pipeline.copies if self.pipeline else ())}
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step

@@ -42,6 +42,7 @@ from scaletrain.parallel.pipeline.schedules import Schedule, Span, build, forwar
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PipelineParallel:
@@ -97,7 +98,7 @@ class PipelineParallel:
         return [block for stage in self.stages for block in stage.blocks()]
 
     # -- training ------------------------------------------------------------------
-    def train_round(self, batch: Callable[[int], Batch], *, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def train_round(self, batch: Callable[[int], Batch], *, loss_fn: LossFn,
                     divisor: float, backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                     forward_context: Callable[[], AbstractContextManager] = nullcontext,
                     clock: Callable[[], float] | None = None) -> tuple[torch.Tensor, list[Span]]:
@@ -143,7 +144,7 @@ class PipelineParallel:
 
     # -- forward only --------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def evaluate(self, batches: list[Batch], loss_fn: LossFn,
                  forward_context: Callable[[], AbstractContextManager] = nullcontext) -> float:
         """The mean loss over ``batches``, on every rank."""
         x0, _ = batches[0]

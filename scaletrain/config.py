@@ -77,6 +77,9 @@ class TrainConfig:
     offload: str = _opt("none", "'optimizer': fp32 master weights, optimizer state and step in host "
                                 "memory", choices=("none", "optimizer"))
     recompute: str = _opt("none", "activation checkpointing: none, full, selective, every:K, sqrt")
+    fused: str = _opt("none", "Triton kernels: the fused AdamW (one launch updates every parameter) and the "
+                              "chunked fused cross-entropy (needs a GPU, or TRITON_INTERPRET=1)",
+                      choices=("none", "triton"))
     compile: bool = _opt(False, "compile every transformer block with torch.compile (the first steps "
                                 "pay the compile time)")
     peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "

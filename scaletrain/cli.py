@@ -127,7 +127,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import allreduce, dp, pp, techniques, tp, zero
+    from scaletrain.bench import adam, allreduce, dp, pp, techniques, tp, zero
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
@@ -145,6 +145,13 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = tp.run(cfg, args.warmup), tp.format_table
     elif args.what == "pp":
         result, table = pp.run(cfg, args.warmup), pp.format_table
+    elif args.what == "adam":
+        result, table = adam.run(cfg, args.warmup), adam.format_table
+    elif args.what in ("softmax", "cross-entropy"):
+        from scaletrain.bench import softmax  # its kernels import Triton, which only these need
+
+        run = softmax.run_softmax if args.what == "softmax" else softmax.run_cross_entropy
+        result, table = run(cfg, args.warmup), softmax.format_table
     else:
         result = allreduce.run(cfg.parallel.nproc, repeats=cfg.train.steps, warmup=args.warmup,
                                plot=Path(args.plot), timeout_s=cfg.parallel.timeout)

@@ -320,6 +320,8 @@ def check_values(cfg: Config) -> None:
                  "Adafactor factors the second moment of whole weight matrices")):
             if used:
                 raise UserError(f"--tp {tp} does not combine with {flag}: {reason}; drop one of the two.")
+    if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
+        raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":

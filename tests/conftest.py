@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter; it must be chosen before
+# Triton is first imported, which some test may do at any point.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from scaletrain.config import Config
 

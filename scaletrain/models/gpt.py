@@ -131,12 +131,14 @@ class GPT(nn.Module):
         """The residual stream after the last block -> logits [batch, seq, vocab]."""
         return self.head(self.ln_f(x))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+    def forward(self, idx: torch.Tensor, *, logits: bool = True) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]; with ``logits=False``
+        the final norm's output [batch, seq, d_model], for a loss that applies the
+        head itself (a fused head and cross-entropy never holds the logits whole)."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.unembed(x)
+        return self.unembed(x) if logits else self.ln_f(x)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N + 12 * L * d * s (Kaplan et al. 2020;

@@ -15,6 +15,11 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig) -> torch.optim.O
     """``--optimizer`` over ``param_groups`` (the model's decay groups, or their masters)."""
     if cfg.optimizer == "adafactor":
         return Adafactor(param_groups, lr=cfg.lr)
+    if cfg.fused == "triton":
+        # Imported here: importing Triton decorates the kernel, which must come after
+        # TRITON_INTERPRET is set (kernels/__init__.py).
+        from scaletrain.optim.fused_adamw import TritonAdamW
+        return TritonAdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=True)
 
 

@@ -151,6 +151,11 @@ class MasterWeights:
         for device in synced:
             torch.cuda.synchronize(device)
 
+    def working_pairs(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(master, working parameter) pairs, for an optimizer that rounds the
+        masters into the model in the pass that steps them (the fused AdamW)."""
+        return list(zip(self.master_params, self.model_params))
+
     @torch.no_grad()
     def copy_master_to_model(self) -> None:
         """Round every master to the working dtype (nearest-even) into the model's parameter."""

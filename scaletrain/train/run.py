@@ -15,12 +15,15 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from scaletrain.compile import COMPILE_NOTE
 from scaletrain.config import Config, check_values
 from scaletrain.dist.comm import Comm, Ledger
 from scaletrain.dist.launch import ProcessEnv, detect_environment, init_distributed, shutdown, spawn_local
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import UserError
+from scaletrain.kernels import unavailable
 from scaletrain.models import gpt_config
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
@@ -45,6 +48,10 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
     dims = ParallelDims.infer(world_size, dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep)
     dims.validate(world_size)
     parse_policy(cfg.train.recompute)
+    if cfg.train.fused == "triton":
+        reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        if reason:
+            raise UserError(f"--fused triton: {reason}")
     if cfg.model.name == "mlp":
         for flag, used in (("--recompute", cfg.train.recompute != "none"), ("--compile", cfg.train.compile)):
             if used:

@@ -99,6 +99,14 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def fused_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`loss_fn` by the fused cross-entropy kernel (kernels/cross_entropy.py), on given logits."""
+    # Imported when chosen: importing Triton decorates its kernels (kernels/__init__.py).
+    from scaletrain.kernels.cross_entropy import cross_entropy
+
+    return cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
 def first_sample(step: int, micro: int, grad_accum: int, dp_size: int, dp_rank: int, micro_batch: int) -> int:
     """Index in the data stream of the first sample of micro-batch ``micro`` of
     ``step`` on data-parallel rank ``dp_rank``: ranks read disjoint slices of
@@ -136,6 +144,13 @@ class Trainer:
             self.tensor_parallel = parallelize(self.model, GPT_PLAN, comm, self.tp_group,
                                                sequence_parallel=p.sp, dropout=cfg.model.dropout)
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
+        # --fused triton: the head and the loss as one chunked kernel, where the head's weight
+        # is whole on this rank after the forward (not split by tp, not freed by ZeRO-3, not
+        # behind a pipeline's last stage, which gets the kernel on its logits instead).
+        self.fused_head_loss = (t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1
+                                and self.pp_group.size == 1 and p.zero < 3)
+        if t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1 and not self.fused_head_loss:
+            self.loss_fn = fused_loss_fn
         # Pipeline parallelism: each pp rank keeps its stages of the model.
         self.micro_batches, _ = p.pipeline_sizes()
         self.pipeline: PipelineParallel | None = None
@@ -171,6 +186,11 @@ class Trainer:
                                               reduce_dtype=compute_dtype(p.reduce_dtype),
                                               allreduce=p.allreduce, compressor=self._compressor())
         self.optimizer = build_optimizer(groups, t)
+        # The fused AdamW writes the bf16 working weights in the pass that steps the masters
+        # (not from host masters: the kernel reads and writes one device).
+        self.fused_working_copy = self.masters is not None and master_device is None and t.fused == "triton"
+        if self.fused_working_copy:
+            self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [p for group in groups for p in group["params"]]
         # The step parameters (masters, where they exist) that hold tp slices.
         self.split_params = {id(self._stepped(q))
@@ -241,12 +261,19 @@ class Trainer:
             final = micro == t.grad_accum - 1
             with self._meter_first_micro_batch(micro), \
                     (nullcontext() if final else self.data_parallel.no_sync()):
-                with autocast(t.precision, self.device):
-                    logits = self.model(x)
-                loss = self.loss_fn(logits, y) / t.grad_accum
+                loss = self._loss(x, y) / t.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         return loss_sum
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one micro-batch (forward included)."""
+        with autocast(self.cfg.train.precision, self.device):
+            if self.fused_head_loss:
+                from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
+                return fused_linear_cross_entropy(self.model(x, logits=False), self.model.head.weight, y)
+            logits = self.model(x)
+        return self.loss_fn(logits, y)
 
     def _pipeline_forward_backward(self, step: int, record: bool) -> torch.Tensor:
         """``--grad-accum`` rounds of the pipeline schedule over the step's
@@ -305,7 +332,7 @@ class Trainer:
             group["lr"] = lr
         self.scaler.step(self.optimizer, overflow)
         self.scaler.update(overflow)
-        if self.masters:
+        if self.masters and not self.fused_working_copy:
             self.masters.copy_master_to_model()
         if self.zero:
             self.zero.publish()
@@ -350,11 +377,7 @@ class Trainer:
         if self.pipeline:
             return self.pipeline.evaluate([(x.to(self.device), y.to(self.device)) for x, y in batches],
                                           self.loss_fn, lambda: autocast(self.cfg.train.precision, self.device))
-        losses = []
-        for x, y in batches:
-            with autocast(self.cfg.train.precision, self.device):
-                logits = self.model(x.to(self.device))
-            losses.append(self.loss_fn(logits, y.to(self.device)).item())
+        losses = [self._loss(x.to(self.device), y.to(self.device)).item() for x, y in batches]
         return sum(losses) / len(losses)
 
     def sample(self) -> str | None:

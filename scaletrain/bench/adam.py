@@ -131,9 +131,8 @@ def _race_set(name: str, shapes: list[tuple[int, ...]], device: torch.device, st
 
 def _contenders(shapes: list[tuple[int, ...]], device: torch.device) -> dict[str, torch.optim.Optimizer]:
     """The three AdamWs over one set of parameters with fixed gradients, in the trainer's decay groups."""
-    from scaletrain.optim.fused_adamw import (
-        TritonAdamW,  # imports Triton: only once it can run here
-    )
+    # Imported here: it imports Triton, which decorates its kernels as it loads (kernels/__init__.py).
+    from scaletrain.optim.fused_adamw import TritonAdamW
 
     generator = torch.Generator(device).manual_seed(0)
     params = []

@@ -37,6 +37,8 @@ class ModelConfig:
     n_heads: int | None = _opt(None, "attention heads (default: the preset's)")
     d_model: int | None = _opt(None, "hidden size (default: the preset's)")
     dropout: float = _opt(0.0, "dropout probability")
+    vocab_multiple: int = _opt(1, "pad the embedding and head rows to a multiple of this (64 suits GPU "
+                                  "matrix tiles); padded ids are never targets nor sampled")
     mlp_hidden: int = _opt(128, "hidden width of the mlp classifier")
 
 
@@ -271,7 +273,7 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
-             "microbatches", "virtual_stages", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank")
+             "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio")
 

@@ -76,3 +76,22 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert abs(lr_at(110, **kw) - 0.1) < 1e-12 and abs(lr_at(500, **kw) - 0.1) < 1e-12
     decay = [lr_at(t, **kw) for t in range(10, 111)]
     assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_a_padded_vocabulary_is_never_sampled():
+    """--vocab-multiple 64: 100 ids take 128 rows of embedding and head; the 28 extra
+    rows' logits are left out of sampling even when they are the largest."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=100, seq_len=16, n_layers=1, n_heads=2, d_model=32, vocab_multiple=64))
+    assert model.tok_emb.weight.shape == (128, 32) and model.head.weight is model.tok_emb.weight
+    with torch.no_grad():
+        model.tok_emb.weight[100:] = 10.0  # padded rows: the largest logits by far
+    out = model.generate(torch.zeros(2, 4, dtype=torch.long), 20, generator=torch.Generator().manual_seed(1))
+    assert out.shape == (2, 24) and int(out.max()) < 100
+
+
+def test_a_padded_vocabulary_trains_over_tensor_parallel_ranks(tiny_cfg):
+    from scaletrain.parity import run_parity
+
+    report = run_parity(tiny_cfg.replace(nproc=2, tp=2, vocab_multiple=64, steps=3), tolerance=1e-5)
+    assert report.passed, report.to_json()

@@ -22,7 +22,7 @@ def gpt_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
     layers, heads, width = GPT_PRESETS[cfg.name]
     return GPTConfig(vocab_size=vocab_size, seq_len=seq_len,
                      n_layers=cfg.n_layers or layers, n_heads=cfg.n_heads or heads,
-                     d_model=cfg.d_model or width, dropout=cfg.dropout)
+                     d_model=cfg.d_model or width, dropout=cfg.dropout, vocab_multiple=cfg.vocab_multiple)
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, n_features: int = 0,

@@ -35,10 +35,18 @@ class GPTConfig:
     n_heads: int
     d_model: int
     dropout: float = 0.0
+    vocab_multiple: int = 1
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and the head: the vocabulary rounded up to a multiple of
+        ``vocab_multiple`` (64 keeps GPU matrix tiles full, as nanoGPT's 50257 -> 50304).
+        The extra ids are never inputs or targets, and never sampled."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 class LayerNorm(nn.LayerNorm):
@@ -104,12 +112,12 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
         for block in self.blocks:
@@ -161,7 +169,7 @@ class GPT(nn.Module):
                  top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :]
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :self.cfg.vocab_size]
             idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
         return idx
 

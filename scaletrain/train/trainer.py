@@ -396,7 +396,8 @@ class Trainer:
         prompt = prompt[None].to(self.device)
         if self.pipeline:
             out = self.pipeline.generate(prompt, self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
-                                         sample_next=lambda logits: sample_next(logits, generator=generator),
+                                         sample_next=lambda logits: sample_next(logits[:, :self.spec.vocab_size],
+                                                                                generator=generator),
                                          forward_context=lambda: autocast(self.cfg.train.precision, self.device))
             return tokenizer.decode(out[0].tolist())
         generation = self.tensor_parallel.generation() if self.tensor_parallel else nullcontext()

@@ -147,9 +147,9 @@ class Trainer:
         # --fused triton: the head and the loss as one chunked kernel, where the head's weight
         # is whole on this rank after the forward (not split by tp, not freed by ZeRO-3, not
         # behind a pipeline's last stage, which gets the kernel on its logits instead).
-        self.fused_head_loss = (t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1
-                                and self.pp_group.size == 1 and p.zero < 3)
-        if t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1 and not self.fused_head_loss:
+        fused_loss = t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1
+        self.fused_head_loss = fused_loss and self.pp_group.size == 1 and p.zero < 3
+        if fused_loss and not self.fused_head_loss:
             self.loss_fn = fused_loss_fn
         # Pipeline parallelism: each pp rank keeps its stages of the model.
         self.micro_batches, _ = p.pipeline_sizes()

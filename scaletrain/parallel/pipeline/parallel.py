@@ -103,13 +103,20 @@ class PipelineParallel:
                     forward_context: Callable[[], AbstractContextManager] = nullcontext,
                     clock: Callable[[], float] | None = None) -> tuple[torch.Tensor, list[Span]]:
         """Forward and backward of the schedule's micro-batches; ``batch(m)`` is
-        micro-batch m's (input, target). Returns the sum of the micro-batches'
+        micro-batch m's (input, target), read once. Returns the sum of the micro-batches'
         ``loss / divisor`` on the last stage (zero elsewhere) and, with
         ``clock``, the spans of this rank's computations."""
-        x0, _ = batch(0)
+        read: dict[int, Batch] = {}
+
+        def micro(m: int) -> Batch:  # the first stage wants the input, the last the target
+            if m not in read:
+                read[m] = batch(m)
+            return read[m]
+
+        x0, _ = micro(0)
         losses, spans = self.runtime.run(
-            self.schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: batch(m)[0],
-            loss=lambda m, logits: loss_fn(logits, batch(m)[1]) / divisor, backward_scale=backward_scale,
+            self.schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m)[0],
+            loss=lambda m, logits: loss_fn(logits, micro(m)[1]) / divisor, backward_scale=backward_scale,
             forward_context=forward_context, clock=clock)
         total = torch.zeros((), device=x0.device)
         for m in sorted(losses):
@@ -130,8 +137,8 @@ class PipelineParallel:
             others = {r: torch.empty_like(mine) for r in holders if r != self.group.rank}
             ops = [("send", mine, r) for r in others] + [("recv", t, r) for r, t in others.items()]
             self.comm.batch_isend_irecv(ops, self.group).wait()
-            parts = {**others, self.group.rank: mine.clone()}
-            mine.copy_(sum(parts[r] for r in holders))
+            parts = {**others, self.group.rank: mine}
+            mine.copy_(sum(parts[r] for r in holders))  # the sum is complete before the copy
 
     def clip_grad_norm_(self, params: list[torch.Tensor], copies: set[int], max_norm: float) -> torch.Tensor:
         """torch's rule over the whole model: each stage's squares summed over the

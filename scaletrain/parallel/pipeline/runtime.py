@@ -141,7 +141,7 @@ class PipelineRuntime:
             self.comm.batch_isend_irecv(recvs, self.group).wait()
 
 
-def timer(origin: float | None = None) -> Callable[[], float]:
-    """Seconds since ``origin`` (default: now), for recording spans."""
-    start = time.perf_counter() if origin is None else origin
+def timer() -> Callable[[], float]:
+    """Seconds since now, for recording spans."""
+    start = time.perf_counter()
     return lambda: time.perf_counter() - start

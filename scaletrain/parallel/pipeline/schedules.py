@@ -340,10 +340,15 @@ def simulate(schedule: Schedule, costs: dict[str, float] = UNIT_COSTS) -> list[l
     return spans
 
 
+def extent(spans: list[list[Span]]) -> tuple[float, float]:
+    """The step's first start and its length, over all ranks."""
+    start = min(s.start for rank in spans for s in rank)
+    return start, max(s.end for rank in spans for s in rank) - start
+
+
 def idle_shares(spans: list[list[Span]]) -> list[float]:
     """Each rank's idle share of the step: 1 - busy / (last end - first start), over all ranks."""
-    start = min(s.start for rank in spans for s in rank)
-    total = max(s.end for rank in spans for s in rank) - start
+    total = extent(spans)[1]
     return [1 - sum(s.end - s.start for s in rank) / total for rank in spans]
 
 

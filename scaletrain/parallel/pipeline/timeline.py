@@ -34,6 +34,7 @@ from scaletrain.parallel.pipeline.schedules import (
     bubble,
     bubble_formula,
     build,
+    extent,
     idle_shares,
     live_activations,
     simulate,
@@ -74,12 +75,6 @@ def legend(schedule: Schedule) -> str:
     return f"F forward, {backward}, each followed by its micro-batch where there is room{chunks}; '.' idle"
 
 
-def _extent(spans: list[list[Span]]) -> tuple[float, float]:
-    """The step's first start and its length, over all ranks."""
-    start = min(s.start for rank in spans for s in rank)
-    return start, max(s.end for rank in spans for s in rank) - start
-
-
 def _cells_per_unit(spans: list[list[Span]], columns: int) -> tuple[float, bool]:
     """Characters per time unit: enough for the shortest block to show its label
     and a space, at most what fits in ``columns``; and whether every block has
@@ -87,7 +82,7 @@ def _cells_per_unit(spans: list[list[Span]], columns: int) -> tuple[float, bool]
     it gets one or more, so that equal computations are equally wide and planned
     timelines (whole units) come out exact."""
     flat = [s for rank in spans for s in rank]
-    total = _extent(spans)[1]
+    total = extent(spans)[1]
     shortest = min((s.end - s.start for s in flat if s.end > s.start), default=total)
     label = max(len(_label(s.action, len(spans))) for s in flat)
     cells = min(label + 1, columns * shortest / total)
@@ -114,7 +109,7 @@ def draw_text(spans: list[list[Span]], *, colour: bool = False, width: int | Non
     ranks = len(spans)
     frame = f"rank {ranks - 1} |"
     scale, labelled = _cells_per_unit(spans, (width or DEFAULT_WIDTH) - len(frame) - 1)
-    t0, total = _extent(spans)
+    t0, total = extent(spans)
     length = round(total * scale)
     per = f"1 {unit} = {scale:.3g} characters" if scale >= 1 else f"1 character = {1 / scale:.3g} {unit}"
     lines = [f"{title}, {per}:"]
@@ -141,7 +136,7 @@ def _shade(kind: str, chunk: int) -> tuple[float, ...]:
 
 def _gantt(axes, spans: list[list[Span]], inches: float) -> None:
     ranks = len(spans)
-    t0, total = _extent(spans)
+    t0, total = extent(spans)
     for r, rank in enumerate(spans):
         axes.broken_barh([(s.start - t0, s.end - s.start) for s in rank], (r - 0.4, 0.8),
                          facecolors=[_shade(_kind(s.action), _chunk(s.action, ranks)) for s in rank],
@@ -197,7 +192,7 @@ def read_measured(run_dir: Path) -> tuple[dict, list[list[Span]]]:
             raise ValueError(f"it needs a non-empty list of spans for each of its pp {sizes['pp']} ranks")
         if any(s.action.kind not in COMPUTE for rank in spans for s in rank):
             raise ValueError(f"a kind is not one of {', '.join(COMPUTE)}")
-        if any(s.end < s.start for rank in spans for s in rank) or _extent(spans)[1] <= 0:
+        if any(s.end < s.start for rank in spans for s in rank) or extent(spans)[1] <= 0:
             raise ValueError("a span ends before it starts, or the step takes no time")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         reason = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)

@@ -91,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--measured", metavar="RUN_DIR",
                           help="a training run's folder: draw the step it recorded (pipeline.json) too")
     schedule.add_argument("--json", action="store_true", help="print one JSON object instead of the drawing")
+
+    from scaletrain.export import DTYPES
+
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as one safetensors file",
+        description="Write the model of a checkpoint, whatever layout saved it (dp, ZeRO shards, tp "
+                    "slices, pipeline stages), as one unsharded safetensors file: every key of the "
+                    "model's state_dict with its single-device shape, the tied head included, and the "
+                    "step and the run's config.toml in the header. Written beside the target and "
+                    "renamed into place, so no partial file is ever left under its name.")
+    export.add_argument("--from", dest="source", metavar="CKPT", required=True,
+                        help="a checkpoint folder (RUN/checkpoints/step_NNNNNN), or a run folder for its "
+                             "latest complete checkpoint")
+    export.add_argument("--to", dest="target", metavar="FILE.safetensors", required=True,
+                        help="the file to write; its folder must exist")
+    export.add_argument("--dtype", choices=DTYPES,
+                        help="cast floating tensors to this dtype [as saved: fp32]")
+    export.add_argument("--force", action="store_true", help="replace --to if it exists")
     return parser
 
 
@@ -177,10 +195,18 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from scaletrain.export import export
+
+    print(export(Path(args.source), Path(args.target), args.dtype, args.force).describe())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "parity": _parity, "bench": _bench, "schedule": _schedule}[args.command](args)
+        return {"train": _train, "parity": _parity, "bench": _bench, "schedule": _schedule,
+                "export": _export}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from typing import Any
 
 import tomli_w
 
+from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline import schedules
 
@@ -105,6 +106,9 @@ class ParallelConfig:
                                             "for interleaved, else 1)")
     pp_balance: str = _opt("params", "cut stages for equal parameter counts, or equal measured forward and "
                                      "backward time per block", choices=("params", "time"))
+    mesh_order: str = _opt("dp,ep,pp,cp,tp", "placement of ranks on the mesh, outermost dim first: "
+                                              "consecutive ranks differ in the last one, so the chattiest "
+                                              "group (tp) goes last to stay inside a node")
     cp: int = _opt(1, "context-parallel size")
     ep: int = _opt(1, "expert-parallel size")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job ends")
@@ -120,6 +124,11 @@ class ParallelConfig:
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
+
+    def mesh_dims(self, world_size: int) -> ParallelDims:
+        """The mesh these sizes make of ``world_size`` ranks (dp filled in), in ``mesh_order``."""
+        return ParallelDims.infer(world_size, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep,
+                                  order=tuple(name.strip() for name in self.mesh_order.split(",")))
 
     def pipeline_sizes(self) -> tuple[int, int]:
         """(micro-batches per pipeline round, stages per rank), defaults filled in."""
@@ -316,12 +325,9 @@ def check_values(cfg: Config) -> None:
         if cfg.parallel.sp and cfg.data.seq_len % tp:
             raise UserError(f"--sp splits each sequence of --seq-len {cfg.data.seq_len} over --tp {tp} "
                             f"ranks; choose a --seq-len divisible by {tp}.")
-        for flag, used, reason in (
-                ("--zero", cfg.parallel.zero > 0, "ZeRO here flattens whole weights, not tp slices"),
-                ("--optimizer adafactor", cfg.train.optimizer != "adamw",
-                 "Adafactor factors the second moment of whole weight matrices")):
-            if used:
-                raise UserError(f"--tp {tp} does not combine with {flag}: {reason}; drop one of the two.")
+        if cfg.train.optimizer != "adamw":
+            raise UserError(f"--tp {tp} does not combine with --optimizer adafactor: Adafactor factors the "
+                            f"second moment of whole weight matrices; drop one of the two.")
     if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)
@@ -346,6 +352,6 @@ def _check_pipeline(p: ParallelConfig) -> None:
         schedules.check(p.pp_schedule, p.pp, *p.pipeline_sizes())
     except ValueError as exc:
         raise UserError(f"{exc}.") from None
-    for flag, used in (("--tp", p.tp > 1), ("--zero", p.zero > 0)):
-        if used:
-            raise UserError(f"--pp {p.pp} does not combine with {flag} in this version; drop one of the two.")
+    if p.zero == 3:
+        raise UserError(f"--zero 3 gathers and frees each layer around the whole model's forward and "
+                        f"backward, which pipeline stages never run as one; use --zero 1 or 2 with --pp {p.pp}.")

@@ -5,10 +5,14 @@ the reference in one process (micro-batch ``B * dp``, so one device sees the
 whole global batch), and the requested layout. Then, from their run folders:
 
     loss_rel_diff(t) = |loss_layout(t) - loss_ref(t)| / |loss_ref(t)|     every step t
+    norm_rel_diff(t) = the same for the gradient norm before clipping     every step t
     param_rel_diff   = ||theta_layout - theta_ref||_2 / ||theta_ref||_2   all final weights
 
-The layout passes when the largest loss difference and the parameter
-difference are within the tolerance (1e-5 by default: fp32 sums taken in
+The gradient norm is checked on its own because a layout spreads gradients
+over ranks (slices, shards, stages, replicas) and must count every element
+exactly once; a norm counted wrong clips by the wrong factor, which the loss
+shows only once clipping is active. The layout passes when the largest loss
+and norm differences and the parameter difference are within the tolerance (1e-5 by default: fp32 sums taken in
 another order differ by a few ulps per step, and a wrong gradient shows up as
 1e-3 or more within a step or two). Parameters come from the final
 checkpoints, read into full tensors whatever layout wrote them, so the same
@@ -49,6 +53,8 @@ class ParityReport:
     tolerance: float
     reference_losses: list[float]
     layout_losses: list[float]
+    reference_grad_norms: list[float] = field(default_factory=list)
+    layout_grad_norms: list[float] = field(default_factory=list)
     param_rel_diffs: dict[str, float] = field(default_factory=dict)
     param_rel_diff: float = 0.0
 
@@ -59,6 +65,14 @@ class ParityReport:
     @property
     def max_loss_rel_diff(self) -> float:
         return max(self.loss_rel_diffs)
+
+    @property
+    def grad_norm_rel_diffs(self) -> list[float]:
+        return [abs(a - b) / abs(b) for a, b in zip(self.layout_grad_norms, self.reference_grad_norms)]
+
+    @property
+    def max_grad_norm_rel_diff(self) -> float:
+        return max(self.grad_norm_rel_diffs, default=0.0)
 
     @property
     def max_param_rel_diff(self) -> float:
@@ -73,11 +87,14 @@ class ParityReport:
     @property
     def passed(self) -> bool:
         return (len(self.layout_losses) == len(self.reference_losses)
-                and self.max_loss_rel_diff <= self.tolerance and self.max_param_rel_diff <= self.tolerance)
+                and len(self.layout_grad_norms) == len(self.reference_grad_norms)
+                and max(self.max_loss_rel_diff, self.max_grad_norm_rel_diff, self.max_param_rel_diff)
+                <= self.tolerance)
 
     def to_json(self) -> dict:
         return {"pass": self.passed, "steps": len(self.reference_losses),
                 "max_loss_rel_diff": self.max_loss_rel_diff, "max_param_rel_diff": self.max_param_rel_diff,
+                "max_grad_norm_rel_diff": self.max_grad_norm_rel_diff,
                 "tolerance": self.tolerance, "layout": self.layout,
                 "worst_tensor": dict(zip(("name", "rel_diff"), self.worst_tensor)),
                 "reference_losses": self.reference_losses, "layout_losses": self.layout_losses}
@@ -120,12 +137,14 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
         for run_cfg in (reference_cfg, layout_cfg):
             spec = prepare_run(run_cfg)
             summary = execute(run_cfg, spec)
-            losses = [r["loss"] for r in read_metrics(summary.run_dir / "metrics.jsonl")]
-            runs.append((losses, ckpt.read_model_tensors(summary.checkpoint)))
-        (ref_losses, ref_params), (layout_losses, layout_params) = runs
+            records = read_metrics(summary.run_dir / "metrics.jsonl")
+            runs.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],
+                         ckpt.read_model_tensors(summary.checkpoint)))
+        (ref_losses, ref_norms, ref_params), (layout_losses, layout_norms, layout_params) = runs
         per_tensor, whole = _relative_diffs(layout_params, ref_params)
         return ParityReport(layout=_describe(cfg, dims), tolerance=tolerance, reference_losses=ref_losses,
-                            layout_losses=layout_losses, param_rel_diffs=per_tensor, param_rel_diff=whole)
+                            layout_losses=layout_losses, reference_grad_norms=ref_norms,
+                            layout_grad_norms=layout_norms, param_rel_diffs=per_tensor, param_rel_diff=whole)
 
 
 def _describe(cfg: Config, dims) -> str:
@@ -140,10 +159,11 @@ def _describe(cfg: Config, dims) -> str:
 
 def format_table(report: ParityReport) -> str:
     lines = [f"parity: {report.layout} against one device, tolerance {report.tolerance:g}",
-             f"{'step':>5}  {'reference loss':>16}  {'layout loss':>16}  {'rel diff':>10}"]
-    for step, (ref, got, diff) in enumerate(zip(report.reference_losses, report.layout_losses,
-                                                report.loss_rel_diffs), start=1):
-        lines.append(f"{step:>5}  {ref:>16.10f}  {got:>16.10f}  {diff:>10.2e}")
+             f"{'step':>5}  {'reference loss':>16}  {'layout loss':>16}  {'rel diff':>10}  {'grad norm diff':>14}"]
+    for step, (ref, got, diff, norm_diff) in enumerate(zip(report.reference_losses, report.layout_losses,
+                                                           report.loss_rel_diffs, report.grad_norm_rel_diffs),
+                                                       start=1):
+        lines.append(f"{step:>5}  {ref:>16.10f}  {got:>16.10f}  {diff:>10.2e}  {norm_diff:>14.2e}")
     worst, worst_diff = report.worst_tensor
     lines.append(f"final parameters: relative difference {report.max_param_rel_diff:.2e} "
                  f"(largest for one tensor: {worst_diff:.2e}, {worst})")

@@ -44,7 +44,6 @@ def _one_sentence_exit_2(result, phrase):
     (["--zero", "4"], "invalid choice: 4"),
     (["--sp"], "--sp splits the sequence over the tp group, which needs --tp 2 or more"),
     (["--nproc", "2", "--tp", "2", "--sp", "--seq-len", "31"], "choose a --seq-len divisible by 2"),
-    (["--nproc", "2", "--tp", "2", "--zero", "1"], "--tp 2 does not combine with --zero"),
     (["--nproc", "2", "--tp", "2", "--optimizer", "adafactor"], "does not combine with --optimizer adafactor"),
     (["--model", "mlp", "--nproc", "2", "--tp", "2"], "splits attention heads, but this model has none"),
 ])

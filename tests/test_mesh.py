@@ -53,7 +53,7 @@ def test_sizes_must_be_whole_and_positive(bad):
 
 @pytest.mark.parametrize("order", [("dp", "tp"), ("dp", "dp", "pp", "cp", "tp"), ("dp", "ep", "pp", "cp", "xx")])
 def test_order_must_be_a_permutation(order):
-    with pytest.raises(UserError, match="must name each of dp, ep, pp, cp, tp exactly once"):
+    with pytest.raises(UserError, match="must name each of dp,ep,pp,cp,tp exactly once"):
         ParallelDims(order=order)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
+from scaletrain.dist import Comm, Mesh, ProcessEnv
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.train.trainer import Trainer
 
@@ -15,8 +15,7 @@ from scaletrain.train.trainer import Trainer
 def build_trainer(rank: int, n: int, cfg, spec) -> Trainer:
     """The trainer of rank ``rank`` of ``n``, in the layout ``cfg`` names (dp filled in)."""
     env = ProcessEnv(rank, n, rank, n, "127.0.0.1", 0, "single")
-    p = cfg.parallel
-    mesh = Mesh.build(ParallelDims.infer(n, dp=p.dp, tp=p.tp, pp=p.pp), rank, n)
+    mesh = Mesh.build(cfg.parallel.mesh_dims(n), rank, n)
     return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, Comm(), Path(cfg.run.out))
 
 

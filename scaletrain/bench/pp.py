@@ -205,7 +205,7 @@ def _ours(model: GPT, schedule: str, comm: Comm, mesh: Mesh, cfg: Config, sample
                                 sample=sample, world=mesh.group("world"))
     if pipeline.ranges != ranges:
         raise RuntimeError(f"our cuts {pipeline.ranges} differ from the peer's {ranges}")
-    params, copies = list(model.parameters()), {id(p) for p in pipeline.copies}
+    params = list(model.parameters())
 
     def round_(batches: Batches, divisor: float) -> float:
         loss, _ = pipeline.train_round(lambda m: batches[m], loss_fn=loss_fn, divisor=divisor)
@@ -214,7 +214,7 @@ def _ours(model: GPT, schedule: str, comm: Comm, mesh: Mesh, cfg: Config, sample
     optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
     return Contender(f"{OURS} ({schedule})", OURS, schedule, model, optimizer, round_,
                      lambda: pipeline.sum_shared_gradients(lambda p: p.grad),
-                     lambda: pipeline.clip_grad_norm_(params, copies, _max_norm(cfg)))
+                     lambda: pipeline.clip_grad_norm_(params, _max_norm(cfg)))
 
 
 class StageModule(nn.Module):

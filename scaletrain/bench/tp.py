@@ -157,9 +157,9 @@ def _max_norm(cfg: Config) -> float:
 
 def _ours(model: GPT, comm: Comm, group: Group, cfg: Config) -> Contender:
     tp = parallelize(model, GPT_PLAN, comm, group, sequence_parallel=False, dropout=0.0)
-    params, split = list(model.parameters()), {id(p) for p in tp.splits}
+    params = list(model.parameters())
     optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
-    return Contender(OURS, model, optimizer, tp.loss, lambda: tp.clip_grad_norm_(params, split, _max_norm(cfg)))
+    return Contender(OURS, model, optimizer, tp.loss, lambda: tp.clip_grad_norm_(params, _max_norm(cfg)))
 
 
 def _regroup_heads(qkv: nn.Linear, ranks: int) -> None:

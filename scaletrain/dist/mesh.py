@@ -59,8 +59,8 @@ class ParallelDims:
                 raise UserError(f"--{name} must be a whole number of at least 1, got {size!r}.")
         if sorted(self.order) != sorted(DIM_NAMES):
             raise UserError(
-                f"the mesh order {tuple(self.order)} must name each of "
-                f"{', '.join(DIM_NAMES)} exactly once."
+                f"--mesh-order {','.join(self.order)} must name each of "
+                f"{','.join(DIM_NAMES)} exactly once, outermost first."
             )
 
     @classmethod
@@ -72,6 +72,7 @@ class ParallelDims:
         cp: int = 1,
         tp: int = 1,
         ep: int = 1,
+        order: tuple[str, ...] = DIM_NAMES,
     ) -> ParallelDims:
         """Fill in dp as whatever the other sizes leave of the world."""
         if dp is None:
@@ -85,7 +86,7 @@ class ParallelDims:
                     f"{world_size} processes; choose sizes whose product divides {world_size}."
                 )
             dp = world_size // product
-        dims = cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+        dims = cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, order=tuple(order))
         dims.validate(world_size)
         return dims
 

@@ -2,11 +2,20 @@
 
 torch's ``clip_grad_norm_`` rule over the whole model: with ``||g||`` the
 2-norm of every gradient element counted once, scale all gradients by
-``min(1, max_norm / (||g|| + 1e-6))``. When a group of ranks holds the model
-in parts (tensor-parallel slices, pipeline stages), each rank's sum of squares
-over its own part is summed over the group with one all-reduce of a scalar;
-gradients that every rank of the group holds alike (replicated norms, say) are
-added once, locally, and not summed.
+``min(1, max_norm / (||g|| + 1e-6))``.
+
+Spread over a mesh, each rank holds some gradients in part (tensor-parallel
+slices, ZeRO shards), some whole (a pipeline stage's layers) and some as a
+copy of what another rank holds too (a layer norm every tp rank keeps, the
+tied embedding on the first and the last stage, every weight across
+data-parallel replicas). Each rank *counts* a set of gradients chosen so
+that, over the ranks of the groups summed, every element of the model is
+counted exactly once:
+
+    ||g||^2 = sum over the ranks of groups of  sum_{counted g} ||g||^2
+
+one all-reduce of a scalar per group (sums over the groups one after the
+other are the sum over their product). Copies are scaled, not counted.
 """
 
 from __future__ import annotations
@@ -23,22 +32,25 @@ from scaletrain.dist.mesh import Group
 def _square_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads])
     return torch.linalg.vector_norm(norms).square()
 
 
 @torch.no_grad()
-def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, parts: Sequence[torch.Tensor],
-                    replicated: Sequence[torch.Tensor], comm: Comm, group: Group) -> torch.Tensor:
+def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, counted: Sequence[torch.Tensor],
+                    comm: Comm, groups: Sequence[Group], device: torch.device | None = None) -> torch.Tensor:
     """Scale ``grads`` (every gradient this rank holds) so the whole model's
-    norm is at most ``max_norm``; returns the norm before clipping. ``parts``:
-    this rank's share of gradients split over ``group``; ``replicated``:
-    gradients identical on every rank of it. A gradient in neither (a copy of
-    one another rank counts, such as a tied weight) is scaled, not counted."""
-    device = grads[0].device
-    total = _square_sum(parts, device)
-    comm.all_reduce(total, group)
-    total = (total + _square_sum(replicated, device)).sqrt()
+    norm is at most ``max_norm``; returns the norm before clipping.
+    ``counted``: the gradients this rank counts (module docstring); their
+    squares are summed over each of ``groups`` in turn. ``device``: where the
+    collectives run (default: the first gradient's; host gradients of an
+    offloaded optimizer are summed on the accelerator)."""
+    device = device or grads[0].device
+    total = _square_sum(counted, device)
+    for group in groups:
+        if group.size > 1:
+            comm.all_reduce(total, group)
+    total = total.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:

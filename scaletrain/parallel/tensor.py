@@ -105,6 +105,7 @@ from scaletrain.dist.autograd import (
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
 from scaletrain.optim.clip import clip_grad_norm_
+from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, linear
 
 # -- the plan ------------------------------------------------------------------
 
@@ -259,7 +260,12 @@ class _SequenceGatheredLinear(Function):
 
 
 class _SlicedLinear(nn.Module):
-    """A linear layer (no bias) holding a tp slice of its weight."""
+    """A linear layer (no bias) holding a tp slice of its weight. Under zero
+    bubble's split backward its weight gradient waits for W (``store``:
+    parallel/pipeline/weight_grad.py), except where sp gathers its input."""
+
+    defers_weight_grad = True
+    store: WeightGradStore | None = None
 
     def __init__(self, weight: nn.Parameter, tp: TensorParallel):
         super().__init__()
@@ -274,7 +280,7 @@ class ColumnParallelLinear(_SlicedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sequence_parallel:
             return _SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.store)
 
 
 class RowParallelLinear(_SlicedLinear):
@@ -283,7 +289,7 @@ class RowParallelLinear(_SlicedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.rng is not None:
             self.tp.rng.exit()
-        return self.tp.leave(F.linear(x, self.weight))
+        return self.tp.leave(linear(x, self.weight, self.store))
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -411,14 +417,17 @@ class TensorParallel:
         return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start,
                                                 self.comm, self.group)
 
-    def clip_grad_norm_(self, params: Iterable[torch.Tensor], split: set[int], max_norm: float) -> torch.Tensor:
-        """torch's clip_grad_norm_ over the whole model: the squares of split
-        gradients (``id`` in ``split``) summed over the group, replicated ones counted once."""
+    def counts(self, param: nn.Parameter) -> bool:
+        """Whether this rank counts ``param``'s gradient towards the model's norm
+        (optim/clip.py): its own slice of a split weight, or a replicated one on tp rank 0."""
+        return param in self.splits or self.group.rank == 0
+
+    def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the whole model (the slices' squares summed over the group)."""
         params = [p for p in params if p.grad is not None]
         return clip_grad_norm_([p.grad for p in params], max_norm,
-                               parts=[p.grad for p in params if id(p) in split],
-                               replicated=[p.grad for p in params if id(p) not in split],
-                               comm=self.comm, group=self.group)
+                               counted=[p.grad for p in params if self.counts(p)],
+                               comm=self.comm, groups=[self.group])
 
 
 def _matches(plan: tuple, name: str) -> object | None:

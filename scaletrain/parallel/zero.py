@@ -69,14 +69,32 @@ Gradient accumulation: stage 1 accumulates full gradients across
 micro-batches and reduces once per step, like DP; stages 2 and 3
 reduce-scatter after every micro-batch and add the result into the shard
 (holding full gradients until the step would undo the point of stage 2),
-so their gradient traffic grows with ``--grad-accum``.
+so their gradient traffic grows with ``--grad-accum``. Under a pipeline
+(stages 1 and 2; parallel/pipeline/) the same holds per micro-batch of the
+schedule: stage 1 reduces once per step, stage 2 after each micro-batch's
+backward of a unit, M times per round, which is why pipelines usually pair
+with stage 1.
+
+Launch order. A unit's reduce-scatter starts when its last gradient has
+arrived, in whatever order units complete: a pipeline rank holding two
+chunks (interleaved schedules) completes the later chunk's units for two
+micro-batches before the earlier chunk's for one, and a split backward (zero
+bubble) completes the norms' gradients in B and the linear weights' in W.
+Every rank of the dp group runs the same program on same-shaped batches, so
+units complete, and collectives start, in the same order on all of them.
+
+Tied weights across pipeline stages (the token embedding that the first and
+the last stage hold) each get a unit of their own (``own_units``): a unit's
+shard boundaries depend only on its size and N, so both holders' shards
+cover the same elements and their reduced gradients can be summed shard by
+shard (`gradient`) before the optimizer step.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -86,6 +104,7 @@ from torch import nn
 
 from scaletrain.dist.comm import Comm, Pending
 from scaletrain.dist.mesh import Group
+from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 
 STAGES = (1, 2, 3)
@@ -119,7 +138,7 @@ class Piece:
 class Unit:
     """Parameters flattened into one padded buffer, sharded evenly over the group (module docstring)."""
 
-    index: int  # launch order of the gradient reduce-scatter (backward order)
+    index: int  # backward order: the order gradients are expected to complete
     params: list[nn.Parameter]
     offsets: list[int]  # each parameter's first element in the flat buffer
     shard_numel: int  # S
@@ -134,6 +153,7 @@ class Unit:
     arrived: set[int] = field(default_factory=set)  # params whose gradient came since the last launch
     filled: set[int] = field(default_factory=set)  # stage 1: params with a gradient since zero_grad
     reduced: bool = False  # a reduce-scatter has written `grad` in this step
+    launched: bool = False  # stage 1: its one reduce-scatter of the step has started
     gathered: bool = True
     gathering: Pending | None = None
     pieces: list[Piece] = field(default_factory=list)
@@ -174,7 +194,8 @@ class ZeroDataParallel:
 
         for each micro-batch but the last:  with zero.no_sync(): loss.backward()
         final micro-batch:                  loss.backward()
-        zero.finish_gradient_sync()         (each rank's master_grad shard is the average)
+        zero.finish_gradient_sync()         (each rank's grad shard is the average)
+        zero.copy_grads_to_master()         (the shards to the fp32 masters, where they differ)
         zero.clip_grad_norm_(max_norm)      (the global norm, over all shards)
         optimizer.step()                    (an optimizer over `optimizer_groups(...)`)
         zero.publish()                      (masters -> working weights; stages 1, 2 all-gather)
@@ -182,15 +203,19 @@ class ZeroDataParallel:
 
     ``param_dtype`` is the working weights' dtype, ``reduce_dtype`` that of the
     gradient reduction, ``master_device`` where the fp32 masters and the
-    optimizer live (the host, for ``--offload optimizer``). Every rank must
-    start from the same weights (`replicate`).
+    optimizer live (the host, for ``--offload optimizer``). ``own_units``:
+    parameters sharded in a unit of their own (stages 1, 2; module docstring).
+    Every rank must start from the same weights (`replicate`).
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                 master_device: torch.device | str | None = None, bucket_mb: float = 25.0):
+                 master_device: torch.device | str | None = None, bucket_mb: float = 25.0,
+                 own_units: Sequence[nn.Parameter] = ()):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
+        if stage == 3 and own_units:
+            raise ValueError("ZeRO-3 units follow the model's layers; own_units is for stages 1 and 2")
         self.model, self.comm, self.group, self.stage = model, comm, group, stage
         self.device = next(model.parameters()).device
         self.master_device = torch.device(master_device) if master_device is not None else self.device
@@ -204,16 +229,17 @@ class ZeroDataParallel:
                                   *((layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers)]
             forward = [(module, params) for module, params in modules_and_params if params]
             grouped = forward[::-1]  # gradients complete in backward order; the root's (embeddings) last
-        else:  # gradient buckets, as data parallelism makes them
-            grouped = [(None, params) for params in
-                       plan_buckets(trainable[::-1], int(bucket_mb * 2**20), reduce_dtype)]
+        else:  # gradient buckets, as data parallelism makes them, and the own units
+            alone = {id(p) for p in own_units}
+            rest = [p for p in trainable[::-1] if id(p) not in alone]
+            grouped = [(None, params) for params in [*plan_buckets(rest, int(bucket_mb * 2**20), reduce_dtype),
+                                                     *([p] for p in own_units if p.requires_grad)]]
         self.units = [self._build_unit(index, module, params, param_dtype, reduce_dtype)
                       for index, (module, params) in enumerate(grouped)]
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_gradient)
         self._syncing = True
-        self._next = 0  # the first unit whose reduce-scatter has not launched in this backward
         self._in_flight: deque[tuple[Unit, Pending, torch.Tensor, torch.Tensor]] = deque()
         self._in_backward = False
         self._finished_forward: list[Unit] = []  # stage 3: units in the order their forward ended
@@ -315,33 +341,39 @@ class ZeroDataParallel:
 
     def finish_gradient_sync(self) -> None:
         """Launch what has not launched (parameters without a gradient contribute
-        zeros), wait for every reduction, and bring the shards to the masters."""
+        zeros) and wait for every reduction."""
         self._flush(final=True)
         while self._in_flight:
             self._complete_oldest()
+        for unit in self.units:
+            unit.reduced = unit.launched = False
+
+    def gradient(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's shard of ``param``'s reduced gradient after `finish_gradient_sync`
+        (its elements of the flattened gradient; empty where the rank holds none)."""
+        unit, i = self._unit_of[id(param)]
+        first = self.group.rank * unit.shard_numel
+        lo, hi = (unit.offsets[i] + end - first for end in unit.span(i, self.group.rank))
+        return unit.grad[lo:hi] if hi > lo else unit.grad[:0]
+
+    def copy_grads_to_master(self) -> None:
+        """The reduced shards into the fp32 masters' gradients, where those are apart
+        (bf16 gradients, or masters in host memory)."""
         synced = False
         for unit in self.units:
-            unit.reduced = False
             if unit.master_grad is not unit.grad:
                 unit.master_grad.copy_(unit.grad, non_blocking=self._pinned)
                 synced = synced or unit.grad.is_cuda
         if synced:  # asynchronous device->host copies must land before the host optimizer reads them
             torch.cuda.synchronize(self.device)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so that the global gradient norm is at most
         ``max_norm`` (torch's clip_grad_norm_ rule); returns the norm before clipping.
         Padding elements hold zeros, so each shard's sum of squares is exact."""
-        norms = torch.stack([torch.linalg.vector_norm(unit.master_grad) for unit in self.units])
-        total = torch.linalg.vector_norm(norms).square().to(self.device)
-        self.comm.all_reduce(total, self.group, op="sum")
-        total = total.sqrt().to(self.master_device)
-        if math.isfinite(max_norm):
-            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for unit in self.units:
-                unit.master_grad.mul_(coef)
-        return total
+        grads = [unit.master_grad for unit in self.units]
+        return clip_grad_norm_(grads, max_norm, counted=grads, comm=self.comm, groups=[self.group],
+                               device=self.device)
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -368,6 +400,8 @@ class ZeroDataParallel:
     # -- inside backward: gradients to shards ---------------------------------
     @torch.no_grad()
     def _on_gradient(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a backward that holds this weight's gradient back (zero bubble's B)
+            return
         unit, i = self._unit_of[id(param)]
         if self.stage == 1:  # accumulate into the persistent full buffer, as data parallelism does
             view = unit.slot(unit.grad_full, i)
@@ -377,7 +411,7 @@ class ZeroDataParallel:
             unit.filled.add(i)
             if not self._syncing:
                 return
-            if unit.index < self._next:
+            if unit.launched:
                 raise RuntimeError("a parameter's gradient arrived twice in one step, after its unit was "
                                    "reduced; run the extra backward inside no_sync()")
         else:  # this micro-batch's gradient into the staging buffer, then freed
@@ -387,9 +421,8 @@ class ZeroDataParallel:
             view.add_(param.grad) if i in unit.arrived else view.copy_(param.grad)
             param.grad = None
         unit.arrived.add(i)
-        while self._next < len(self.units) and \
-                len(self.units[self._next].arrived) == len(self.units[self._next].params):
-            self._launch(self.units[self._next])
+        if len(unit.arrived) == len(unit.params):
+            self._launch(unit)
 
     def _new_staging(self, unit: Unit) -> torch.Tensor:
         staging = torch.empty(unit.full.numel(), dtype=unit.grad.dtype, device=self.device)
@@ -398,7 +431,7 @@ class ZeroDataParallel:
 
     def _launch(self, unit: Unit) -> None:
         """Start reduce-scattering this rank's share (1/N) of the unit's gradients."""
-        self._next = unit.index + 1
+        unit.launched = True
         source = unit.grad_full if self.stage == 1 else unit.staging
         if source is None:  # stages 2, 3: no gradient at all this micro-batch
             source = self._new_staging(unit)
@@ -427,14 +460,18 @@ class ZeroDataParallel:
             unit.grad.add_(out)
 
     def _flush(self, final: bool = False) -> None:
-        """Launch the units a backward left unlaunched (parameters without a
+        """Launch the units a backward left incomplete (parameters without a
         gradient): before the next micro-batch's forward (stages 2, 3), and at
-        the end of the step."""
-        started = self._next > 0 or any(unit.arrived for unit in self.units)
-        if started or (final and self.stage == 1):
-            for unit in self.units[self._next:]:
+        the end of the step, where every unit not yet reduced in the step
+        launches too (with zeros, if nothing arrived), so no shard keeps the
+        last step's gradient."""
+        for unit in self.units:
+            if self.stage == 1:
+                pending = final and not unit.launched
+            else:
+                pending = bool(unit.arrived) or (final and not unit.reduced)
+            if pending:
                 self._launch(unit)
-        self._next = 0
 
     # -- stage 3: gather before use, free after ---------------------------------
     def _install_gather_hooks(self, model: nn.Module) -> None:

@@ -178,49 +178,71 @@ def flat_chunks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tup
     return chunks
 
 
-def _sharded_tensor(shape: tuple[int, ...], like: torch.Tensor,
-                    pieces: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.Tensor | None]]) -> Any:
-    """A ShardedTensor from every rank's pieces (global rank, offsets, sizes, and
-    this rank's tensor for the piece or None): every rank describes the whole
-    layout, so none has to ask the others."""
-    chunks, local = [], []
-    for rank, offsets, sizes, tensor in pieces:
-        metadata = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                                 placement=f"rank:{rank}/{like.device}")
-        chunks.append(metadata)
+# One rectangular chunk of a full tensor: the global rank holding it, its offsets
+# and sizes, and, on that rank, the tensor holding its elements (None elsewhere).
+Chunk = tuple[int, tuple[int, ...], tuple[int, ...], "torch.Tensor | None"]
+
+
+def _sharded_tensor(shape: tuple[int, ...], like: torch.Tensor, chunks: list[Chunk]) -> Any:
+    """A ShardedTensor from chunks that tile the full tensor. Every rank
+    describes the whole tiling, so none has to ask the others; DCP writes and
+    reads only the chunks a rank holds, the others are there for the tiling."""
+    metadata, local = [], []
+    for rank, offsets, sizes, tensor in chunks:
+        meta = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
+                             placement=f"rank:{rank}/{like.device}")
+        metadata.append(meta)
         if tensor is not None:
-            local.append(Shard(tensor, metadata))
+            local.append(Shard(tensor, meta))
     properties = TensorProperties(dtype=like.dtype)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, ShardedTensorMetadata(shards_metadata=chunks, size=torch.Size(shape), tensor_properties=properties))
+        local, ShardedTensorMetadata(shards_metadata=metadata, size=torch.Size(shape), tensor_properties=properties))
 
 
-def _sharded(shard: FlatShard | Any) -> Any:
-    """A ZeRO `FlatShard` as DCP understands it: its chunks are the rectangles of
-    each rank's flat range; a group of one holds the plain tensor. Anything else
-    (a buffer, a step counter) is saved as it is."""
-    if not isinstance(shard, FlatShard):
-        return shard
-    if len(shard.spans) == 1:
-        return shard.local.view(shard.shape)
-    pieces = []
+def _flat_chunks_of(shard: FlatShard) -> list[Chunk]:
+    """A ZeRO `FlatShard`'s ranges, every rank's, as rectangles of its tensor."""
+    chunks = []
     for rank, start, stop in shard.spans:
         position = 0
         for offsets, sizes in flat_chunks(tuple(shard.shape), start, stop):
             mine = shard.local[position:position + math.prod(sizes)].view(sizes) if rank == shard.rank else None
-            pieces.append((rank, offsets, sizes, mine))
+            chunks.append((rank, offsets, sizes, mine))
             position += math.prod(sizes)
-    return _sharded_tensor(tuple(shard.shape), shard.local, pieces)
+    return chunks
 
 
-def _tensor_parallel_sharded(tensor: torch.Tensor, split: Split, group: Group) -> Any:
-    """A tp slice (a weight, or optimizer state shaped like it) as the chunks of
-    its full tensor that each rank of the tp group holds."""
-    pieces = [(global_rank, offsets, sizes,
-               tensor.narrow(split.dim, start, sizes[split.dim]) if index == group.rank else None)
-              for index, global_rank in enumerate(group.ranks)
-              for offsets, sizes, start in split.chunks(index)]
-    return _sharded_tensor(split.full_shape, tensor, pieces)
+def _placed_in_full(chunks: list[Chunk], split: Split, tp_rank: int) -> list[Chunk]:
+    """Chunks of tp rank ``tp_rank``'s slice of a weight, moved to where they lie
+    in the full weight: along the split dimension the slice is its part of
+    each of ``split.parts`` blocks (q, k, v), so a chunk is cut where blocks
+    meet and each piece shifted to its block's slice."""
+    dim, length = split.dim, split.sizes[tp_rank]
+    placed = []
+    for rank, offsets, sizes, tensor in chunks:
+        lo, hi = offsets[dim], offsets[dim] + sizes[dim]
+        while lo < hi:
+            block, within = divmod(lo, length)
+            stop = min(hi, (block + 1) * length)
+            full_offsets, full_sizes = list(offsets), list(sizes)
+            full_offsets[dim] = block * split.block + split.start(tp_rank) + within
+            full_sizes[dim] = stop - lo
+            piece = None if tensor is None else tensor.narrow(dim, lo - offsets[dim], stop - lo)
+            placed.append((rank, tuple(full_offsets), tuple(full_sizes), piece))
+            lo = stop
+    return placed
+
+
+def _tensor_parallel_sharded(chunks: list[Chunk], split: Split, group: Group, like: torch.Tensor) -> Any:
+    """A tp slice held in ``chunks`` (the whole slice, or the ZeRO shards of the
+    dp group holding it), as chunks of the full weight; the other tp ranks'
+    slices complete the tiling, described whole."""
+    placed = _placed_in_full(chunks, split, group.rank)
+    for index, global_rank in enumerate(group.ranks):
+        if index != group.rank:
+            shape = list(split.full_shape)
+            shape[split.dim] = split.parts * split.sizes[index]
+            placed += _placed_in_full([(global_rank, (0,) * len(shape), tuple(shape), None)], split, index)
+    return _sharded_tensor(split.full_shape, like, placed)
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None,
@@ -233,33 +255,43 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
     Under ZeRO each rank gives its shards, as chunks of the full tensors: the
     files hold the same tensors, by the same names and shapes, as any other
     layout's, and a load reads whatever chunks its own layout needs. Tensor
-    parallel slices are described the same way, as chunks of the full tensors.
+    parallel slices are described the same way, as chunks of the full tensors,
+    and so are ZeRO shards of tp slices (each chunk placed twice over: within
+    the slice, then the slice within the weight).
     """
     if zero is not None:
         weights, optim = zero.flat_shards(optimizer)
-        return {"model": {k: _sharded(v) for k, v in weights.items()},
-                "optim": {name: {k: _sharded(v) for k, v in state.items()} for name, state in optim.items()}}
-    def stepped(tensor: torch.Tensor) -> torch.Tensor:
-        master = masters.master_of(tensor) if masters else None
-        return master if master is not None else tensor
+    else:
+        def stepped(tensor: torch.Tensor) -> torch.Tensor:
+            master = masters.master_of(tensor) if masters else None
+            return master if master is not None else tensor
 
-    names = {id(stepped(p)): name for name, p in model.named_parameters()}
-    optim = {names[id(p)]: dict(optimizer.state[p])
-             for group in optimizer.param_groups for p in group["params"]}
-    weights = {key: stepped(t).detach() for key, t in model.state_dict(keep_vars=True).items()}
-    if tensor_parallel is not None:
-        splits = {name: tensor_parallel.splits[p] for name, p in model.named_parameters(remove_duplicate=False)
-                  if p in tensor_parallel.splits}
+        names = {id(stepped(p)): name for name, p in model.named_parameters()}
+        optim = {names[id(p)]: dict(optimizer.state[p])
+                 for group in optimizer.param_groups for p in group["params"]}
+        weights = {key: stepped(t).detach() for key, t in model.state_dict(keep_vars=True).items()}
+    splits = {} if tensor_parallel is None else {
+        name: tensor_parallel.splits[p] for name, p in model.named_parameters(remove_duplicate=False)
+        if p in tensor_parallel.splits}
 
-        def whole(name: str, tensor: Any) -> Any:
-            split = splits.get(name)
-            if split is None or not torch.is_tensor(tensor) or tensor.dim() != len(split.full_shape):
-                return tensor
-            return _tensor_parallel_sharded(tensor, split, tensor_parallel.group)
+    def whole(name: str, value: Any) -> Any:
+        """``value`` (a weight, its optimizer state, or this rank's ZeRO shard of either) as DCP sees it."""
+        split = splits.get(name)
+        if isinstance(value, FlatShard):
+            chunks, like = _flat_chunks_of(value), value.local
+            if split is None and len(value.spans) == 1:
+                return value.local.view(value.shape)
+        elif split is not None and torch.is_tensor(value) and value.dim() == len(split.full_shape):
+            me = tensor_parallel.group.ranks[tensor_parallel.group.rank]
+            chunks, like = [(me, (0,) * value.dim(), tuple(value.shape), value)], value
+        else:
+            return value
+        if split is None:
+            return _sharded_tensor(tuple(value.shape), like, chunks)
+        return _tensor_parallel_sharded(chunks, split, tensor_parallel.group, like)
 
-        weights = {name: whole(name, t) for name, t in weights.items()}
-        optim = {name: {k: whole(name, v) for k, v in state.items()} for name, state in optim.items()}
-    return {"model": weights, "optim": optim}
+    return {"model": {name: whole(name, v) for name, v in weights.items()},
+            "optim": {name: {k: whole(name, v) for k, v in state.items()} for name, state in optim.items()}}
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -290,7 +322,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     return final
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """The first line of what went wrong, unwrapped from DCP's per-rank report."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
@@ -313,7 +345,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if zero:
             zero.publish()
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException) as exc:
-        raise UserError(f"checkpoint {path} cannot be loaded ({_reason(exc)}); delete it to fall back "
+        raise UserError(f"checkpoint {path} cannot be loaded ({failure_reason(exc)}); delete it to fall back "
                         f"to an earlier one, or start a new run.") from None
     return trainer_state
 

@@ -45,8 +45,7 @@ def world_size_for(cfg: Config, env: ProcessEnv) -> int:
 def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
     """Fill in dp and check the layout against the world and the model."""
     p = cfg.parallel
-    dims = ParallelDims.infer(world_size, dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep)
-    dims.validate(world_size)
+    dims = p.mesh_dims(world_size)
     parse_policy(cfg.train.recompute)
     if cfg.train.fused == "triton":
         reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -135,8 +134,7 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
     env = detect_environment()
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
     try:
-        dims = ParallelDims.infer(env.world_size, dp=cfg.parallel.dp, pp=cfg.parallel.pp,
-                                  cp=cfg.parallel.cp, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
+        dims = cfg.parallel.mesh_dims(env.world_size)
         mesh = Mesh.build(dims, env.rank, env.world_size)
         comm = Comm(Ledger())
         world = mesh.group("world")

@@ -4,7 +4,10 @@ One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp``
 sequences (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
 ``--microbatches`` micro-batches each take the place of the loop below:
 parallel/pipeline/parallel.py; then the tied embedding's gradient is summed
-over the stages that hold it):
+over the stages that hold it, whole or shard by shard under ZeRO). The
+strategies compose in this order, each on its own group of the mesh
+(docs/nd-parallel.md): tp splits the weights, pp cuts the split model into
+stages, dp (or ZeRO) replicates (or shards) each stage's slices:
 
     for each of the grad_accum micro-batches:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
@@ -16,8 +19,9 @@ over the stages that hold it):
     wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
     shard of it (parallel/zero.py)
     with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
-    unscale (fp16), clip the global gradient norm (each weight counted once: tp slices summed over
-    the tp group), set the learning rate, take the optimizer step
+    unscale (fp16), clip the global gradient norm (each element counted once over the mesh: tp
+    slices and ZeRO shards summed, replicated norms and the tied embedding's copies not;
+    optim/clip.py), set the learning rate, take the optimizer step
     (skipped, with the loss scale halved, when an fp16 gradient overflowed)
     with master weights: round the masters back into the model's weights (ZeRO-1/2: and
     all-gather the updated shards)
@@ -55,6 +59,7 @@ from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model, gpt_config
 from scaletrain.models.gpt import sample_next
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
+from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, replicate, summer
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
@@ -172,10 +177,12 @@ class Trainer:
         self.zero: ZeroDataParallel | None = None
         groups = decay_groups(self.model, t.weight_decay)
         if p.zero:
+            # A weight tied across stages is sharded alone, so its holders' shards line up.
+            tied = [param for param, _ in self.pipeline.shared] if self.pipeline else []
             self.zero = ZeroDataParallel(self.model, comm, self.dp_group, stage=p.zero,
                                          param_dtype=compute_dtype(t.param_dtype),
                                          reduce_dtype=compute_dtype(p.reduce_dtype),
-                                         master_device=master_device, bucket_mb=p.bucket_mb)
+                                         master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied)
             groups = self.zero.optimizer_groups(groups)
         self.data_parallel: DataParallel | ZeroDataParallel | None = self.zero
         if not self.zero:
@@ -192,11 +199,9 @@ class Trainer:
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [p for group in groups for p in group["params"]]
-        # The step parameters (masters, where they exist) that hold tp slices.
-        self.split_params = {id(self._stepped(q))
-                             for q in (self.tensor_parallel.splits if self.tensor_parallel else ())}
-        # Pipeline: the step parameters that copy a tied weight another stage counts.
-        self.tied_copies = {id(self._stepped(q)) for q in (self.pipeline.copies if self.pipeline else ())}
+        self.norm_counted = self._counted_for_norm()
+        # Over these groups the counted gradients add up to the whole model's, each element once.
+        self.norm_groups = [self.tp_group, self.pp_group] + ([self.dp_group] if self.zero else [])
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
@@ -216,16 +221,34 @@ class Trainer:
         """The tensor the optimizer steps for ``param``: its fp32 master, where there is one."""
         return self.masters.master_of(param) if self.masters else param
 
+    def _counted_for_norm(self) -> list[torch.Tensor]:
+        """The step tensors whose gradients this rank counts towards the model's
+        gradient norm (optim/clip.py): not a replicated weight's copy on a tp rank
+        but the first, not the tied embedding's copy on a later pipeline stage;
+        under ZeRO, this rank's shards, which the dp group's shards complete."""
+        if self.zero:
+            pairs = [(piece.tensor, piece.param) for unit in self.zero.units for piece in unit.pieces]
+        else:
+            pairs = [(self._stepped(p), p) for p in self.model.parameters() if p.requires_grad]
+        parts = [part for part in (self.tensor_parallel, self.pipeline) if part is not None]
+        return [tensor for tensor, param in pairs if all(part.counts(param) for part in parts)]
+
     def _cut_into_stages(self) -> PipelineParallel:
         cfg, p = self.cfg, self.cfg.parallel
         width = gpt_config(cfg.model, vocab_size=self.spec.vocab_size, seq_len=cfg.data.seq_len).d_model
         _, virtual = p.pipeline_sizes()
+
+        def boundary(batch: int, seq: int) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+            # The GPT's residual stream crosses the cuts, in fp32 whatever the precision;
+            # with sequence parallelism each tp rank holds its chunk of the positions.
+            if self.tensor_parallel and self.tensor_parallel.sequence_parallel:
+                seq //= self.tp_group.size
+            return (batch, seq, width), torch.float32, self.device
+
         return PipelineParallel(
             self.model, GPT_STAGES, self.comm, self.pp_group, schedule=p.pp_schedule,
             micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
-            # The GPT's residual stream crosses the cuts, in fp32 whatever the precision.
-            boundary=lambda batch, seq: ((batch, seq, width), torch.float32, self.device),
-            sample=self._micro_batch(0, 0)[0], world=self.mesh.group("world"))
+            boundary=boundary, sample=self._micro_batch(0, 0)[0], world=self.mesh.group("world"))
 
     def _compressor(self) -> PowerSGD | SignCompressor | None:
         p = self.cfg.parallel
@@ -312,21 +335,18 @@ class Trainer:
             self.pipeline.sum_shared_gradients(self.data_parallel.gradient)
         if self.masters:
             self.masters.copy_grads_to_master(self.data_parallel.gradient)
+        if self.zero:
+            self.zero.copy_grads_to_master()
         overflow = False
         if self.scaler.enabled:
             found_inf = self.scaler.unscale_(self.step_params)
             # Every rank skips together: replicas, and tp ranks whose slices overflowed or not.
             self.comm.all_reduce(found_inf, self.mesh.group("world"), op="max")
             overflow = bool(found_inf.item())
-        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        if self.zero:
-            grad_norm = self.zero.clip_grad_norm_(max_norm)
-        elif self.tensor_parallel:
-            grad_norm = self.tensor_parallel.clip_grad_norm_(self.step_params, self.split_params, max_norm)
-        elif self.pipeline:
-            grad_norm = self.pipeline.clip_grad_norm_(self.step_params, self.tied_copies, max_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.step_params, max_norm)
+        grad_norm = clip_grad_norm_([p.grad for p in self.step_params if p.grad is not None],
+                                    t.grad_clip if t.grad_clip > 0 else math.inf,
+                                    counted=[p.grad for p in self.norm_counted if p.grad is not None],
+                                    comm=self.comm, groups=self.norm_groups, device=self.device)
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -394,15 +414,16 @@ class Trainer:
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
         prompt = prompt[None].to(self.device)
-        if self.pipeline:
-            out = self.pipeline.generate(prompt, self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
-                                         sample_next=lambda logits: sample_next(logits[:, :self.spec.vocab_size],
-                                                                                generator=generator),
-                                         forward_context=lambda: autocast(self.cfg.train.precision, self.device))
-            return tokenizer.decode(out[0].tolist())
         generation = self.tensor_parallel.generation() if self.tensor_parallel else nullcontext()
-        with generation, autocast(self.cfg.train.precision, self.device):
-            out = self.model.generate(prompt, self.cfg.run.sample_tokens, generator=generator)
+        with generation:
+            if self.pipeline:
+                out = self.pipeline.generate(
+                    prompt, self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
+                    sample_next=lambda logits: sample_next(logits[:, :self.spec.vocab_size], generator=generator),
+                    forward_context=lambda: autocast(self.cfg.train.precision, self.device))
+            else:
+                with autocast(self.cfg.train.precision, self.device):
+                    out = self.model.generate(prompt, self.cfg.run.sample_tokens, generator=generator)
         return tokenizer.decode(out[0].tolist())
 
     # -- the loop ------------------------------------------------------------

@@ -140,14 +140,18 @@ class PipelineParallel:
             parts = {**others, self.group.rank: mine}
             mine.copy_(sum(parts[r] for r in holders))  # the sum is complete before the copy
 
-    def clip_grad_norm_(self, params: list[torch.Tensor], copies: set[int], max_norm: float) -> torch.Tensor:
-        """torch's rule over the whole model: each stage's squares summed over the
-        group, a tied weight counted once (the ``id``s in ``copies`` left out:
-        `copies`, or their fp32 masters)."""
+    def counts(self, param: nn.Parameter) -> bool:
+        """Whether this rank counts ``param``'s gradient towards the model's norm
+        (optim/clip.py): a tied weight on its first holder only."""
+        return not any(param is copy for copy in self.copies)
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """torch's rule over the whole model: each stage's squares summed over
+        the group, a tied weight counted once."""
         params = [p for p in params if p.grad is not None]
         return clip_grad_norm_([p.grad for p in params], max_norm,
-                               parts=[p.grad for p in params if id(p) not in copies], replicated=[],
-                               comm=self.comm, group=self.group)
+                               counted=[p.grad for p in params if self.counts(p)],
+                               comm=self.comm, groups=[self.group])
 
     # -- forward only --------------------------------------------------------------
     @torch.no_grad()

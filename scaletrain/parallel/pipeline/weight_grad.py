@@ -8,7 +8,9 @@ For a linear layer ``y = x W^T`` backward is two independent products:
 `DeferrableLinear` computes both as usual, except inside
 ``store.deferring(key)``: there it computes ``dL/dx`` and hands ``(x, dL/dy)``
 to the `WeightGradStore` under ``key``; ``store.flush(key)`` later computes
-every held-back ``dL/dW``. Linear layers hold nearly all of a transformer's
+every held-back ``dL/dW``. Other layers built on a linear product (tensor
+parallelism's column and row layers) defer the same way through `linear`,
+when they declare ``defers_weight_grad``. Linear layers hold nearly all of a transformer's
 weight-gradient work; the norms' and embeddings' small gradients stay in B.
 
 A flushed gradient enters the weight through autograd (a one-node graph whose
@@ -101,22 +103,32 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         return grad_x, _weight_grad(x_c, grad_output).to(ctx.weight.dtype), None
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None) -> torch.Tensor:
+    """``x @ weight.T``, its weight gradient deferrable to ``store`` (plain when None)."""
+    if store is None:
+        return torch.nn.functional.linear(x, weight)
+    return _DeferrableLinearFunction.apply(x, weight, store)
+
+
 class DeferrableLinear(nn.Linear):
     """``nn.Linear`` (no bias) whose weight gradient a `WeightGradStore` may hold back."""
 
     store: WeightGradStore
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DeferrableLinearFunction.apply(x, self.weight, self.store)
+        return linear(x, self.weight, self.store)
 
 
 def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
     """Turn every bias-free ``nn.Linear`` in ``module`` into a `DeferrableLinear`
-    in place (same object, same parameters); returns how many."""
+    in place (same object, same parameters), and hand ``store`` to every layer
+    that declares ``defers_weight_grad``; returns how many layers defer."""
     count = 0
     for m in module.modules():
         if type(m) is nn.Linear and m.bias is None:
             m.__class__ = DeferrableLinear
-            m.store = store
-            count += 1
+        elif not getattr(m, "defers_weight_grad", False):
+            continue
+        m.store = store
+        count += 1
     return count

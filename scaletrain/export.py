@@ -24,16 +24,20 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.api import CheckpointException
 
 from scaletrain.errors import UserError
-from scaletrain.train.checkpoint import STATE_FILE, failure_reason, latest_checkpoint, read_model_tensors
+from scaletrain.train.checkpoint import (
+    READ_ERRORS,
+    STATE_FILE,
+    failure_reason,
+    latest_checkpoint,
+    read_model_tensors,
+)
 
 FORMAT = "scaletrain-model-v1"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,8 +88,7 @@ def _read(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """The step and the model's full tensors; a damaged checkpoint is a user's problem."""
     try:
         return json.loads((checkpoint / STATE_FILE).read_text())["step"], read_model_tensors(checkpoint)
-    except (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError,
-            CheckpointException) as exc:
+    except READ_ERRORS as exc:
         raise UserError(f"checkpoint {checkpoint} cannot be read ({failure_reason(exc)}); export an earlier "
                         f"one.") from None
 

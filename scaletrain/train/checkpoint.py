@@ -67,6 +67,8 @@ from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
 
 STATE_FILE = "trainer_state.json"
+# What reading a damaged, truncated or foreign checkpoint raises.
+READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException)
 _TMP_PREFIX = ".tmp_"
 
 
@@ -344,7 +346,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             masters.copy_master_to_model()
         if zero:
             zero.publish()
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException) as exc:
+    except READ_ERRORS as exc:
         raise UserError(f"checkpoint {path} cannot be loaded ({failure_reason(exc)}); delete it to fall back "
                         f"to an earlier one, or start a new run.") from None
     return trainer_state

@@ -46,6 +46,7 @@ def _one_sentence_exit_2(result, phrase):
     (["--nproc", "2", "--tp", "2", "--sp", "--seq-len", "31"], "choose a --seq-len divisible by 2"),
     (["--nproc", "2", "--tp", "2", "--optimizer", "adafactor"], "does not combine with --optimizer adafactor"),
     (["--model", "mlp", "--nproc", "2", "--tp", "2"], "splits attention heads, but this model has none"),
+    (["--nproc", "4", "--tp", "2", "--mesh-order", "dp,tp,pp"], "--mesh-order dp,tp,pp must name each of"),
 ])
 def test_bad_input_is_one_sentence_and_writes_nothing(corpus, tmp_path, args, phrase):
     out = tmp_path / "run"

@@ -150,18 +150,3 @@ def test_a_checkpoint_resumes_in_another_layout_as_if_never_stopped(tiny_cfg, sa
     model.load_state_dict(load_file(target), strict=True)
     saved_tensors = ckpt.read_model_tensors(checkpoint)
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in saved_tensors.items())
-
-
-# -- mistakes ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--pp", "2", "--nproc", "4", "--zero", "3"], "--zero 3 gathers and frees each layer"),
-    (["--nproc", "4", "--tp", "2", "--mesh-order", "dp,tp,pp"], "--mesh-order dp,tp,pp must name each of"),
-])
-def test_mistakes_are_one_sentence_before_any_work(tiny_cfg, capsys, flags, message):
-    out = Path(tiny_cfg.run.out)
-    code = main(["train", "--model", "gpt-tiny", "--out", str(out), *flags])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
-    assert not out.exists()

@@ -32,8 +32,9 @@ from scaletrain.dist.mesh import Group
 def _square_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads])
-    return torch.linalg.vector_norm(norms).square()
+    # Summed where the gradients live (host memory, when offloaded), moved once.
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return torch.linalg.vector_norm(norms).square().to(device)
 
 
 @torch.no_grad()

@@ -134,11 +134,10 @@ class Piece:
     tensor: nn.Parameter  # what the optimizer updates: a view of the unit's master shard
 
 
-@dataclass
+@dataclass(eq=False)  # a unit is itself: compared by identity, never field by field (tensors)
 class Unit:
     """Parameters flattened into one padded buffer, sharded evenly over the group (module docstring)."""
 
-    index: int  # backward order: the order gradients are expected to complete
     params: list[nn.Parameter]
     offsets: list[int]  # each parameter's first element in the flat buffer
     shard_numel: int  # S
@@ -234,8 +233,7 @@ class ZeroDataParallel:
             rest = [p for p in trainable[::-1] if id(p) not in alone]
             grouped = [(None, params) for params in [*plan_buckets(rest, int(bucket_mb * 2**20), reduce_dtype),
                                                      *([p] for p in own_units if p.requires_grad)]]
-        self.units = [self._build_unit(index, module, params, param_dtype, reduce_dtype)
-                      for index, (module, params) in enumerate(grouped)]
+        self.units = [self._build_unit(module, params, param_dtype, reduce_dtype) for module, params in grouped]
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_gradient)
@@ -249,7 +247,7 @@ class ZeroDataParallel:
             model.register_forward_pre_hook(lambda *_: self._flush())
 
     @torch.no_grad()
-    def _build_unit(self, index: int, module: nn.Module | None, params: list[nn.Parameter],
+    def _build_unit(self, module: nn.Module | None, params: list[nn.Parameter],
                     param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Unit:
         n, rank = self.group.size, self.group.rank
         offsets = [0]
@@ -271,7 +269,7 @@ class ZeroDataParallel:
             torch.zeros(shard_numel, dtype=reduce_dtype, device=self.device)
         master_grad = grad if reduce_dtype == torch.float32 and self.master_device == self.device else \
             self._host_or_device(torch.zeros(shard_numel))
-        unit = Unit(index, params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
+        unit = Unit(params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
         for i, param in enumerate(params):
             param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
             lo, hi = (offsets[i] + end - start for end in unit.span(i, rank))  # within the shard

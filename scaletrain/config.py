@@ -41,6 +41,15 @@ class ModelConfig:
     vocab_multiple: int = _opt(1, "pad the embedding and head rows to a multiple of this (64 suits GPU "
                                   "matrix tiles); padded ids are never targets nor sampled")
     mlp_hidden: int = _opt(128, "hidden width of the mlp classifier")
+    moe_experts: int = _opt(0, "experts in each mixture-of-experts block (0: dense MLPs only)")
+    moe_top_k: int = _opt(2, "experts each token is routed to; every expert is 4 x d_model / top-k wide, "
+                             "so a token meets as many weights as in the dense MLP")
+    moe_capacity: float | None = _opt(None, "capacity factor: an expert takes at most ceil(C x seq_len x "
+                                            "top-k / experts) tokens of a sequence, the others pass through "
+                                            "the residual (default: dropless)")
+    moe_every: int = _opt(1, "every this-many-th block is a mixture of experts (2: blocks 1, 3, ...)")
+    moe_aux_coef: float = _opt(0.01, "weight of the load-balancing loss (Switch Transformer)")
+    moe_z_coef: float = _opt(0.0, "weight of the router z-loss (ST-MoE uses 0.001)")
 
 
 @dataclass
@@ -109,8 +118,10 @@ class ParallelConfig:
     mesh_order: str = _opt("dp,ep,pp,cp,tp", "placement of ranks on the mesh, outermost dim first: "
                                               "consecutive ranks differ in the last one, so the chattiest "
                                               "group (tp) goes last to stay inside a node")
-    cp: int = _opt(1, "context-parallel size")
-    ep: int = _opt(1, "expert-parallel size")
+    cp: int = _opt(1, "context-parallel size: every sequence split over this many ranks, attention "
+                      "computed by ring attention")
+    ep: int = _opt(1, "expert-parallel size: the experts of each mixture-of-experts block divided over "
+                      "this many ranks, tokens sent to them by all-to-all")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job ends")
     bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
                                   "communication starts earlier in backward, in more calls)")
@@ -282,9 +293,10 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
-             "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank")
+             "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank",
+             "moe_top_k", "moe_every")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
-                 "sample_tokens", "min_lr_ratio")
+                 "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef")
 
 
 def check_values(cfg: Config) -> None:
@@ -331,6 +343,8 @@ def check_values(cfg: Config) -> None:
     if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)
+    _check_context(cfg)
+    _check_experts(cfg)
     peak = cfg.train.peak_tflops
     if peak is not None and peak != "measure":
         try:
@@ -338,6 +352,53 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_context(cfg: Config) -> None:
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.data.seq_len % (2 * cp):
+        raise UserError(f"--cp {cp} cuts each sequence into {2 * cp} equal chunks (two per rank, for "
+                        f"balanced causal work); choose a --seq-len divisible by {2 * cp}.")
+    if cfg.parallel.sp and cfg.data.seq_len // cp % cfg.parallel.tp:
+        raise UserError(f"--sp splits each rank's {cfg.data.seq_len // cp} positions over --tp "
+                        f"{cfg.parallel.tp}; choose a --seq-len divisible by {cp * cfg.parallel.tp}.")
+    if cfg.model.dropout > 0:
+        raise UserError(f"--cp {cp} computes attention by ring attention, which has no dropout; "
+                        f"use --dropout 0.")
+
+
+def _check_experts(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if not m.moe_experts:
+        if p.ep > 1:
+            raise UserError(f"--ep {p.ep} divides the experts of a mixture of experts; add --moe-experts "
+                            f"(a multiple of {p.ep}) or use --ep 1.")
+        return
+    if m.name == "mlp":
+        raise UserError("--moe-experts replaces the GPT models' MLP blocks; drop it for the mlp.")
+    if m.moe_top_k > m.moe_experts:
+        raise UserError(f"--moe-top-k {m.moe_top_k} routes each token to more experts than the "
+                        f"{m.moe_experts} there are; choose at most {m.moe_experts}.")
+    if m.moe_capacity is not None and m.moe_capacity <= 0:
+        raise UserError(f"--moe-capacity must be positive, not {m.moe_capacity}; leave it out for "
+                        f"dropless routing.")
+    if p.ep > 1 and m.moe_experts % p.ep:
+        raise UserError(f"--ep {p.ep} must divide the {m.moe_experts} experts; choose --moe-experts "
+                        f"divisible by {p.ep}.")
+    # Each sequence is one routing group (its capacity and balance loss): a layout
+    # that splits a sequence over ranks would route its pieces apart.
+    for flag, used in (("--cp", p.cp > 1), ("--sp", p.sp)):
+        if used:
+            raise UserError(f"{flag} splits each sequence over ranks, but a mixture of experts routes "
+                            f"each sequence as one group; drop {flag} or --moe-experts.")
+    for flag, used in (("--pp", p.pp > 1), ("--zero", p.zero > 0 and p.ep > 1),
+                       ("--compress", p.compress != "none" and p.ep > 1)):
+        if used:
+            raise UserError(f"{flag} does not combine with "
+                            f"{'--moe-experts' if flag == '--pp' else '--ep'} in this version; drop one "
+                            f"of the two.")
 
 
 def _check_pipeline(p: ParallelConfig) -> None:

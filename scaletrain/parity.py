@@ -126,12 +126,12 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
         layout_cfg, dims = resolve_layout(cfg.replace(out=str(Path(tmp, "layout")), **quiet),
                                           world_size_for(cfg, env))
         micro_batches, _ = cfg.parallel.pipeline_sizes()
-        # One device sees the whole global batch: each micro-batch dp times larger, and the
-        # pipeline's micro-batches as accumulation steps.
+        # One device sees the whole global batch: each micro-batch dp x ep times larger (the
+        # ranks reading different samples), and the pipeline's micro-batches as accumulation steps.
         reference_cfg, _ = resolve_layout(
             layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, sp=False, pp=1, cp=1,
                                ep=1, zero=0, microbatches=None, virtual_stages=None, pp_schedule="1f1b",
-                               micro_batch=cfg.train.micro_batch * dims.dp,
+                               micro_batch=cfg.train.micro_batch * dims.dp * dims.ep,
                                grad_accum=cfg.train.grad_accum * micro_batches), 1)
         runs = []
         for run_cfg in (reference_cfg, layout_cfg):

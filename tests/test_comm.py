@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.dist import Comm, Ledger, Mesh, ParallelDims, Pending, detect_environment, init_distributed, shutdown
+from scaletrain.dist.autograd import exchange_rows
 from scaletrain.dist.mesh import Group
 from tests.distributed import DistributedTestError, run_distributed
 
@@ -162,8 +163,45 @@ def _check_group_of_one(comm: Comm, group: Group) -> None:
     assert copied.tolist() == [6.0, 10.0]
     comm.all_to_all(copied, value, group)
     assert copied.tolist() == [3.0, 5.0]
+    comm.all_to_all(copied, value * 3, group, output_splits=[2], input_splits=[2])
+    assert copied.tolist() == [9.0, 15.0]
     comm.barrier(group)
     assert comm.all_gather_object("meta", group) == ["meta"]
+
+
+def _uneven_all_to_all(rank: int, n: int) -> dict:
+    """Member i sends (i + j) % 3 rows to member j: some none, the rows it keeps included."""
+    world = Mesh.build(ParallelDims(dp=n), rank, n).group("world")
+    comm = Comm()
+    send = [(rank + j) % 3 for j in range(n)]
+    recv = [(i + rank) % 3 for i in range(n)]
+    rows = torch.tensor([[100.0 * rank + 10 * j + k, -1.0] for j in range(n) for k in range(send[j])])
+    out = torch.empty(sum(recv), 2)
+    comm.all_to_all(out, rows, world, output_splits=recv, input_splits=send)
+    assert out.tolist() == [[100.0 * i + 10 * rank + k, -1.0] for i in range(n) for k in range(recv[i])]
+    traffic = comm.ledger.to_json()
+
+    with pytest.raises(ValueError, match="splits summing"):
+        comm.all_to_all(out, rows, world, output_splits=recv, input_splits=[len(rows) + 1] + [0] * (n - 1))
+    with pytest.raises(ValueError, match="together"):
+        comm.all_to_all(out, rows, world, input_splits=send)
+
+    # Differentiable: the gradient retraces the rows' way back to where they came from.
+    mine = rows.clone().requires_grad_()
+    exchanged = exchange_rows(mine, send, recv, comm, world)
+    exchanged.backward(2 * exchanged.detach())
+    assert torch.equal(mine.grad, 2 * rows)
+    return {"traffic": traffic, "rows": sum(send), "kept": send[rank]}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_uneven_all_to_all_sends_each_member_its_rows(n):
+    """The ledger counts the whole input as bytes and, on the wire, all but the rows a
+    member keeps for itself (2 fp32 values per row)."""
+    for result in run_distributed(_uneven_all_to_all, n):
+        row = 2 * 4
+        assert result["traffic"] == {"all_to_all": {"world": {
+            "calls": 1, "bytes": result["rows"] * row, "wire_bytes": (result["rows"] - result["kept"]) * row}}}
 
 
 def test_mesh_groups_match_parallel_dims():

@@ -56,7 +56,7 @@ def _accumulate_and_average(rank: int, n: int, accum: int, allreduce: str) -> di
     model = _model(seed=rank)  # different on purpose: replicate must make them equal
     events: list[str] = []
     comm = EventComm(events)
-    replicate(model, comm, world)
+    replicate([*model.parameters(), *model.buffers()], comm, world)
     dp = DataParallel(model, comm, world, bucket_mb=1600 / 2**20, allreduce=allreduce)
     # The last layer's weight is first in reverse order, the first layer's bias...
     first_layer = model[0].weight

@@ -66,7 +66,7 @@ def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, mesh: Mesh) -> li
         model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=data.n_features, n_classes=data.n_classes)
         if name == OURS:
-            replicate(model, comm, dp_group)
+            replicate([*model.parameters(), *model.buffers()], comm, dp_group)
             dp = DataParallel(model, comm, dp_group, bucket_mb=cfg.parallel.bucket_mb)
             no_sync, finish, zero = dp.no_sync, dp.finish_gradient_sync, dp.zero_grad
             wrapped = model

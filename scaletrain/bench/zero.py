@@ -128,7 +128,7 @@ class Ours(Contender):
     name = OURS
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, cfg: Config, max_norm: float):
-        replicate(model, comm, group)
+        replicate([*model.parameters(), *model.buffers()], comm, group)
         self.zero = ZeroDataParallel(model, comm, group, stage=3)
         groups = self.zero.optimizer_groups(decay_groups(model, cfg.train.weight_decay))
         super().__init__(model, build_optimizer(groups, cfg.train), max_norm)

@@ -11,6 +11,9 @@ section 4.2.2, "g" and "g-bar"), over a group of t ranks:
     reduce_from_group  (g)    all-reduce (sum)               identity
     gather_sequence           all-gather along the sequence  reduce-scatter along the sequence
     scatter_sequence          reduce-scatter along it        all-gather along it
+    exchange_rows             all-to-all of rows, sending    the reverse all-to-all: receiving
+                              send[j] to member j and        send[j] from member j and sending
+                              receiving recv[i] from i       recv[i] back to i
 
 Each pair is conjugate: the backward of an operator is the forward of its
 partner, so a region entered with ``f`` and left with ``g`` costs one
@@ -24,10 +27,17 @@ collectives move rank-major buffers, so gathering along dim 1 costs one
 permuting copy each way (a layout with the sequence first, as Megatron's
 [s, b, h], would not, at the price of a model that differs from the plain one).
 
+``exchange_rows`` is its own conjugate with the row counts swapped: expert
+parallelism's dispatch and combine (parallel/experts.py), whose counts
+change with every batch's routing.
+
 Every transfer goes through `Comm`, so the ledger counts what these moved.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch.autograd import Function
@@ -56,6 +66,15 @@ def scattered_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tenso
     parts = x.unflatten(1, (group.size, chunk)).movedim(1, 0).contiguous()
     out = x.new_empty((x.shape[0], chunk, *x.shape[2:]))
     comm.reduce_scatter(out, parts, group)
+    return out
+
+
+def exchanged_rows(x: torch.Tensor, comm: Comm, group: Group, send: Sequence[int],
+                   recv: Sequence[int]) -> torch.Tensor:
+    """[sum(send), ...] -> [sum(recv), ...]: ``send[j]`` rows to member j, ``recv[i]`` rows
+    from member i, received in member order."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    comm.all_to_all(out, x.contiguous(), group, output_splits=recv, input_splits=send)
     return out
 
 
@@ -94,3 +113,10 @@ def gather_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
 def scatter_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """Reduce-scatter along the sequence forward, all-gather of the gradient backward."""
     return _Conjugate.apply(x, scattered_sequence, gathered_sequence, comm, group)
+
+
+def exchange_rows(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], comm: Comm,
+                  group: Group) -> torch.Tensor:
+    """All-to-all of rows with uneven counts forward, the reverse all-to-all of the gradient backward."""
+    return _Conjugate.apply(x, partial(exchanged_rows, send=send, recv=recv),
+                            partial(exchanged_rows, send=recv, recv=send), comm, group)

@@ -13,6 +13,7 @@ Ledger conventions, for a group of n ranks:
                 all_reduce                          2(n-1)/n x bytes
                 all_gather, reduce_scatter,
                 all_to_all, all_gather_object       (n-1)/n x bytes
+                all_to_all with uneven splits       bytes less the rows it keeps for itself
                 broadcast (pipelined)               (n-1)/n x bytes
                 send                                bytes
                 recv, barrier                       0
@@ -33,6 +34,7 @@ parallel runs comparable with single-device runs.
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -82,13 +84,17 @@ class Ledger:
         # A communication thread (data parallelism's ring and compressors) records too.
         self._lock = threading.Lock()
 
-    def record(self, op: str, group: Group, nbytes: int) -> None:
-        numerator, denominator = _WIRE_FRACTION[op](group.size)
+    def record(self, op: str, group: Group, nbytes: int, wire_bytes: int | None = None) -> None:
+        """One call of ``op`` over ``nbytes``; its wire bytes by the op's fraction of them
+        unless ``wire_bytes`` gives the figure (an uneven all-to-all's depends on its splits)."""
+        if wire_bytes is None:
+            numerator, denominator = _WIRE_FRACTION[op](group.size)
+            wire_bytes = nbytes * numerator // denominator
         with self._lock:
             entry = self._counts.setdefault(op, {}).setdefault(group.name, dict.fromkeys(FIELDS, 0))
             entry["calls"] += 1
             entry["bytes"] += nbytes
-            entry["wire_bytes"] += nbytes * numerator // denominator
+            entry["wire_bytes"] += wire_bytes
 
     def reset(self) -> None:
         self._counts.clear()
@@ -176,6 +182,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _check_splits(tensor: torch.Tensor, splits: Sequence[int], n: int, side: str) -> None:
+    if len(splits) != n or sum(splits) != len(tensor):
+        raise ValueError(
+            f"all_to_all over {n} ranks needs {n} {side} splits summing to the {side}'s "
+            f"{len(tensor)} rows, got {list(splits)}"
+        )
+
+
 def _check_parts(whole: torch.Tensor, part: torch.Tensor, n: int, op: str) -> None:
     if whole.numel() != n * part.numel():
         raise ValueError(
@@ -242,18 +256,35 @@ class Comm:
         )
         return self._complete(work, async_op, (lambda: output.div_(group.size)) if op == "avg" else None)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
-        """Member i sends the j-th of n equal slices of `input` to member j, which stores it as slice i of `output`."""
-        if output.numel() != input.numel() or input.numel() % group.size:
-            raise ValueError(
-                f"all_to_all over {group.size} ranks needs equal input and output sizes divisible by "
-                f"{group.size}, got {input.numel()} and {output.numel()}"
-            )
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                   output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None) -> None:
+        """Member i sends the j-th slice of `input` to member j, which stores it as slice i of `output`.
+
+        Without splits the slices are n equal parts of the flat buffers. With
+        them (both, or neither) they are rows along dim 0: `input_splits[j]`
+        rows go to member j, `output_splits[i]` arrive from member i.
+        """
+        if (output_splits is None) != (input_splits is None):
+            raise ValueError("all_to_all takes output_splits and input_splits together, or neither")
+        if input_splits is None:
+            if output.numel() != input.numel() or input.numel() % group.size:
+                raise ValueError(
+                    f"all_to_all over {group.size} ranks needs equal input and output sizes divisible by "
+                    f"{group.size}, got {input.numel()} and {output.numel()}"
+                )
+        else:
+            _check_splits(output, output_splits, group.size, "output")
+            _check_splits(input, input_splits, group.size, "input")
         if group.size == 1:
             output.copy_(input)
             return
-        self.ledger.record("all_to_all", group, _nbytes(input))
-        dist.all_to_all_single(output, input, group=group.handle)
+        wire_bytes = None
+        if input_splits is not None:
+            row_bytes = math.prod(input.shape[1:]) * input.element_size()
+            wire_bytes = _nbytes(input) - input_splits[group.rank] * row_bytes
+        self.ledger.record("all_to_all", group, _nbytes(input), wire_bytes)
+        dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group.handle)
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
         """Send `tensor` to the group's member `dst`."""

@@ -7,6 +7,7 @@ from torch import nn
 from scaletrain.config import ModelConfig
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.mlp import MLPClassifier
+from scaletrain.models.moe import MoEConfig
 
 # (n_layers, n_heads, d_model). gpt-tiny takes a fraction of a second per step
 # on a laptop CPU (tests); gpt-small trains a few hundred steps in minutes.
@@ -20,9 +21,15 @@ GPT_PRESETS = {
 def gpt_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
     """The preset, with any size the user set overriding it."""
     layers, heads, width = GPT_PRESETS[cfg.name]
+    width = cfg.d_model or width
+    moe = None
+    if cfg.moe_experts:
+        moe = MoEConfig(experts=cfg.moe_experts, top_k=cfg.moe_top_k, hidden=4 * width // cfg.moe_top_k,
+                        capacity=cfg.moe_capacity, every=cfg.moe_every, aux_coef=cfg.moe_aux_coef,
+                        z_coef=cfg.moe_z_coef)
     return GPTConfig(vocab_size=vocab_size, seq_len=seq_len,
                      n_layers=cfg.n_layers or layers, n_heads=cfg.n_heads or heads,
-                     d_model=cfg.d_model or width, dropout=cfg.dropout, vocab_multiple=cfg.vocab_multiple)
+                     d_model=width, dropout=cfg.dropout, vocab_multiple=cfg.vocab_multiple, moe=moe)
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, n_features: int = 0,

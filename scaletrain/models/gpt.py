@@ -11,10 +11,15 @@ Layer norms keep their bias. Initialization follows GPT-2: N(0, 0.02), with the 
 scaled by 1/sqrt(2 * n_layers) so the residual stream's variance does not
 grow with depth.
 
-Parallel transforms (tensor, pipeline, context parallel) rewrite this module
-from the outside by the names of its parts: ``blocks.{i}.attn.qkv`` (fused
-query/key/value, laid out as [3, heads, head_dim] along its output),
-``attn.proj``, ``mlp.fc``, ``mlp.proj``, ``tok_emb``, ``pos_emb``, ``ln_f``.
+With ``moe`` set, the MLP of every ``moe.every``-th block is a mixture of
+experts instead (models/moe.py), named ``blocks.{i}.moe``.
+
+Parallel transforms (tensor, pipeline, context, expert parallel) rewrite this
+module from the outside by the names of its parts: ``blocks.{i}.attn.qkv``
+(fused query/key/value, laid out as [3, heads, head_dim] along its output),
+``attn.core`` (causal attention of given queries, keys and values),
+``attn.proj``, ``mlp.fc``, ``mlp.proj``, ``moe.router``, ``moe.experts.{e}``,
+``tok_emb``, ``pos_emb``, ``ln_f``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.moe import MoE, MoEConfig
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -36,6 +43,7 @@ class GPTConfig:
     d_model: int
     dropout: float = 0.0
     vocab_multiple: int = 1
+    moe: MoEConfig | None = None
 
     @property
     def head_dim(self) -> int:
@@ -64,12 +72,27 @@ class LayerNorm(nn.LayerNorm):
                             self.eps)
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v for q, k, v [batch, heads, seq, head_dim].
+
+    A module of its own, without weights, so that context parallelism can put
+    ring attention in its place (parallel/context.py)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.core = CausalAttention(cfg.dropout)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -79,8 +102,7 @@ class CausalSelfAttention(nn.Module):
         # tensor-parallel shard holding heads/tp heads runs the same code.
         heads = self.qkv.out_features // 3 // (x.shape[-1] // self.n_heads)
         q, k, v = self.qkv(x).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, -1)))
 
 
@@ -96,16 +118,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``, or ``+ moe(ln2(x))`` in a mixture-of-experts block."""
+
+    def __init__(self, cfg: GPTConfig, experts: bool = False):
         super().__init__()
         self.ln1 = LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        if experts:
+            self.moe = MoE(cfg.d_model, cfg.moe)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
+        return x + feed_forward(self.ln2(x))
 
 
 class GPT(nn.Module):
@@ -115,14 +143,15 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
+                                    for i in range(cfg.n_layers))
         self.ln_f = LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
-        for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        for name, module in self.named_modules():
+            if name.endswith("proj"):  # the residual projections: attn.proj, mlp.proj, each expert's proj
+                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -156,11 +185,15 @@ class GPT(nn.Module):
         take part in a matrix product. N counts the token embedding once, as
         the output head's matrix (the lookup itself is free), and leaves out
         the position embedding, biases and norms, which do no matmul work.
+        In a mixture of experts a token meets only top_k of the E experts, so
+        N counts top_k / E of the experts' weights (the active parameters).
         12*L*d*s: attention scores and weighted values, QK^T and AV, each
         2*s*d per token per layer forward, x3 for forward plus backward.
         """
         c = self.cfg
-        matmul_params = sum(p.numel() for name, p in self.named_parameters()
+        active = c.moe.top_k / c.moe.experts if c.moe else 1.0
+        matmul_params = sum(p.numel() * (active if ".experts." in name else 1.0)
+                            for name, p in self.named_parameters()
                             if p.dim() == 2 and name != "pos_emb.weight")
         return 6 * matmul_params + 12 * c.n_layers * c.d_model * c.seq_len
 

@@ -51,8 +51,8 @@ bucket order, so they overlap backward too.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,9 +80,10 @@ def summer(comm: Comm, group: Group, allreduce: str) -> Callable[[torch.Tensor],
 
 
 @torch.no_grad()
-def replicate(module: nn.Module, comm: Comm, group: Group) -> None:
-    """Broadcast every parameter and buffer from the group's first member, so all replicas start equal."""
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
+def replicate(tensors: Iterable[torch.Tensor], comm: Comm, group: Group) -> None:
+    """Broadcast every tensor (a module's parameters and buffers) from the group's first member,
+    so all replicas start equal."""
+    for tensor in tensors:
         comm.broadcast(tensor, group, src=0)
 
 
@@ -140,15 +141,20 @@ class DataParallel:
 
     ``reduce_dtype`` is the dtype of the buckets (default: each parameter's
     own); ``allreduce`` is "backend" or "ring"; ``compressor`` replaces the
-    plain sum with a compressed one.
+    plain sum with a compressed one. ``params`` (default: all the model's)
+    are the ones this instance averages; ``average_over`` is the count their
+    sum is divided by (default: the group's size; an expert's gradient, which
+    already sums the expert-parallel ranks' tokens, is divided by all the
+    data ranks: parallel/experts.py).
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, bucket_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, allreduce: str = "backend",
-                 compressor: GradientCompressor | None = None):
+                 compressor: GradientCompressor | None = None, params: list[nn.Parameter] | None = None,
+                 average_over: int | None = None):
         self._sum = summer(comm, group, allreduce)  # also validates the name, before any hook is in place
         self.comm, self.group, self.compressor = comm, group, compressor
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         self.buckets: list[Bucket] = []
         self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}
@@ -163,7 +169,8 @@ class DataParallel:
                 param.register_post_accumulate_grad_hook(self._on_gradient)
         self._syncing = True  # False inside no_sync()
         self._next = 0  # the first bucket not launched yet in this step
-        self._scale = 1.0 / group.size
+        self._average_over = average_over or group.size
+        self._scale = 1.0 / self._average_over
         # The ring and compressors are blocking Python; one thread runs them
         # in bucket order while backward continues on this one.
         threaded = group.size > 1 and (allreduce == "ring" or compressor is not None)
@@ -205,7 +212,7 @@ class DataParallel:
                 for param, view in zip(bucket.params, bucket.views):
                     param.grad = view
         self._next = 0
-        self._scale = 1.0 / self.group.size
+        self._scale = 1.0 / self._average_over
 
     def zero_grad(self) -> None:
         """Forget the gradients. Nothing is zeroed: each parameter's first
@@ -216,6 +223,10 @@ class DataParallel:
             bucket.filled.clear()
             for param in bucket.params:
                 param.grad = None
+
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is one of the parameters this instance averages."""
+        return id(param) in self._slot
 
     def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s averaged gradient after `finish_gradient_sync`, in the bucket dtype."""
@@ -259,10 +270,11 @@ class DataParallel:
         for param, view in zip(bucket.params, bucket.views):
             if id(param) not in bucket.filled:  # no gradient this step: it contributes zeros
                 view.zero_()
+        if self._scale != 1.0:
+            bucket.flat.mul_(self._scale)
         if self.group.size == 1:
             bucket.pending = Pending()
             return
-        bucket.flat.mul_(self._scale)
         if self._thread is None:
             bucket.pending = self.comm.all_reduce(bucket.flat, self.group, op="sum", async_op=True)
             return
@@ -274,3 +286,36 @@ class DataParallel:
             self.compressor.reduce(bucket.index, bucket.flat, bucket.shapes)
         else:
             self._sum(bucket.flat)
+
+
+class JointDataParallel:
+    """Several `DataParallel`s, each over its own parameters and group, driven as one
+    (expert parallelism: the experts' gradients are averaged over fewer ranks
+    than the rest; parallel/experts.py)."""
+
+    def __init__(self, parts: list[DataParallel]):
+        self.parts = parts
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.no_sync())
+            yield
+
+    def finish_gradient_sync(self) -> None:
+        for part in self.parts:
+            part.finish_gradient_sync()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
+        for part in self.parts:
+            if part.holds(param):
+                return part.gradient(param)
+        return param.grad
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return [flat for part in self.parts for flat in part.gradient_buffers()]

@@ -31,9 +31,6 @@ from scaletrain.train.data_setup import DataSpec, prepare_data
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
 
-# Strategies whose transforms exist; the mesh accepts every size already.
-_IMPLEMENTED = {"dp", "tp", "pp"}
-
 
 def world_size_for(cfg: Config, env: ProcessEnv) -> int:
     if cfg.parallel.nproc > 1 and env.world_size > 1:
@@ -61,16 +58,16 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
         if g.d_model % g.n_heads:
             raise UserError(f"--d-model {g.d_model} is not divisible by --n-heads {g.n_heads}; "
                             f"choose sizes where it is.")
-        dims.validate_for_model(n_heads=g.n_heads, n_layers=g.n_layers, seq_len=cfg.data.seq_len)
+        dims.validate_for_model(n_heads=g.n_heads, n_layers=g.n_layers, seq_len=cfg.data.seq_len,
+                                n_experts=g.moe.experts if g.moe else None)
+        if g.moe and g.moe.every > g.n_layers:
+            raise UserError(f"--moe-every {g.moe.every} skips every one of the model's {g.n_layers} blocks; "
+                            f"choose at most {g.n_layers}.")
         _, virtual = cfg.parallel.pipeline_sizes()
         if dims.pp * virtual > g.n_layers:
             raise UserError(f"--pp {dims.pp} with --virtual-stages {virtual} cuts the model into "
                             f"{dims.pp * virtual} stages, but it has {g.n_layers} layers; lower one of the two "
                             f"or raise --n-layers.")
-    for name in ("tp", "pp", "cp", "ep"):
-        if getattr(dims, name) > 1 and name not in _IMPLEMENTED:
-            raise UserError(f"--{name} {getattr(dims, name)}: this version has no {name} transform yet; "
-                            f"use --dp for more processes.")
     return cfg.replace(dp=dims.dp), dims
 
 

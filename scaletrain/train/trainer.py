@@ -1,18 +1,25 @@
 """The training loop, the same for every layout.
 
-One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp``
+One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
 sequences (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
 ``--microbatches`` micro-batches each take the place of the loop below:
 parallel/pipeline/parallel.py; then the tied embedding's gradient is summed
 over the stages that hold it, whole or shard by shard under ZeRO). The
 strategies compose in this order, each on its own group of the mesh
-(docs/nd-parallel.md): tp splits the weights, pp cuts the split model into
-stages, dp (or ZeRO) replicates (or shards) each stage's slices:
+(docs/nd-parallel.md): tp splits the weights, cp sends attention round a
+ring (parallel/context.py), ep divides the experts (parallel/experts.py), pp
+cuts the split model into stages, dp (or ZeRO) replicates (or shards) each
+stage's slices. The ranks of dp and ep read different samples; cp's read
+different positions of the same ones; the gradients of a replicated weight
+are averaged over all three, an expert's over dp and cp (the ep ranks hold
+different experts):
 
     for each of the grad_accum micro-batches:
         loss = mean cross-entropy of this rank's micro-batch / grad_accum
                                            (with --tp: from vocabulary-split logits, the
-                                            tp ranks of a replica sharing one micro-batch)
+                                            tp ranks of a replica sharing one micro-batch;
+                                            with --cp: over this rank's positions;
+                                            with experts: plus their auxiliary loss)
         loss.backward()                    (gradients add up across micro-batches; on the last
                                             one, gradient buckets start their all-reduce as
                                             they fill, overlapping the rest of backward)
@@ -31,8 +38,8 @@ per step makes the update equal to one step on the whole global batch: the
 equivalence every parallel layout is tested against.
 
 Everything random is a pure function of the step: micro-batch ``m`` of step
-``t`` on data-parallel rank ``r`` holds global samples
-``((t*A + m)*dp + r)*B ... +B`` of a seeded stream (see data/batches.py), the
+``t`` on rank ``r`` of the dp x ep group holds global samples
+``((t*A + m)*dp*ep + r)*B ... +B`` of a seeded stream (see data/batches.py), the
 learning rate is ``lr_at(t)``, and the RNG behind dropout is reseeded from
 ``(seed, t, rank)`` at every step. A resumed run therefore needs only the
 step number to continue exactly as if it had never stopped.
@@ -42,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +62,16 @@ from scaletrain.compile import compile_blocks
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
-from scaletrain.dist.mesh import Mesh
+from scaletrain.dist.mesh import Group, Mesh
 from scaletrain.models import build_model, gpt_config
 from scaletrain.models.gpt import sample_next
+from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.optim.compression import PowerSGD, SignCompressor
-from scaletrain.parallel.data import DataParallel, replicate, summer
+from scaletrain.parallel.context import ContextParallel, parallelize_context
+from scaletrain.parallel.data import DataParallel, JointDataParallel, replicate, summer
+from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
 from scaletrain.parallel.pipeline.runtime import timer
@@ -86,6 +96,7 @@ from scaletrain.train.metrics import (
     peak_tflops,
     step_memory_bytes,
 )
+from scaletrain.train.routing import RoutingStats
 
 
 @dataclass
@@ -131,9 +142,15 @@ class Trainer:
         self.is_main = runtime.is_main
         self.device = runtime.device
         self.data = open_data(spec, cfg)
-        self.dp_group = mesh.group("dp")
         self.tp_group = mesh.group("tp")
         self.pp_group = mesh.group("pp")
+        self.cp_group = mesh.group("cp")
+        self.ep_group = mesh.group("ep")
+        # Ranks reading different samples: dp, and ep, whose ranks share only the experts.
+        self.batch_group = self._group_along("dp", "ep")
+        # Ranks holding the same copy of a (non-expert) weight, whose gradients are averaged:
+        # the batch ranks, and cp, whose ranks hold different positions of the same sequences.
+        self.replica_group = self._group_along("dp", "ep", "cp")
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and layout
         t = cfg.train
@@ -149,6 +166,15 @@ class Trainer:
             self.tensor_parallel = parallelize(self.model, GPT_PLAN, comm, self.tp_group,
                                                sequence_parallel=p.sp, dropout=cfg.model.dropout)
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
+        # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
+        self.context_parallel: ContextParallel | None = None
+        if self.cp_group.size > 1:
+            self.context_parallel = parallelize_context(self.model, comm, self.cp_group)
+        # Expert parallelism: each ep rank keeps its share of every mixture-of-experts block's experts.
+        self.expert_parallel: ExpertParallel | None = None
+        if self.ep_group.size > 1:
+            self.expert_parallel = parallelize_experts(self.model, comm, self.ep_group)
+        self.moe_layers = moe_layers(self.model)
         # --fused triton: the head and the loss as one chunked kernel, where the head's weight
         # is whole on this rank after the forward (not split by tp, not freed by ZeRO-3, not
         # behind a pipeline's last stage, which gets the kernel on its logits instead).
@@ -168,7 +194,11 @@ class Trainer:
                 apply_recompute(self.model, t.recompute, blocks)
             if t.compile:
                 compile_blocks(self.model, blocks)
-        replicate(self.model, comm, self.dp_group)  # before the masters copy the weights
+        # Before the masters copy the weights: every replica starts from its group's first.
+        experts = self.expert_parallel.expert_params if self.expert_parallel else set()
+        replicate([t for t in (*self.model.parameters(), *self.model.buffers()) if t not in experts], comm,
+                  self.replica_group)
+        replicate(list(experts), comm, self._group_along("dp", "cp"))
         master_device = "cpu" if t.offload == "optimizer" else None
         # fp32 masters for bf16 working weights, or in host memory with --offload
         # (optim/masters.py); the optimizer then steps on the masters. ZeRO
@@ -179,7 +209,7 @@ class Trainer:
         if p.zero:
             # A weight tied across stages is sharded alone, so its holders' shards line up.
             tied = [param for param, _ in self.pipeline.shared] if self.pipeline else []
-            self.zero = ZeroDataParallel(self.model, comm, self.dp_group, stage=p.zero,
+            self.zero = ZeroDataParallel(self.model, comm, self.replica_group, stage=p.zero,
                                          param_dtype=compute_dtype(t.param_dtype),
                                          reduce_dtype=compute_dtype(p.reduce_dtype),
                                          master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied)
@@ -189,9 +219,7 @@ class Trainer:
             if t.param_dtype != "fp32" or master_device:
                 self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype), device=master_device)
                 groups = self.masters.master_groups(groups)
-            self.data_parallel = DataParallel(self.model, comm, self.dp_group, bucket_mb=p.bucket_mb,
-                                              reduce_dtype=compute_dtype(p.reduce_dtype),
-                                              allreduce=p.allreduce, compressor=self._compressor())
+            self.data_parallel = self._data_parallel()
         self.optimizer = build_optimizer(groups, t)
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device).
@@ -201,7 +229,8 @@ class Trainer:
         self.step_params = [p for group in groups for p in group["params"]]
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
-        self.norm_groups = [self.tp_group, self.pp_group] + ([self.dp_group] if self.zero else [])
+        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + \
+            ([self.replica_group] if self.zero else [])
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
@@ -214,8 +243,30 @@ class Trainer:
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
-        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.dp_group.size * positions
+        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.batch_group.size * positions
         self.peak = peak_tflops(t.peak_tflops, self.device)
+
+    def _group_along(self, *dims: str) -> Group:
+        """The mesh group along ``dims``, leaving out those of size 1 but dp (so without
+        cp and ep the group, and its name in the ledger, is plain dp's)."""
+        return self.mesh.group(tuple(d for d in dims if d == "dp" or self.mesh.dims.sizes[d] > 1))
+
+    def _data_parallel(self) -> DataParallel | JointDataParallel:
+        """Gradient averaging over the replicas: one `DataParallel` over the replica
+        group, or with expert parallelism two, the experts' over the fewer ranks
+        that hold each expert (parallel/experts.py)."""
+        p = self.cfg.parallel
+        options = dict(bucket_mb=p.bucket_mb, reduce_dtype=compute_dtype(p.reduce_dtype), allreduce=p.allreduce)
+        if not self.expert_parallel:
+            return DataParallel(self.model, self.comm, self.replica_group, compressor=self._compressor(),
+                                **options)
+        experts = self.expert_parallel.expert_params
+        return JointDataParallel([
+            DataParallel(self.model, self.comm, self.replica_group, **options,
+                         params=[q for q in self.model.parameters() if q not in experts]),
+            DataParallel(self.model, self.comm, self._group_along("dp", "cp"), **options,
+                         params=[q for q in self.model.parameters() if q in experts],
+                         average_over=self.replica_group.size)])
 
     def _stepped(self, param: nn.Parameter) -> torch.Tensor:
         """The tensor the optimizer steps for ``param``: its fp32 master, where there is one."""
@@ -230,7 +281,7 @@ class Trainer:
             pairs = [(piece.tensor, piece.param) for unit in self.zero.units for piece in unit.pieces]
         else:
             pairs = [(self._stepped(p), p) for p in self.model.parameters() if p.requires_grad]
-        parts = [part for part in (self.tensor_parallel, self.pipeline) if part is not None]
+        parts = [part for part in (self.tensor_parallel, self.pipeline, self.expert_parallel) if part is not None]
         return [tensor for tensor, param in pairs if all(part.counts(param) for part in parts)]
 
     def _cut_into_stages(self) -> PipelineParallel:
@@ -240,7 +291,7 @@ class Trainer:
 
         def boundary(batch: int, seq: int) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
             # The GPT's residual stream crosses the cuts, in fp32 whatever the precision;
-            # with sequence parallelism each tp rank holds its chunk of the positions.
+            # with sequence parallelism each tp rank holds its chunk of the (cp rank's) positions.
             if self.tensor_parallel and self.tensor_parallel.sequence_parallel:
                 seq //= self.tp_group.size
             return (batch, seq, width), torch.float32, self.device
@@ -253,19 +304,25 @@ class Trainer:
     def _compressor(self) -> PowerSGD | SignCompressor | None:
         p = self.cfg.parallel
         if p.compress == "powersgd":
-            return PowerSGD(self.comm, self.dp_group, rank=p.powersgd_rank, seed=self.cfg.train.seed,
-                            all_reduce=summer(self.comm, self.dp_group, p.allreduce))
+            return PowerSGD(self.comm, self.replica_group, rank=p.powersgd_rank, seed=self.cfg.train.seed,
+                            all_reduce=summer(self.comm, self.replica_group, p.allreduce))
         if p.compress == "sign":
-            return SignCompressor(self.comm, self.dp_group)
+            return SignCompressor(self.comm, self.replica_group)
         return None
 
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
-        first = first_sample(step, micro, t.grad_accum * self.micro_batches, self.dp_group.size,
-                             self.dp_group.rank, t.micro_batch)
-        x, y = self.data.train.get(first, t.micro_batch)
-        return x.to(self.device), y.to(self.device)
+        first = first_sample(step, micro, t.grad_accum * self.micro_batches, self.batch_group.size,
+                             self.batch_group.rank, t.micro_batch)
+        return self._local(*self.data.train.get(first, t.micro_batch))
+
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on this rank's device; with cp, only this rank's positions of it."""
+        x, y = x.to(self.device), y.to(self.device)
+        if self.context_parallel:
+            return self.context_parallel.local(x), self.context_parallel.local(y)
+        return x, y
 
     def _dropout_rank(self) -> int:
         """Which stream this rank's dropout draws from: its own, except that the
@@ -275,22 +332,27 @@ class Trainer:
             return self.mesh.dims.rank_of({**self.mesh.coords, "tp": 0})
         return self.runtime.env.rank
 
-    def _forward_backward(self, step: int) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches; the sum of their losses / grad_accum."""
+    def _forward_backward(self, step: int) -> tuple[torch.Tensor, RoutingStats | None]:
+        """Forward and backward of the step's micro-batches; the sum of their losses / grad_accum
+        (the cross-entropy alone), and with a mixture of experts what the routers did."""
         t = self.cfg.train
         loss_sum = torch.zeros((), device=self.device)
+        routing = RoutingStats.empty(self.moe_layers, self.device) if self.moe_layers else None
         for micro in range(t.grad_accum):
             x, y = self._micro_batch(step, micro)
             final = micro == t.grad_accum - 1
             with self._meter_first_micro_batch(micro), \
                     (nullcontext() if final else self.data_parallel.no_sync()):
                 loss = self._loss(x, y) / t.grad_accum
-                self.scaler.scale(loss).backward()
+                aux = auxiliary_loss(self.model) / t.grad_accum if routing else 0.0
+                self.scaler.scale(loss + aux).backward()
             loss_sum += loss.detach()
-        return loss_sum
+            if routing:
+                routing.add(self.moe_layers, aux)
+        return loss_sum, routing
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The mean loss of one micro-batch (forward included)."""
+        """The mean cross-entropy of one micro-batch (forward included)."""
         with autocast(self.cfg.train.precision, self.device):
             if self.fused_head_loss:
                 from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
@@ -326,10 +388,11 @@ class Trainer:
         t = self.cfg.train
         torch.manual_seed(_step_seed(t.seed, step, self._dropout_rank()))
         self.model.train()
+        routing = None
         if self.pipeline:
             loss_sum = self._pipeline_forward_backward(step, record)
         else:
-            loss_sum = self._forward_backward(step)
+            loss_sum, routing = self._forward_backward(step)
         self.data_parallel.finish_gradient_sync()
         if self.pipeline:
             self.pipeline.sum_shared_gradients(self.data_parallel.gradient)
@@ -362,8 +425,10 @@ class Trainer:
         if self.masters:
             self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         self.data_parallel.zero_grad()  # the model's
-        self.comm.all_reduce(loss_sum, self.dp_group, op="avg")
+        self.comm.all_reduce(loss_sum, self.replica_group, op="avg")
         record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        if routing:
+            record.update(routing.summed(self.comm, self.batch_group))
         if t.precision == "fp16":
             record.update(loss_scale=self.scaler.scale_value, skipped_steps=self.scaler.skipped_steps)
         return record
@@ -393,12 +458,18 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        batches = self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches)
+        batches = [self._local(x, y) for x, y in
+                   self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches)]
         if self.pipeline:
-            return self.pipeline.evaluate([(x.to(self.device), y.to(self.device)) for x, y in batches],
-                                          self.loss_fn, lambda: autocast(self.cfg.train.precision, self.device))
-        losses = [self._loss(x.to(self.device), y.to(self.device)).item() for x, y in batches]
-        return sum(losses) / len(losses)
+            loss = self.pipeline.evaluate(batches, self.loss_fn,
+                                          lambda: autocast(self.cfg.train.precision, self.device))
+        else:
+            loss = sum(self._loss(x, y).item() for x, y in batches) / len(batches)
+        if self.context_parallel:  # each cp rank has the mean over its positions
+            mean = torch.tensor(loss, device=self.device)
+            self.comm.all_reduce(mean, self.cp_group, op="avg")
+            loss = mean.item()
+        return loss
 
     def sample(self) -> str | None:
         """A continuation of a line from the validation text (GPT only)."""
@@ -414,8 +485,10 @@ class Trainer:
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
         prompt = prompt[None].to(self.device)
-        generation = self.tensor_parallel.generation() if self.tensor_parallel else nullcontext()
-        with generation:
+        with ExitStack() as generation:
+            for part in (self.tensor_parallel, self.context_parallel):
+                if part is not None:
+                    generation.enter_context(part.generation())
             if self.pipeline:
                 out = self.pipeline.generate(
                     prompt, self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
@@ -469,8 +542,9 @@ class Trainer:
         bar.close()
         if writer:
             writer.close()
-        # Every rank of the main rank's model replica (its tp and pp ranks) computes the sample with it.
-        in_first_replica = all(self.mesh.coords[dim] == 0 for dim in ("dp", "ep", "cp"))
+        # Every rank of the main rank's model replica (its tp and pp ranks, and the ep ranks holding
+        # the other experts) computes the sample with it; cp's first rank alone runs whole sequences.
+        in_first_replica = all(self.mesh.coords[dim] == 0 for dim in ("dp", "cp"))
         sample = self.sample() if in_first_replica and end == cfg.train.steps else None
         return RunSummary(run_dir=self.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
                           val_loss=val_loss, checkpoint=saved, sample=sample if self.is_main else None,

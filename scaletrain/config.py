@@ -367,6 +367,9 @@ def _check_context(cfg: Config) -> None:
     if cfg.model.dropout > 0:
         raise UserError(f"--cp {cp} computes attention by ring attention, which has no dropout; "
                         f"use --dropout 0.")
+    if cfg.train.compile:
+        raise UserError(f"--compile cannot capture ring attention's point-to-point hops, which --cp {cp} "
+                        f"puts in every block; drop --compile.")
 
 
 def _check_experts(cfg: Config) -> None:

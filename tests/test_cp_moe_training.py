@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.cli import main
 from scaletrain.config import check_values
 from scaletrain.errors import UserError
 from scaletrain.parity import run_parity
@@ -93,8 +94,6 @@ def test_a_checkpoint_resumes_in_another_layout_as_if_never_stopped(tiny_cfg, sa
 def test_metrics_count_every_routed_token(tiny_cfg):
     """Dropless, every token meets top-k experts: each MoE layer's counts add up to
     tokens x k over the global batch; with a tight capacity some are dropped."""
-    from scaletrain.cli import main
-
     steps, k = 1, MOE["moe_top_k"]
     args = ["train", "--model", "gpt-tiny", "--data", tiny_cfg.data.data, "--cache-dir", tiny_cfg.data.cache_dir,
             "--seq-len", "32", "--micro-batch", "4", "--steps", str(steps), "--eval-every", "0",

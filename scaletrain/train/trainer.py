@@ -62,15 +62,14 @@ from scaletrain.compile import compile_blocks
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
-from scaletrain.dist.mesh import Group, Mesh
+from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model, gpt_config
 from scaletrain.models.gpt import sample_next
 from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.optim.clip import clip_grad_norm_
-from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.context import ContextParallel, parallelize_context
-from scaletrain.parallel.data import DataParallel, JointDataParallel, replicate, summer
+from scaletrain.parallel.data import DataParallel, JointDataParallel
 from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
@@ -96,6 +95,7 @@ from scaletrain.train.metrics import (
     peak_tflops,
     step_memory_bytes,
 )
+from scaletrain.train.replicas import Replicas
 from scaletrain.train.routing import RoutingStats
 
 
@@ -146,11 +146,7 @@ class Trainer:
         self.pp_group = mesh.group("pp")
         self.cp_group = mesh.group("cp")
         self.ep_group = mesh.group("ep")
-        # Ranks reading different samples: dp, and ep, whose ranks share only the experts.
-        self.batch_group = self._group_along("dp", "ep")
-        # Ranks holding the same copy of a (non-expert) weight, whose gradients are averaged:
-        # the batch ranks, and cp, whose ranks hold different positions of the same sequences.
-        self.replica_group = self._group_along("dp", "ep", "cp")
+        self.replicas = Replicas.of(mesh)  # who reads which samples, who holds which copies
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and layout
         t = cfg.train
@@ -194,11 +190,7 @@ class Trainer:
                 apply_recompute(self.model, t.recompute, blocks)
             if t.compile:
                 compile_blocks(self.model, blocks)
-        # Before the masters copy the weights: every replica starts from its group's first.
-        experts = self.expert_parallel.expert_params if self.expert_parallel else set()
-        replicate([t for t in (*self.model.parameters(), *self.model.buffers()) if t not in experts], comm,
-                  self.replica_group)
-        replicate(list(experts), comm, self._group_along("dp", "cp"))
+        self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
         master_device = "cpu" if t.offload == "optimizer" else None
         # fp32 masters for bf16 working weights, or in host memory with --offload
         # (optim/masters.py); the optimizer then steps on the masters. ZeRO
@@ -209,17 +201,17 @@ class Trainer:
         if p.zero:
             # A weight tied across stages is sharded alone, so its holders' shards line up.
             tied = [param for param, _ in self.pipeline.shared] if self.pipeline else []
-            self.zero = ZeroDataParallel(self.model, comm, self.replica_group, stage=p.zero,
+            self.zero = ZeroDataParallel(self.model, comm, self.replicas.dense, stage=p.zero,
                                          param_dtype=compute_dtype(t.param_dtype),
                                          reduce_dtype=compute_dtype(p.reduce_dtype),
                                          master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied)
             groups = self.zero.optimizer_groups(groups)
-        self.data_parallel: DataParallel | ZeroDataParallel | None = self.zero
+        self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
         if not self.zero:
             if t.param_dtype != "fp32" or master_device:
                 self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype), device=master_device)
                 groups = self.masters.master_groups(groups)
-            self.data_parallel = self._data_parallel()
+            self.data_parallel = self.replicas.data_parallel(self.model, comm, p, t.seed, self.expert_parallel)
         self.optimizer = build_optimizer(groups, t)
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device).
@@ -230,7 +222,7 @@ class Trainer:
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + \
-            ([self.replica_group] if self.zero else [])
+            ([self.replicas.dense] if self.zero else [])
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
@@ -243,30 +235,8 @@ class Trainer:
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
-        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.batch_group.size * positions
+        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.replicas.batch.size * positions
         self.peak = peak_tflops(t.peak_tflops, self.device)
-
-    def _group_along(self, *dims: str) -> Group:
-        """The mesh group along ``dims``, leaving out those of size 1 but dp (so without
-        cp and ep the group, and its name in the ledger, is plain dp's)."""
-        return self.mesh.group(tuple(d for d in dims if d == "dp" or self.mesh.dims.sizes[d] > 1))
-
-    def _data_parallel(self) -> DataParallel | JointDataParallel:
-        """Gradient averaging over the replicas: one `DataParallel` over the replica
-        group, or with expert parallelism two, the experts' over the fewer ranks
-        that hold each expert (parallel/experts.py)."""
-        p = self.cfg.parallel
-        options = dict(bucket_mb=p.bucket_mb, reduce_dtype=compute_dtype(p.reduce_dtype), allreduce=p.allreduce)
-        if not self.expert_parallel:
-            return DataParallel(self.model, self.comm, self.replica_group, compressor=self._compressor(),
-                                **options)
-        experts = self.expert_parallel.expert_params
-        return JointDataParallel([
-            DataParallel(self.model, self.comm, self.replica_group, **options,
-                         params=[q for q in self.model.parameters() if q not in experts]),
-            DataParallel(self.model, self.comm, self._group_along("dp", "cp"), **options,
-                         params=[q for q in self.model.parameters() if q in experts],
-                         average_over=self.replica_group.size)])
 
     def _stepped(self, param: nn.Parameter) -> torch.Tensor:
         """The tensor the optimizer steps for ``param``: its fp32 master, where there is one."""
@@ -301,20 +271,11 @@ class Trainer:
             micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
             boundary=boundary, sample=self._micro_batch(0, 0)[0], world=self.mesh.group("world"))
 
-    def _compressor(self) -> PowerSGD | SignCompressor | None:
-        p = self.cfg.parallel
-        if p.compress == "powersgd":
-            return PowerSGD(self.comm, self.replica_group, rank=p.powersgd_rank, seed=self.cfg.train.seed,
-                            all_reduce=summer(self.comm, self.replica_group, p.allreduce))
-        if p.compress == "sign":
-            return SignCompressor(self.comm, self.replica_group)
-        return None
-
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
-        first = first_sample(step, micro, t.grad_accum * self.micro_batches, self.batch_group.size,
-                             self.batch_group.rank, t.micro_batch)
+        first = first_sample(step, micro, t.grad_accum * self.micro_batches, self.replicas.batch.size,
+                             self.replicas.batch.rank, t.micro_batch)
         return self._local(*self.data.train.get(first, t.micro_batch))
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,10 +386,10 @@ class Trainer:
         if self.masters:
             self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         self.data_parallel.zero_grad()  # the model's
-        self.comm.all_reduce(loss_sum, self.replica_group, op="avg")
+        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
         record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
         if routing:
-            record.update(routing.summed(self.comm, self.batch_group))
+            record.update(routing.summed(self.comm, self.replicas.batch))
         if t.precision == "fp16":
             record.update(loss_scale=self.scaler.scale_value, skipped_steps=self.scaler.skipped_steps)
         return record

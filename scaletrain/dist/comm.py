@@ -68,6 +68,12 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def wire_bytes_of(op: str, group_size: int, nbytes: int) -> int:
+    """What one rank of a group of ``group_size`` sends for ``op`` over ``nbytes`` (module docstring)."""
+    numerator, denominator = _WIRE_FRACTION[op](group_size)
+    return nbytes * numerator // denominator
+
+
 def _format_bytes(n: int) -> str:
     units = ("B", "KiB", "MiB", "GiB", "TiB")
     power = 0
@@ -87,14 +93,12 @@ class Ledger:
     def record(self, op: str, group: Group, nbytes: int, wire_bytes: int | None = None) -> None:
         """One call of ``op`` over ``nbytes``; its wire bytes by the op's fraction of them
         unless ``wire_bytes`` gives the figure (an uneven all-to-all's depends on its splits)."""
-        if wire_bytes is None:
-            numerator, denominator = _WIRE_FRACTION[op](group.size)
-            wire_bytes = nbytes * numerator // denominator
+        wire = wire_bytes_of(op, group.size, nbytes) if wire_bytes is None else wire_bytes
         with self._lock:
             entry = self._counts.setdefault(op, {}).setdefault(group.name, dict.fromkeys(FIELDS, 0))
             entry["calls"] += 1
             entry["bytes"] += nbytes
-            entry["wire_bytes"] += wire_bytes
+            entry["wire_bytes"] += wire
 
     def reset(self) -> None:
         self._counts.clear()

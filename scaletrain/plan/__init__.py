@@ -1,0 +1,13 @@
+"""The planner behind ``scaletrain plan``: memory and step time of any layout, predicted.
+
+    inventory.py    the weights each rank holds (the trainer's transforms on a weightless model)
+    memory.py       params, grads, optimizer state per rank, ZeRO and offload
+    activations.py  saved activations per micro-batch, recompute modes, pipeline schedules
+    traffic.py      the step's collectives, byte for byte as the ledger records them
+    step_time.py    compute, recomputation, exposed communication, pipeline bubble
+    hardware.py     devices and links
+    predict.py      one layout
+    search.py       every layout of a cluster, ranked; report.py prints them
+
+docs/planner.md sets the predictions against measurements.
+"""

@@ -1,0 +1,93 @@
+"""The machines the planner plans for: one device's arithmetic and memory,
+and the links between devices.
+
+A link moves ``b`` bytes in ``alpha + b / beta`` seconds (Hockney's alpha-beta
+model): ``alpha`` the latency of one message, ``beta`` the bandwidth one
+device can drive in one direction. A collective's wire bytes (dist/comm.py:
+what one rank sends under the ring algorithm) go over the slowest link its
+group spans, in ``steps`` messages (a ring all-reduce of n ranks: 2(n-1)).
+
+Figures are the vendors' datasheets, per device, dense (no sparsity):
+
+    device   bf16 TFLOP/s  fp32*  memory  NVLink/dir  network/device
+    A100       312         156    80 GB   300 GB/s    25 GB/s (200 Gb/s InfiniBand)
+    H100       989         495    80 GB   450 GB/s    50 GB/s (400 Gb/s)
+    H200       989         495   141 GB   450 GB/s    50 GB/s (400 Gb/s)
+
+(* tf32 tensor cores, as torch uses them for fp32 matmuls when allowed; the
+MFU peaks of train/metrics.py.) Latencies: about 5 us within a node, 10 us
+across. ``cpu`` is the machine the command runs on: its peak is measured
+(a large fp32 matmul, as ``--peak-tflops measure`` does) and its "links" are
+gloo over loopback TCP, whose figures were measured on this project's
+two-core test machine (docs/planner.md) and are only a rough guide elsewhere.
+
+Achievable fractions. No training step runs at the datasheet peak: the
+planner multiplies the peak by ``efficiency`` (0.5 on GPUs, near what
+Megatron-LM reports for large GPT runs; 0.6 of the measured matmul peak on a
+CPU, whose smaller layers run far from it) and the bandwidths by 0.8 (bus
+bandwidth that NCCL's all-reduce tests reach of the link's rate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or the host CPU) and its links."""
+
+    name: str
+    tflops: dict[str, float]  # peak per precision: "bf16", "fp16", "fp32"
+    memory_bytes: int
+    intra_node_gbps: float  # GB/s one direction, per device (NVLink)
+    inter_node_gbps: float  # GB/s per device across nodes (network)
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+    efficiency: float = 0.5  # share of peak FLOP/s a training step reaches
+    link_efficiency: float = 0.8  # share of the link's rate a collective reaches
+
+
+DEVICES = {
+    "A100": Device("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 80 * GB, 300.0, 25.0),
+    "H100": Device("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 80 * GB, 450.0, 50.0),
+    "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 141 * GB, 450.0, 50.0),
+}
+
+# gloo over loopback on the two-core test machine: ~1 GB/s, ~100 us a message
+# (bench allreduce; docs/planner.md). The CPU's peak is measured at planning time.
+CPU_LINK_GBPS = 1.0
+CPU_LATENCY_S = 100e-6
+CPU_EFFICIENCY = 0.6
+
+
+def cpu_device(peak_tflops: float, memory_bytes: int) -> Device:
+    """This machine as a device: ``peak_tflops`` measured (or given), host memory."""
+    peaks = dict.fromkeys(("bf16", "fp16", "fp32"), peak_tflops)
+    return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, CPU_LATENCY_S, CPU_LATENCY_S,
+                  efficiency=CPU_EFFICIENCY)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` devices, ``gpus_per_node`` of them joined by the fast link."""
+
+    device: Device
+    gpus: int
+    gpus_per_node: int
+
+    def with_memory(self, memory_bytes: int) -> Cluster:
+        return replace(self, device=replace(self.device, memory_bytes=memory_bytes))
+
+    def link(self, spans_nodes: bool) -> tuple[float, float]:
+        """(latency s, bytes/s) of the link a group uses."""
+        d = self.device
+        if spans_nodes:
+            return d.inter_latency_s, d.inter_node_gbps * GB * d.link_efficiency
+        return d.intra_latency_s, d.intra_node_gbps * GB * d.link_efficiency
+
+    def flops(self, precision: str) -> float:
+        """Achievable FLOP/s of one device at ``precision``."""
+        return self.device.tflops[precision] * 1e12 * self.device.efficiency

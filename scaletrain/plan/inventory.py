@@ -1,0 +1,144 @@
+"""The weights one rank holds, found by building the model without storage.
+
+A layout's parameter, gradient and optimizer bytes follow from which weights
+each rank keeps, and that is decided by code the trainer already has: the
+tensor-parallel plan (parallel/tensor.py) cuts matrices into slices, expert
+parallelism (parallel/experts.py) keeps a share of the experts, and the
+pipeline (parallel/pipeline/partition.py) balances the blocks over stages and
+prunes the rest. The planner runs those same transforms on a GPT built on
+PyTorch's ``meta`` device, where a tensor has a shape and a dtype but no
+storage: building even a 70B-parameter model takes milliseconds and no
+memory, and the counts are the trainer's by construction rather than a
+formula that could drift from it (a vocabulary split unevenly over tp ranks,
+the tied embedding copied onto the last stage, placeholders left by the
+pruning: all come out as the trainer makes them).
+
+The planner reports the most loaded rank: the first of a tp group (an
+uneven vocabulary split gives the first ranks one row more) and of an ep
+group, and every rank of the pipeline, whose stages differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from scaletrain.dist.mesh import Group
+from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.parallel.experts import parallelize_experts
+from scaletrain.parallel.pipeline.partition import (
+    GPT_STAGES,
+    balance,
+    keep_stages,
+    parameter_costs,
+    shared_parameters,
+)
+from scaletrain.parallel.tensor import GPT_PLAN, parallelize
+from scaletrain.parallel.zero import layer_modules
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a layout divides the model: the sizes that change what a rank holds."""
+
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    virtual: int = 1
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages a pipeline rank runs (Megatron's interleaved placement: schedules.py)."""
+        return [chunk * self.pp + pp_rank for chunk in range(self.virtual)]
+
+
+@dataclass
+class RankWeights:
+    """One pipeline rank's part of the model (first tp and ep rank), weightless.
+
+    ``params`` are its trainable parameters in ``model.parameters()`` order (the
+    order gradient buckets and ZeRO units are cut in), ``experts`` those of
+    them that are experts (averaged over their own group), ``tied`` those a
+    pipeline copies onto another rank (the token embedding the head reuses),
+    ``layers`` the repeated layers ZeRO-3 makes units of, ``stages`` the
+    indices of the transformer blocks of each stage this rank runs, and
+    ``n_stages`` how many stages there are (stage 0 embeds, the last one
+    computes the loss).
+    """
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    experts: set[int]
+    tied: list[nn.Parameter]
+    replicated: list[nn.Parameter]
+    layers: list[nn.Module]
+    stages: dict[int, list[int]]
+    n_stages: int
+
+    @property
+    def blocks(self) -> list[int]:
+        return [i for blocks in self.stages.values() for i in blocks]
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def last(self) -> bool:
+        return self.n_stages - 1 in self.stages
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def _first_rank(name: str, size: int) -> Group:
+    """Rank 0's view of a group of ``size``: enough for the transforms, which talk only later."""
+    return Group(name, tuple(range(size)), 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_model(gpt: GPTConfig, tp: int, ep: int) -> tuple[nn.Module, frozenset[str]]:
+    """The whole model as tp rank 0 and ep rank 0 hold it, on the meta device,
+    and the names of the weights tp slices."""
+    with torch.device("meta"):
+        model = GPT(gpt)
+    sliced: frozenset[str] = frozenset()
+    if tp > 1:
+        plan = parallelize(model, GPT_PLAN, None, _first_rank("tp", tp), sequence_parallel=False, dropout=0.0)
+        sliced = frozenset(name for name, p in model.named_parameters() if p in plan.splits)
+    if ep > 1:
+        parallelize_experts(model, None, _first_rank("ep", ep))
+    return model, sliced
+
+
+@functools.lru_cache(maxsize=512)
+def rank_weights(gpt: GPTConfig, split: Split, pp_rank: int) -> RankWeights:
+    """What pipeline rank ``pp_rank`` holds under ``split`` (module docstring)."""
+    whole, sliced = _split_model(gpt, split.tp, split.ep)
+    stages = {0: list(range(gpt.n_layers))}
+    tied: list[nn.Parameter] = []
+    model = whole
+    if split.pp > 1:
+        ranges = balance(parameter_costs(whole, GPT_STAGES), split.pp * split.virtual)
+        model = copy.deepcopy(whole)
+        tied_names = [name for name, holders in shared_parameters(whole, GPT_STAGES, ranges).items()
+                      if len({s % split.pp for s in holders}) > 1]
+        keep_stages(model, GPT_STAGES, ranges, split.stages_of(pp_rank))
+        own = dict(model.named_parameters())
+        tied = [own[name] for name in tied_names if name in own]
+        stages = {s: list(ranges[s]) for s in split.stages_of(pp_rank)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    named = list(model.named_parameters())
+    experts = {id(p) for name, p in named if ".experts." in name}
+    replicated = [p for name, p in named if p.requires_grad and name not in sliced] if split.tp > 1 else []
+    return RankWeights(model, params, experts, tied, replicated, layer_modules(model), stages,
+                       split.pp * split.virtual)
+
+
+def whole_model(gpt: GPTConfig) -> nn.Module:
+    """The unsplit model, weightless: for what is defined on the whole (its FLOPs per token)."""
+    return _split_model(gpt, 1, 1)[0]

@@ -1,0 +1,139 @@
+"""Bytes per rank, predicted in the memory ledger's categories (train/memory.py).
+
+``params``, ``grads``, ``optimizer`` follow from the weights the rank holds
+(plan/inventory.py, ``P`` elements) and how the layout keeps them. With ``w``
+the working weights' bytes (2 for ``--param-dtype bf16``, else 4), ``r`` the
+gradient buckets' (``--reduce-dtype``), AdamW:
+
+    no ZeRO     params w*P   grads r*P (the data-parallel buckets, which the gradients are views of)
+                optimizer 8*P, plus the fp32 masters 4*P where the weights are bf16 or offloaded
+                (the masters' gradients share the buckets when those are fp32 on the same device)
+    ZeRO-1      params w*N*S per unit (S = ceil(unit / N): the padded buffer the shard is a view of)
+                grads  r*N*S          optimizer (8 + masters 4)*S
+    ZeRO-2      grads r*S             the rest as ZeRO-1
+    ZeRO-3      params w*S            the rest as ZeRO-2
+
+with the units cut as parallel/zero.py cuts them (gradient buckets of
+``--bucket-mb``, the tied embedding alone under a pipeline; ZeRO-3: the
+blocks and a root unit of the rest) and ``N`` the ranks sharing the dense
+weights (dp x ep x cp). Every tensor the optimizer steps adds a 4-byte step
+counter. Adafactor keeps row and column sums of each matrix (and full
+statistics of vectors) instead of 8 bytes per element. This is the
+familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW
+(``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32.
+
+``--offload optimizer`` keeps the masters, their gradients and the
+optimizer state in host memory: ``host``, not part of what the device must fit.
+
+``activations`` is the saved-activation peak of plan/activations.py.
+
+``other`` is what the ledger does not count but the device must hold, all
+upper bounds: communication buffers (ZeRO-3's gathered units: the root unit
+and the two largest layer units, the one computing and the one prefetched;
+ZeRO-2 and 3's unsharded gradients of the two units whose reduce-scatter is
+in flight), and the loss's temporaries on the last stage (fp32 logits and
+their gradient, ``8*b*s*V/t``). ``allowance`` is 10% of all the rest, for the
+caching allocator's fragmentation (memory reserved between blocks); the
+CUDA context itself (about 0.5 GB) is outside ``torch.cuda.max_memory_allocated``
+and outside the figures here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from scaletrain.config import Config
+from scaletrain.parallel.data import plan_buckets
+from scaletrain.plan.inventory import RankWeights
+from scaletrain.precision import compute_dtype
+
+ALLOWANCE = 0.10
+STEP_COUNTER = 4  # bytes: AdamW's and Adafactor's per-tensor step, an fp32 scalar
+ZERO3_GATHERED_LAYERS = 2  # the layer unit computing and the one prefetched (parallel/zero.py)
+IN_FLIGHT_UNITS = 2  # parallel/zero.py MAX_IN_FLIGHT
+
+
+def _bytes(dtype_name: str) -> int:
+    return compute_dtype(dtype_name).itemsize
+
+
+def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str) -> int:
+    """State of the optimizer for tensors of these shapes (or flat sizes), step counters included."""
+    total = 0
+    for p in params:
+        shape = tuple(p.shape) if isinstance(p, nn.Parameter) else (p,)
+        numel = math.prod(shape)
+        if optimizer == "adafactor" and len(shape) >= 2:
+            total += 4 * (numel // shape[-1] + numel // shape[-2])
+        elif optimizer == "adafactor":
+            total += 4 * numel
+        else:
+            total += 8 * numel
+        total += STEP_COUNTER
+    return total
+
+
+def zero_units(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype: str) -> list[list[nn.Parameter]]:
+    """The parameters of each ZeRO unit, as parallel/zero.py groups them."""
+    if stage == 3:
+        in_layers = {id(p) for layer in weights.layers for p in layer.parameters()}
+        root = [p for p in weights.params if id(p) not in in_layers]
+        layers = [[p for p in layer.parameters() if p.requires_grad] for layer in weights.layers]
+        return [units for units in (root, *layers) if units]
+    alone = {id(p) for p in weights.tied}
+    rest = [p for p in weights.params[::-1] if id(p) not in alone]
+    return [*plan_buckets(rest, int(bucket_mb * 2**20), compute_dtype(reduce_dtype)), *([p] for p in weights.tied)]
+
+
+def _pieces_on_first_rank(unit: list[nn.Parameter], shard: int) -> list[int]:
+    """Sizes of the parts of ``unit``'s parameters inside rank 0's shard: the tensors it steps."""
+    sizes, offset = [], 0
+    for p in unit:
+        if offset < shard:
+            sizes.append(min(p.numel(), shard - offset))
+        offset += p.numel()
+    return sizes
+
+
+def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device: bool) -> dict[str, int]:
+    """params, grads, optimizer, host and communication buffers of one rank, in bytes (module docstring)."""
+    t, p = cfg.train, cfg.parallel
+    w, r = _bytes(t.param_dtype), _bytes(p.reduce_dtype)
+    offload = t.offload == "optimizer"
+    masters = w != 4 or offload
+    # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.
+    master_grads = r != 4 or (offload and not host_is_device)
+    if p.zero:
+        return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
+    n = weights.numel
+    state = optimizer_bytes(weights.params, t.optimizer) + (4 * n if masters else 0)
+    extra_grads = 4 * n if masters and master_grads else 0
+    host = state + extra_grads if offload and not host_is_device else 0
+    return {"params": w * n, "grads": r * n + extra_grads, "optimizer": state, "host": host, "buffers": 0}
+
+
+def _zero_memory(cfg: Config, weights: RankWeights, n: int, w: int, r: int, masters: bool,
+                 master_grads: bool, offloaded: bool) -> dict[str, int]:
+    stage = cfg.parallel.zero
+    units = zero_units(weights, stage, cfg.parallel.bucket_mb, cfg.parallel.reduce_dtype)
+    padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
+    shards = [size // n for size in padded]
+    pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_first_rank(unit, shard)]
+    shard_total = sum(shards)
+    state = optimizer_bytes(pieces, cfg.train.optimizer) + (4 * shard_total if masters else 0)
+    extra_grads = 4 * shard_total if master_grads else 0
+    buffers = 0
+    if stage >= 2:
+        buffers += IN_FLIGHT_UNITS * r * max(padded)
+    if stage == 3:
+        root, *layers = padded
+        buffers += w * (root + sum(sorted(layers)[-ZERO3_GATHERED_LAYERS:]))
+    return {
+        "params": w * (shard_total if stage == 3 else sum(padded)),
+        "grads": r * (sum(padded) if stage == 1 else shard_total) + extra_grads,
+        "optimizer": state,
+        "host": state + extra_grads if offloaded else 0,
+        "buffers": buffers,
+    }

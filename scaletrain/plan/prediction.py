@@ -1,0 +1,52 @@
+"""What the planner predicts for one layout (see plan/__init__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scaletrain.config import Config
+
+MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "other", "total")
+
+
+@dataclass
+class Prediction:
+    """One layout of one model on one cluster, predicted.
+
+    ``memory``: bytes on the most loaded rank, by ``MEMORY_ROWS``; ``stages``:
+    the same per pipeline rank (one entry without ``--pp``). ``comm``: one
+    optimizer step's collectives on each pipeline rank, shaped like the
+    communication ledger (``{op: {group: {"calls", "bytes", "wire_bytes"}}}``).
+    ``time``: seconds per step, ``compute``, ``recompute``, ``comm`` (the
+    exposed part), ``bubble`` and their sum ``step``.
+    """
+
+    cfg: Config
+    world: int
+    memory: dict[str, int]
+    stages: list[dict[str, int]]
+    comm: list[dict]
+    time: dict[str, float]
+    tokens_per_step: int
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.time["step"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.time["step"]
+
+    def layout(self) -> dict:
+        """The layout's choices, as flags name them."""
+        p, t = self.cfg.parallel, self.cfg.train
+        micro, virtual = p.pipeline_sizes()
+        dp = self.world // (p.tp * p.pp * p.cp * p.ep)
+        layout = {"dp": dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero, "sp": p.sp,
+                  "recompute": t.recompute, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+                  "precision": t.precision, "offload": t.offload}
+        if p.pp > 1:
+            layout.update(pp_schedule=p.pp_schedule, microbatches=micro, virtual_stages=virtual)
+        return layout

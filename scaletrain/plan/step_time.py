@@ -1,0 +1,108 @@
+"""Seconds per optimizer step: compute, recomputation, exposed communication, pipeline bubble.
+
+Compute. The step's FLOPs are the trainer's MFU numerator (train/metrics.py,
+``GPT.flops_per_token``: ``6N + 12*L*d*s`` per token, N the matmul weights,
+experts at top_k/E) times the global batch's tokens, spread evenly over the
+world (tp splits every matmul, pp the layers, cp the positions, dp and ep the
+sequences), at the device's achievable rate (plan/hardware.py):
+
+    compute = flops_per_token * tokens / (world * peak * efficiency)
+
+Recomputation adds the forward of what it reruns: a recomputed block's
+``2*N_block + 4*d*s`` per token (the block's matmuls and its attention), and
+under ``selective`` only the attention's ``4*d*s``.
+
+Communication. Each collective of the step (plan/traffic.py) costs
+``steps * alpha + wire_bytes / beta`` on the slowest link its group spans
+(NVLink inside a node, the network across; which ranks a group holds
+follows the mesh order, tp innermost: dist/mesh.py). ``steps`` is the ring
+algorithm's message count: ``2(n-1)`` for an all-reduce, ``n-1`` for the
+other collectives, one per point-to-point message. What the step waits for:
+
+    dp, ZeRO reduce-scatters     overlap the last micro-batch's backward (bucketed, launched as
+                                 gradients complete): only what exceeds it is exposed, and at
+                                 least the last bucket
+    ZeRO-3 all-gathers           prefetched one unit ahead: overlap the forward and backward
+    ring attention (cp)          the next hop is sent before the current block is computed
+    everything else              exposed: tp's collectives sit between the layers that need
+                                 them, the pipeline's hops between stages, all-to-alls between
+                                 the router and the experts, ZeRO-1/2's parameter all-gather
+                                 after the optimizer step
+
+Bubble. The pipeline's schedule (schedules.py) is simulated with forward,
+input-gradient and weight-gradient costs 1 : 1 : 1; the idle share ``beta``
+of the simulated round stretches the busy time to ``busy / (1 - beta)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from scaletrain.config import Config
+from scaletrain.dist.mesh import ParallelDims
+from scaletrain.parallel.pipeline.schedules import bubble, build, simulate
+from scaletrain.plan.hardware import Cluster
+
+_MESSAGES = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+             "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
+             "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
+OVERLAPPED_WITH_BACKWARD = ("all_reduce", "reduce_scatter")  # on the data-parallel groups
+
+
+@functools.lru_cache(maxsize=1024)
+def bubble_share(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """The idle share of a simulated round of ``schedule``."""
+    if pp == 1:
+        return 0.0
+    return bubble(simulate(build(schedule, pp, microbatches, virtual)))
+
+
+def spans_nodes(dims: ParallelDims, group: str, gpus_per_node: int) -> bool:
+    """Whether the group (by ledger name, e.g. ``dp_cp``) of rank 0 has ranks on two nodes."""
+    if group == "world":
+        return dims.world_size > gpus_per_node
+    ranks = dims.group_ranks(tuple(group.split("_")), 0)
+    return min(ranks) // gpus_per_node != max(ranks) // gpus_per_node
+
+
+def collective_seconds(traffic: dict, sizes: dict[str, int], dims: ParallelDims, cluster: Cluster) -> dict:
+    """{group: seconds} of every collective in ``traffic`` on its link."""
+    seconds: dict[str, float] = {}
+    for op, groups in traffic.items():
+        for group, entry in groups.items():
+            alpha, beta = cluster.link(spans_nodes(dims, group, cluster.gpus_per_node))
+            messages = entry["calls"] * _MESSAGES[op](sizes[group])
+            seconds[group] = seconds.get(group, 0.0) + messages * alpha + entry["wire_bytes"] / beta
+    return seconds
+
+
+def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict, sizes: dict[str, int],
+                 cluster: Cluster) -> dict[str, float]:
+    """The step's time by part (module docstring). ``flops``: ``model``, ``recompute`` and
+    ``attention`` (the part of ``model`` ring attention overlaps) FLOPs of the whole step; ``sizes``: group sizes by ledger name (plan/traffic.py)."""
+    p, t = cfg.parallel, cfg.train
+    rate = cluster.flops(t.precision) * world
+    compute, recompute = flops["model"] / rate, flops["recompute"] / rate
+    micro, virtual = p.pipeline_sizes()
+    share = bubble_share(p.pp_schedule, p.pp, micro, virtual)
+    busy = compute + recompute
+    bubble_s = busy * share / (1 - share)
+    dims = cfg.parallel.mesh_dims(world)
+    data_groups = {sizes["dense"], sizes["experts"]}  # type: ignore[arg-type]
+    hidden_behind = {  # group -> seconds of compute its collectives can hide behind
+        group: busy * (2 / 3) / (t.grad_accum * (micro if p.pp > 1 else 1)) for group in data_groups}
+    exposed = 0.0
+    for op, groups in traffic.items():
+        for group, entry in groups.items():
+            seconds = collective_seconds({op: {group: entry}}, sizes, dims, cluster)[group]
+            if group in data_groups and op in OVERLAPPED_WITH_BACKWARD:
+                last = seconds / entry["calls"]
+                exposed += max(last, seconds - hidden_behind[group])
+            elif group in data_groups and op == "all_gather" and p.zero == 3:
+                exposed += max(seconds / entry["calls"], seconds - busy)
+            elif group == "cp":
+                exposed += max(0.0, seconds - flops["attention"] / rate)
+            else:
+                exposed += seconds
+    return {"compute": compute, "recompute": recompute, "comm": exposed, "bubble": bubble_s,
+            "step": compute + recompute + exposed + bubble_s}

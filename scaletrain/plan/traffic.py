@@ -1,0 +1,212 @@
+"""The collectives of one optimizer step on one rank, in the ledger's own terms.
+
+Every figure is the ``bytes`` (and ``calls``) the communication ledger
+(dist/comm.py) records for the operation, and ``wire_bytes`` follow by the
+same rule; a group of one records nothing. ``b`` sequences of ``s`` (the
+rank's) positions per micro-batch, width ``h``, ``e`` bytes per autocast
+activation (4 in fp32), ``w`` per weight, ``r`` per gradient bucket, ``K``
+micro-batches per step (``--grad-accum`` x pipeline micro-batches):
+
+data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
+                (after the last micro-batch only); with experts a second set over
+                the experts' group. ZeRO-1: a reduce-scatter per unit per step and
+                an all-gather per unit after the step (``w`` x the padded unit);
+                ZeRO-2: the reduce-scatters every micro-batch; ZeRO-3, every
+                micro-batch: the root unit gathered once, every layer unit twice
+                (forward and backward), every unit reduce-scattered. The loss: a
+                4-byte average over the same group.
+tensor parallel per micro-batch and block: forward all-reduces of the attention and
+                MLP outputs (``e*b*s*h``), backward all-reduces of their inputs'
+                gradients (``4*b*s*h``, the fp32 norm outputs); the embedding's output
+                (``w``), the head's input gradient, the loss's max and sums
+                (``4*b*s`` and ``8*b*s``). With sp each all-reduce becomes a
+                reduce-scatter and an all-gather of the same full size, the column
+                layers gather their input again in backward (``e*b*s*h``), and the
+                gradients of the weights every rank holds whole are all-reduced
+                every micro-batch. Recomputing a block runs its forward again up
+                to its last saved tensor (PyTorch stops a recomputation there):
+                the attention's collectives again, not the MLP's output's.
+pipeline        per micro-batch and stage boundary: the activation forward and its
+                gradient backward, ``4*b*s*h`` (/t with sp), a send on one side and a
+                receive on the other; the tied embedding's gradient exchanged once per
+                step between the first and last stage; the loss broadcast from the
+                last stage (4 bytes).
+context         per micro-batch and block, ring attention (parallel/context.py): cp-1
+                sends of each K/V pair forward (``2*e*b*s*h/t``), cp-1 in backward
+                plus cp of the fp32 dK/dV pair; as many receives.
+experts         per micro-batch and expert layer: an all-gather of the routing counts
+                (``ep*E*8``), and four all-to-alls (dispatch, combine, and their
+                backward) of the routed rows. How many rows a rank sends depends on
+                the router; the planner gives the mean over the ep ranks,
+                ``e*b*s*k*h`` each, which their ledgers' average equals. The routing
+                statistics are summed over the batch group once per step.
+gradient norm   4 bytes over each of tp, pp, ep (and the ZeRO group) that is larger
+                than one; fp16: the overflow flag over the world.
+
+Evaluation, sampling and checkpoints are not part of a step and not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scaletrain.config import Config
+from scaletrain.dist.comm import FIELDS, wire_bytes_of
+from scaletrain.dist.mesh import group_name
+from scaletrain.plan.activations import Shape
+from scaletrain.plan.inventory import RankWeights
+from scaletrain.plan.memory import _bytes, zero_units
+from scaletrain.models.gpt import GPTConfig
+from scaletrain.parallel.data import plan_buckets
+from scaletrain.precision import compute_dtype
+
+
+class Traffic:
+    """Collectives added up the way the ledger adds them: {op: {group: {calls, bytes, wire_bytes}}}."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes  # group name -> ranks
+        self.entries: dict[str, dict[str, dict[str, int]]] = {}
+
+    def add(self, op: str, group: str, nbytes: int, calls: int = 1, wire_bytes: int | None = None) -> None:
+        size = self.sizes[group]
+        if size == 1 or calls == 0:
+            return
+        entry = self.entries.setdefault(op, {}).setdefault(group, dict.fromkeys(FIELDS, 0))
+        entry["calls"] += calls
+        entry["bytes"] += calls * nbytes
+        entry["wire_bytes"] += calls * (wire_bytes_of(op, size, nbytes) if wire_bytes is None else wire_bytes)
+
+
+def group_sizes(cfg: Config, world: int) -> dict[str, int]:
+    """Every group the trainer talks over, by its ledger name (train/replicas.py)."""
+    p = cfg.parallel
+    sizes = {"dp": world // (p.tp * p.pp * p.cp * p.ep), "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
+
+    def along(*dims: str) -> tuple[str, int]:
+        kept = tuple(d for d in dims if d == "dp" or sizes[d] > 1)
+        return group_name(kept), math.prod(sizes[d] for d in kept)
+
+    named = dict(sizes)
+    for role, dims in (("batch", ("dp", "ep")), ("dense", ("dp", "ep", "cp")), ("experts", ("dp", "cp"))):
+        name, size = along(*dims)
+        named[name] = size
+        named[role] = name  # type: ignore[assignment]
+    named["world"] = world
+    return named
+
+
+def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, x: Shape,
+                 stages: list[int], n_stages: int) -> dict:
+    """One optimizer step's collectives on the rank holding ``weights`` (module docstring)."""
+    p, t = cfg.parallel, cfg.train
+    names = group_sizes(cfg, world)
+    traffic = Traffic({k: v for k, v in names.items() if isinstance(v, int)})
+    dense, batch, experts_group = names["dense"], names["batch"], names["experts"]
+    micro, _ = p.pipeline_sizes()
+    k = t.grad_accum * (micro if p.pp > 1 else 1)
+    w, r = _bytes(t.param_dtype), _bytes(p.reduce_dtype)
+    blocks = len(weights.blocks)
+    recomputed = _recomputed_blocks(t.recompute, weights.blocks)
+    moe_layers = sum(1 for i in weights.blocks if gpt.moe and gpt.moe.in_block(i))
+
+    if p.tp > 1:
+        _tensor_parallel(traffic, x, weights, blocks, blocks - moe_layers, recomputed, k, w)
+    if p.cp > 1:
+        pair = 2 * x.b * x.s * x.h // x.tp  # elements of a K/V (or dK/dV) pair
+        for op in ("send", "recv"):
+            traffic.add(op, "cp", x.e * pair, calls=k * (p.cp - 1) * (2 * blocks + recomputed))
+            traffic.add(op, "cp", 4 * pair, calls=k * p.cp * blocks)
+    if p.ep > 1 and moe_layers:
+        experts = gpt.moe.experts
+        traffic.add("all_gather", "ep", p.ep * experts * 8, calls=k * moe_layers)
+        rows = x.b * x.s * gpt.moe.top_k * x.h * x.e
+        traffic.add("all_to_all", "ep", rows, calls=4 * k * moe_layers)
+    if gpt.moe and moe_layers:
+        traffic.add("all_reduce", batch, 8 * (moe_layers * gpt.moe.experts + moe_layers))
+        traffic.add("all_reduce", batch, 4)
+    if p.pp > 1:
+        boundary = 4 * x.b * x.s * x.h // (x.tp if x.sp else 1)
+        for stage in stages:
+            sends = (stage < n_stages - 1) + (stage > 0)  # activation forward, gradient backward
+            traffic.add("send", "pp", boundary, calls=k * sends)
+            traffic.add("recv", "pp", boundary, calls=k * sends)
+        for param in weights.tied:
+            shard = math.ceil(param.numel() / traffic.sizes[dense]) if p.zero else param.numel()
+            traffic.add("send", "pp", r * shard)
+            traffic.add("recv", "pp", r * shard)
+        traffic.add("broadcast", "pp", 4)
+    if p.zero:
+        _zero(traffic, cfg, weights, dense, k, w, r)
+    else:
+        mine = [q for q in weights.params if id(q) not in weights.experts]
+        theirs = [q for q in weights.params if id(q) in weights.experts]
+        for group, params in ((dense, mine), (experts_group, theirs)):
+            for bucket in plan_buckets(params[::-1], int(p.bucket_mb * 2**20), compute_dtype(p.reduce_dtype)):
+                traffic.add("all_reduce", group, r * sum(q.numel() for q in bucket))
+    for group in ("tp", "pp", "ep", *([dense] if p.zero else [])):
+        traffic.add("all_reduce", group, 4)  # the gradient norm's sum of squares
+    if t.precision == "fp16":
+        traffic.add("all_reduce", "world", 4)
+    traffic.add("all_reduce", dense, 4)  # the loss
+    return traffic.entries
+
+
+def _recomputed_blocks(policy: str, blocks: list[int]) -> int:
+    """How many of these blocks run their forward again in backward."""
+    if policy in ("none", "selective"):
+        return 0
+    if policy.startswith("every:"):
+        every = int(policy.split(":")[1])
+        return sum(1 for i in blocks if i % every == 0)
+    return len(blocks)  # full, and sqrt's segments
+
+
+def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: int, mlps: int,
+                     recomputed: int, k: int, w: int) -> None:
+    """Megatron's f and g (parallel/tensor.py), per micro-batch (module docstring): in
+    every block's attention, and in its MLP unless a mixture of experts replaces it."""
+    full, act = 4 * x.b * x.s * x.h, x.e * x.b * x.s * x.h
+    rows = x.b * x.s
+    regions = blocks + mlps
+    if not x.sp:
+        reduces = [(act, regions + recomputed), (full, regions)]
+        if weights.first:
+            reduces.append((w * x.b * x.s * x.h, 1))
+        if weights.last:
+            reduces += [(full, 1), (4 * rows, 1), (8 * rows, 1)]
+        for nbytes, calls in reduces:
+            traffic.add("all_reduce", "tp", nbytes, calls=k * calls)
+        return
+    gathers = [(full, regions + 2 * recomputed), (act, 2 * regions)]  # enter; leave's backward, re-gathers
+    scatters = [(act, regions + recomputed), (full, regions)]  # leave; enter's backward
+    if weights.first:
+        scatters.append((w * x.b * x.s * x.h, 1))
+        gathers.append((w * x.b * x.s * x.h, 1))
+    if weights.last:
+        gathers += [(full, 1), (act, 1)]
+        scatters.append((full, 1))
+        traffic.add("all_reduce", "tp", 4 * rows, calls=k)
+        traffic.add("all_reduce", "tp", 8 * rows, calls=k)
+    for op, items in (("all_gather", gathers), ("reduce_scatter", scatters)):
+        for nbytes, calls in items:
+            traffic.add(op, "tp", nbytes, calls=k * calls)
+    for param in weights.replicated:
+        traffic.add("all_reduce", "tp", w * param.numel(), calls=k)
+
+
+def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, group: str, k: int, w: int, r: int) -> None:
+    stage, n = cfg.parallel.zero, traffic.sizes[group]
+    units = zero_units(weights, stage, cfg.parallel.bucket_mb, cfg.parallel.reduce_dtype)
+    padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
+    scatters = 1 if stage == 1 else k
+    for size in padded:
+        traffic.add("reduce_scatter", group, r * size, calls=scatters)
+    if stage < 3:
+        for size in padded:
+            traffic.add("all_gather", group, w * size)
+        return
+    root, *layers = padded
+    traffic.add("all_gather", group, w * root, calls=k)
+    for size in layers:
+        traffic.add("all_gather", group, w * size, calls=2 * k)

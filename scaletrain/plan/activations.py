@@ -152,10 +152,12 @@ def chunk_peak(x: Shape, blocks: int, first: bool, last: bool, recompute: str) -
         after = segments * one + ends
         return after, segments * one + segment * full - one + kept_ids
     every = 1 if recompute == "full" else int(recompute.split(":")[1])
-    checkpointed = len(range(0, blocks, every))
-    kept = (blocks - checkpointed) * full
-    after = checkpointed * one + kept + ends
-    return after, checkpointed * one + kept + full - one + kept_ids
+    checkpointed = [i % every == 0 for i in range(blocks)]
+    kept = [one if c else full for c in checkpointed]
+    after = sum(kept) + ends
+    # In backward, block i reruns with the blocks before it still holding their share.
+    during = max(sum(kept[:i]) + full + kept_ids for i in range(blocks) if checkpointed[i])
+    return after, max(after, during)
 
 
 def weight_grad_inputs(x: Shape, blocks: int, last: bool) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve
 from scaletrain.errors import UserError
+from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,6 +92,55 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--measured", metavar="RUN_DIR",
                           help="a training run's folder: draw the step it recorded (pipeline.json) too")
     schedule.add_argument("--json", action="store_true", help="print one JSON object instead of the drawing")
+
+    from scaletrain.models import GPT_PRESETS
+    from scaletrain.plan.search import RECOMPUTE as PLANNED_RECOMPUTE
+
+    plan = commands.add_parser(
+        "plan", help="predict per-rank memory and step time of parallel layouts, recommend one",
+        description="Weigh every parallel layout of a GPT on a cluster (dp x tp x pp x cp x ep, ZeRO "
+                    "stage, sp, recompute, micro-batch, pipeline schedule) at the same global batch: "
+                    "drop those the trainer would refuse, predict memory per rank (the most loaded one) "
+                    "and step time for the others, and rank those that fit by tokens/s. A layout flag "
+                    "fixes that choice; the others are searched.")
+    plan.add_argument("--model", default="gpt2-124m", metavar="NAME",
+                      help=f"GPT preset: {', '.join(GPT_PRESETS)} [gpt2-124m]")
+    plan.add_argument("--layers", type=int, metavar="L", help="transformer blocks [the preset's]")
+    plan.add_argument("--hidden", type=int, metavar="H", help="hidden size d_model [the preset's]")
+    plan.add_argument("--heads", type=int, metavar="A", help="attention heads [the preset's]")
+    plan.add_argument("--vocab", type=int, default=50304, metavar="V", help="vocabulary size [50304]")
+    plan.add_argument("--seq", type=int, default=1024, metavar="S", help="tokens per sequence [1024]")
+    plan.add_argument("--global-batch", type=int, metavar="G",
+                      help="sequences per optimizer step, the same for every layout [8 x --gpus]")
+    plan.add_argument("--gpus", type=int, default=8, metavar="N", help="devices in the cluster [8]")
+    plan.add_argument("--gpus-per-node", type=int, metavar="N",
+                      help="devices per node, joined by the fast link [min(8, --gpus)]")
+    plan.add_argument("--gpu", choices=(*DEVICES, "cpu"), default="H100",
+                      help="the device; cpu: this machine, its peak measured, its memory shared by the "
+                           "ranks of a node [H100]")
+    plan.add_argument("--gpu-memory", metavar="SIZE",
+                      help="memory of one device, such as 80GB, 40GiB or 512MB [the device's]")
+    fixed = plan.add_argument_group("layout options (each one given is fixed, the others searched)")
+    for name, meaning in (("dp", "data-parallel size"), ("tp", "tensor-parallel size (searched within a node)"),
+                          ("pp", "pipeline stages"), ("cp", "context-parallel size"), ("ep", "expert-parallel size"),
+                          ("micro-batch", "sequences per rank per micro-batch (searched in powers of two)"),
+                          ("microbatches", "micro-batches per pipeline round [the whole per-rank batch]"),
+                          ("virtual-stages", "stages per rank [2 for interleaved, else 1]")):
+        fixed.add_argument(f"--{name}", type=int, metavar="N", help=meaning)
+    fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage over the replicas")
+    fixed.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                       help="sequence parallelism inside the tp group")
+    fixed.add_argument("--recompute", choices=PLANNED_RECOMPUTE, help="activation checkpointing")
+    fixed.add_argument("--pp-schedule", choices=SCHEDULES, help="pipeline schedule")
+    model = plan.add_argument_group("model and precision options")
+    model.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="[bf16 on a GPU, fp32 on cpu]")
+    model.add_argument("--param-dtype", choices=("fp32", "bf16"), help="working weights' dtype [fp32]")
+    model.add_argument("--offload", choices=("none", "optimizer"), help="optimizer state in host memory [none]")
+    model.add_argument("--moe-experts", type=int, metavar="E", help="experts per MoE block [0: dense]")
+    model.add_argument("--moe-top-k", type=int, metavar="K", help="experts per token [2]")
+    plan.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown [5]")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (CLI.md's shape)")
+    plan.add_argument("--png", metavar="FILE", help="also plot memory per rank against tokens/s into this PNG")
 
     from scaletrain.export import DTYPES
 
@@ -202,11 +252,92 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAN_FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
+              "virtual_stages", "micro_batch")
+PLAN_POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
+                 "dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "virtual_stages", "moe_top_k")
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(text: str) -> int:
+    """``80GB``, ``40GiB``, ``512MB``: decimal and binary units, a unit required (80 alone is ambiguous)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", text.upper())
+    if match is None or match[2] not in SIZE_UNITS or float(match[1]) <= 0:
+        raise UserError(f"--gpu-memory {text!r} is not a size; write a positive number with a unit, such as "
+                        f"80GB, 40GiB or 512MB.")
+    return int(float(match[1]) * SIZE_UNITS[match[2]])
+
+
+def _plan_cluster(args: argparse.Namespace) -> Cluster:
+    """The devices to plan for. A CPU "node" is this machine: its ranks share its memory."""
+    import os
+
+    per_node = args.gpus_per_node or min(8, args.gpus)
+    if args.gpus % per_node:
+        raise UserError(f"--gpus-per-node {per_node} must divide --gpus {args.gpus}; the nodes are equal.")
+    if args.gpu == "cpu":
+        import torch
+
+        from scaletrain.train.metrics import measure_peak_tflops
+
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        device = cpu_device(measure_peak_tflops(torch.device("cpu")), host // per_node)
+    else:
+        device = DEVICES[args.gpu]
+    cluster = Cluster(device, args.gpus, per_node)
+    return cluster.with_memory(_parse_size(args.gpu_memory)) if args.gpu_memory else cluster
+
+
+def _plan_base(args: argparse.Namespace, gpu: bool) -> Config:
+    """The model, precision and fixed layout choices as one Config; the search fills in the rest."""
+    from scaletrain.models import GPT_PRESETS
+
+    if args.model not in GPT_PRESETS:
+        raise UserError(f"--model {args.model} is not a GPT preset; choose one of {', '.join(GPT_PRESETS)}.")
+    _, preset_heads, preset_width = GPT_PRESETS[args.model]
+    heads, width = args.heads or preset_heads, args.hidden or preset_width
+    if width % heads:
+        raise UserError(f"--hidden {width} is not divisible by --heads {heads}; choose sizes where it is.")
+    if args.moe_experts is not None and args.moe_experts < 0:
+        raise UserError(f"--moe-experts must not be negative, not {args.moe_experts}.")
+    model = {"name": args.model, "n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
+             "seq_len": args.seq, "precision": args.precision or ("bf16" if gpu else "fp32"),
+             "param_dtype": args.param_dtype, "offload": args.offload, "moe_experts": args.moe_experts,
+             "moe_top_k": args.moe_top_k}
+    fixed = {name: getattr(args, name) for name in PLAN_FIXED}
+    return Config().replace(**{k: v for k, v in {**model, **fixed}.items() if v is not None})
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from scaletrain.plan import report
+    from scaletrain.plan.predict import predict
+    from scaletrain.plan.search import search
+
+    for name in PLAN_POSITIVE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
+    base = _plan_base(args, gpu=args.gpu != "cpu")
+    cluster = _plan_cluster(args)
+    fixed = {name for name in PLAN_FIXED if getattr(args, name) is not None}
+    global_batch = args.global_batch or 8 * args.gpus
+    result = search(base, cluster, args.vocab, global_batch, fixed, predict)
+    result.best()  # none fits: one sentence, exit code 2
+    if args.png:
+        report.plot(result, Path(args.png), cluster)
+    print(json.dumps(report.to_json(result, args.top)) if args.json
+          else report.format_table(result, args.top, cluster))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "parity": _parity, "bench": _bench, "schedule": _schedule,
-                "export": _export}[args.command](args)
+                "export": _export, "plan": _plan}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

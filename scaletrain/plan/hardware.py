@@ -21,6 +21,12 @@ across. ``cpu`` is the machine the command runs on: its peak is measured
 gloo over loopback TCP, whose figures were measured on this project's
 two-core test machine (docs/planner.md) and are only a rough guide elsewhere.
 
+Overhead. Every block of every micro-batch launches about a hundred kernels
+(operators, on a CPU) forward and backward whatever its size; at a few
+microseconds each that is ``block_overhead_s`` (0.3 ms on a GPU, 2 ms for
+eager PyTorch on a CPU). It is why many small micro-batches run slower than
+a few large ones of the same FLOPs.
+
 Achievable fractions. No training step runs at the datasheet peak: the
 planner multiplies the peak by ``efficiency`` (0.5 on GPUs, near what
 Megatron-LM reports for large GPT runs; 0.6 of the measured matmul peak on a
@@ -47,6 +53,7 @@ class Device:
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
     efficiency: float = 0.5  # share of peak FLOP/s a training step reaches
+    block_overhead_s: float = 3e-4  # launching one block's forward and backward kernels, per micro-batch
     link_efficiency: float = 0.8  # share of the link's rate a collective reaches
 
 
@@ -56,18 +63,20 @@ DEVICES = {
     "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 141 * GB, 450.0, 50.0),
 }
 
-# gloo over loopback on the two-core test machine: ~1 GB/s, ~100 us a message
-# (bench allreduce; docs/planner.md). The CPU's peak is measured at planning time.
-CPU_LINK_GBPS = 1.0
-CPU_LATENCY_S = 100e-6
+# gloo over loopback on the two-core test machine: 1.27 GB/s bus bandwidth at 64 MiB
+# and about 1 ms a small message (scaletrain bench allreduce --nproc 2; docs/planner.md).
+# The CPU's peak is measured at planning time.
+CPU_LINK_GBPS = 1.27
+CPU_LATENCY_S = 1e-3
 CPU_EFFICIENCY = 0.6
+CPU_BLOCK_OVERHEAD_S = 2e-3  # eager PyTorch, ~100 operators a block forward and backward
 
 
 def cpu_device(peak_tflops: float, memory_bytes: int) -> Device:
     """This machine as a device: ``peak_tflops`` measured (or given), host memory."""
     peaks = dict.fromkeys(("bf16", "fp16", "fp32"), peak_tflops)
     return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, CPU_LATENCY_S, CPU_LATENCY_S,
-                  efficiency=CPU_EFFICIENCY)
+                  efficiency=CPU_EFFICIENCY, link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S)  # a measured bus bandwidth already
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,10 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
         traffics.append(step_traffic(cfg, world, gpt, weights, x, list(weights.stages), weights.n_stages))
     busiest = max(range(p.pp), key=lambda r: stages[r]["total"])
     tokens = t.micro_batch * t.grad_accum * (micro if p.pp > 1 else 1) * sizes[sizes["batch"]] * gpt.seq_len
-    time = step_seconds(cfg, world, _flops(gpt, t.recompute, tokens), _slowest(traffics, sizes, cfg, world,
-                                                                              cluster), sizes, cluster)
+    micro_batches = t.grad_accum * (micro if p.pp > 1 else 1)
+    block_runs = micro_batches * max(len(rank_weights(gpt, split, r).blocks) for r in range(p.pp))
+    time = step_seconds(cfg, world, _flops(gpt, t.recompute, tokens),
+                        _slowest(traffics, sizes, cfg, world, cluster), sizes, cluster, block_runs)
     return Prediction(cfg=cfg, world=world, memory=stages[busiest], stages=stages, comm=traffics,
                       time=time, tokens_per_step=tokens, fits=stages[busiest]["total"] <= cluster.device.memory_bytes)
 

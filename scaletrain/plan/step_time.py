@@ -8,7 +8,8 @@ sequences), at the device's achievable rate (plan/hardware.py):
 
     compute = flops_per_token * tokens / (world * peak * efficiency)
 
-Recomputation adds the forward of what it reruns: a recomputed block's
+plus the launch overhead of every block of every micro-batch on the busiest
+rank (plan/hardware.py). Recomputation adds the forward of what it reruns: a recomputed block's
 ``2*N_block + 4*d*s`` per token (the block's matmuls and its attention), and
 under ``selective`` only the attention's ``4*d*s``.
 
@@ -77,12 +78,13 @@ def collective_seconds(traffic: dict, sizes: dict[str, int], dims: ParallelDims,
 
 
 def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict, sizes: dict[str, int],
-                 cluster: Cluster) -> dict[str, float]:
+                 cluster: Cluster, block_runs: int) -> dict[str, float]:
     """The step's time by part (module docstring). ``flops``: ``model``, ``recompute`` and
     ``attention`` (the part of ``model`` ring attention overlaps) FLOPs of the whole step; ``sizes``: group sizes by ledger name (plan/traffic.py)."""
     p, t = cfg.parallel, cfg.train
     rate = cluster.flops(t.precision) * world
-    compute, recompute = flops["model"] / rate, flops["recompute"] / rate
+    compute = flops["model"] / rate + block_runs * cluster.device.block_overhead_s
+    recompute = flops["recompute"] / rate
     micro, virtual = p.pipeline_sizes()
     share = bubble_share(p.pp_schedule, p.pp, micro, virtual)
     busy = compute + recompute

@@ -55,7 +55,7 @@ ZERO3_GATHERED_LAYERS = 2  # the layer unit computing and the one prefetched (pa
 IN_FLIGHT_UNITS = 2  # parallel/zero.py MAX_IN_FLIGHT
 
 
-def _bytes(dtype_name: str) -> int:
+def dtype_bytes(dtype_name: str) -> int:
     return compute_dtype(dtype_name).itemsize
 
 
@@ -100,7 +100,7 @@ def _pieces_on_first_rank(unit: list[nn.Parameter], shard: int) -> list[int]:
 def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device: bool) -> dict[str, int]:
     """params, grads, optimizer, host and communication buffers of one rank, in bytes (module docstring)."""
     t, p = cfg.train, cfg.parallel
-    w, r = _bytes(t.param_dtype), _bytes(p.reduce_dtype)
+    w, r = dtype_bytes(t.param_dtype), dtype_bytes(p.reduce_dtype)
     offload = t.offload == "optimizer"
     masters = w != 4 or offload
     # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.

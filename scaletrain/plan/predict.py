@@ -14,7 +14,7 @@ from scaletrain.plan.inventory import RankWeights, Split, rank_weights, whole_mo
 from scaletrain.plan.memory import ALLOWANCE, weight_memory
 from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
 from scaletrain.plan.step_time import collective_seconds, step_seconds
-from scaletrain.plan.traffic import group_sizes, step_traffic
+from scaletrain.plan.traffic import Groups, step_traffic
 
 
 def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Prediction:
@@ -24,8 +24,8 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     micro, virtual = p.pipeline_sizes()
     split = Split(tp=p.tp, ep=p.ep, pp=p.pp, virtual=virtual)
     x = activations.shape_of(gpt, t.micro_batch, p.tp, p.sp, p.cp, t.precision, t.param_dtype)
-    sizes = group_sizes(cfg, world)
-    shards = sizes[sizes["dense"]]
+    groups = Groups.of(cfg, world)
+    shards = groups.sizes[groups.dense]
     host_is_device = cluster.device.name == "cpu"
     stages, traffics = [], []
     for pp_rank in range(p.pp):
@@ -35,11 +35,11 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
         stages.append(_rank_memory(held, saved, x, weights))
         traffics.append(step_traffic(cfg, world, gpt, weights, x, list(weights.stages), weights.n_stages))
     busiest = max(range(p.pp), key=lambda r: stages[r]["total"])
-    tokens = t.micro_batch * t.grad_accum * (micro if p.pp > 1 else 1) * sizes[sizes["batch"]] * gpt.seq_len
+    tokens = t.micro_batch * t.grad_accum * (micro if p.pp > 1 else 1) * groups.sizes[groups.batch] * gpt.seq_len
     micro_batches = t.grad_accum * (micro if p.pp > 1 else 1)
     block_runs = micro_batches * max(len(rank_weights(gpt, split, r).blocks) for r in range(p.pp))
     time = step_seconds(cfg, world, _flops(gpt, t.recompute, tokens),
-                        _slowest(traffics, sizes, cfg, world, cluster), sizes, cluster, block_runs)
+                        _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs)
     return Prediction(cfg=cfg, world=world, memory=stages[busiest], stages=stages, comm=traffics,
                       time=time, tokens_per_step=tokens, fits=stages[busiest]["total"] <= cluster.device.memory_bytes)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scaletrain.config import Config
 
@@ -29,7 +29,6 @@ class Prediction:
     time: dict[str, float]
     tokens_per_step: int
     fits: bool
-    notes: list[str] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:

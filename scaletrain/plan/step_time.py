@@ -43,6 +43,7 @@ from scaletrain.config import Config
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.parallel.pipeline.schedules import bubble, build, simulate
 from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.traffic import Groups
 
 _MESSAGES = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
              "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
@@ -77,7 +78,7 @@ def collective_seconds(traffic: dict, sizes: dict[str, int], dims: ParallelDims,
     return seconds
 
 
-def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict, sizes: dict[str, int],
+def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict, groups: Groups,
                  cluster: Cluster, block_runs: int) -> dict[str, float]:
     """The step's time by part (module docstring). ``flops``: ``model``, ``recompute`` and
     ``attention`` (the part of ``model`` ring attention overlaps) FLOPs of the whole step; ``sizes``: group sizes by ledger name (plan/traffic.py)."""
@@ -90,7 +91,8 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
     busy = compute + recompute
     bubble_s = busy * share / (1 - share)
     dims = cfg.parallel.mesh_dims(world)
-    data_groups = {sizes["dense"], sizes["experts"]}  # type: ignore[arg-type]
+    data_groups = {groups.dense, groups.experts}
+    sizes = groups.sizes
     hidden_behind = {  # group -> seconds of compute its collectives can hide behind
         group: busy * (2 / 3) / (t.grad_accum * (micro if p.pp > 1 else 1)) for group in data_groups}
     exposed = 0.0

@@ -49,15 +49,16 @@ Evaluation, sampling and checkpoints are not part of a step and not counted.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from scaletrain.config import Config
 from scaletrain.dist.comm import FIELDS, wire_bytes_of
 from scaletrain.dist.mesh import group_name
-from scaletrain.plan.activations import Shape
-from scaletrain.plan.inventory import RankWeights
-from scaletrain.plan.memory import _bytes, zero_units
 from scaletrain.models.gpt import GPTConfig
 from scaletrain.parallel.data import plan_buckets
+from scaletrain.plan.activations import Shape
+from scaletrain.plan.inventory import RankWeights
+from scaletrain.plan.memory import dtype_bytes, zero_units
 from scaletrain.precision import compute_dtype
 
 
@@ -78,34 +79,39 @@ class Traffic:
         entry["wire_bytes"] += calls * (wire_bytes_of(op, size, nbytes) if wire_bytes is None else wire_bytes)
 
 
-def group_sizes(cfg: Config, world: int) -> dict[str, int]:
-    """Every group the trainer talks over, by its ledger name (train/replicas.py)."""
-    p = cfg.parallel
-    sizes = {"dp": world // (p.tp * p.pp * p.cp * p.ep), "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
+@dataclass(frozen=True)
+class Groups:
+    """Every group the trainer talks over: ``sizes`` by ledger name, and the names of
+    the three replica groups of train/replicas.py (dims of size one left out but dp)."""
 
-    def along(*dims: str) -> tuple[str, int]:
-        kept = tuple(d for d in dims if d == "dp" or sizes[d] > 1)
-        return group_name(kept), math.prod(sizes[d] for d in kept)
+    sizes: dict[str, int]
+    batch: str
+    dense: str
+    experts: str
 
-    named = dict(sizes)
-    for role, dims in (("batch", ("dp", "ep")), ("dense", ("dp", "ep", "cp")), ("experts", ("dp", "cp"))):
-        name, size = along(*dims)
-        named[name] = size
-        named[role] = name  # type: ignore[assignment]
-    named["world"] = world
-    return named
+    @classmethod
+    def of(cls, cfg: Config, world: int) -> Groups:
+        p = cfg.parallel
+        dims = {"dp": world // (p.tp * p.pp * p.cp * p.ep), "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
+        sizes = {**dims, "world": world}
+        names = []
+        for along in (("dp", "ep"), ("dp", "ep", "cp"), ("dp", "cp")):
+            kept = tuple(d for d in along if d == "dp" or dims[d] > 1)
+            names.append(group_name(kept))
+            sizes[names[-1]] = math.prod(dims[d] for d in kept)
+        return cls(sizes, *names)
 
 
 def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, x: Shape,
                  stages: list[int], n_stages: int) -> dict:
     """One optimizer step's collectives on the rank holding ``weights`` (module docstring)."""
     p, t = cfg.parallel, cfg.train
-    names = group_sizes(cfg, world)
-    traffic = Traffic({k: v for k, v in names.items() if isinstance(v, int)})
-    dense, batch, experts_group = names["dense"], names["batch"], names["experts"]
+    groups = Groups.of(cfg, world)
+    traffic = Traffic(groups.sizes)
+    dense, batch, experts_group = groups.dense, groups.batch, groups.experts
     micro, _ = p.pipeline_sizes()
     k = t.grad_accum * (micro if p.pp > 1 else 1)
-    w, r = _bytes(t.param_dtype), _bytes(p.reduce_dtype)
+    w, r = dtype_bytes(t.param_dtype), dtype_bytes(p.reduce_dtype)
     blocks = len(weights.blocks)
     recomputed = _recomputed_blocks(t.recompute, weights.blocks)
     moe_layers = sum(1 for i in weights.blocks if gpt.moe and gpt.moe.in_block(i))

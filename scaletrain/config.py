@@ -96,11 +96,19 @@ class TrainConfig:
                                 "pay the compile time)")
     peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
                                          "(default: known GPUs from a table, otherwise MFU is n/a)")
+    on_nan: str | None = _opt(None, "a step whose loss or gradients are not finite on any rank: skip it on "
+                                    "every rank (the update left out, as fp16 loss scaling does), or stop "
+                                    "with a report naming the step and the first non-finite parameter "
+                                    "(default: skip with --precision fp16, else stop)",
+                              choices=("skip", "stop"))
 
 
 @dataclass
 class ParallelConfig:
     nproc: int = _opt(1, "spawn this many local workers (otherwise read torchrun/SLURM/MPI)")
+    max_restarts: int = _opt(0, "with --nproc: restart the workers this many times after a failure, each "
+                                "time from the newest complete checkpoint (under torchrun: its own "
+                                "--max-restarts)")
     dp: int | None = _opt(None, "data-parallel size (default: what the other sizes leave)")
     tp: int = _opt(1, "tensor-parallel size (Megatron: attention heads, MLP features and the "
                       "vocabulary split over this many ranks)")
@@ -122,7 +130,8 @@ class ParallelConfig:
                       "computed by ring attention")
     ep: int = _opt(1, "expert-parallel size: the experts of each mixture-of-experts block divided over "
                       "this many ranks, tokens sent to them by all-to-all")
-    timeout: float = _opt(300.0, "seconds a collective may wait before the job ends")
+    timeout: float = _opt(600.0, "seconds a collective may wait for a rank before the job ends (a rank "
+                                 "that died is noticed sooner)")
     bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
                                   "communication starts earlier in backward, in more calls)")
     allreduce: str = _opt("backend", "gradient all-reduce: the backend's, or the ring written with "
@@ -151,6 +160,8 @@ class ParallelConfig:
 class RunConfig:
     out: str | None = _opt(None, "run folder (default: runs/<model>-<time>)")
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: only at the end)")
+    keep_last: int = _opt(0, "keep only the newest K complete checkpoints, older ones deleted once a new "
+                             "one is complete (0: keep all)")
     resume: bool = _opt(False, "continue the run in --out from its latest complete checkpoint")
     stop_at: int | None = _opt(None, "stop after this step with a checkpoint, the schedule still "
                                       "planned for --steps (for jobs with a time limit)")
@@ -296,7 +307,8 @@ _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "n
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank",
              "moe_top_k", "moe_every")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
-                 "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef")
+                 "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
+                 "max_restarts")
 
 
 def check_values(cfg: Config) -> None:
@@ -340,6 +352,12 @@ def check_values(cfg: Config) -> None:
         if cfg.train.optimizer != "adamw":
             raise UserError(f"--tp {tp} does not combine with --optimizer adafactor: Adafactor factors the "
                             f"second moment of whole weight matrices; drop one of the two.")
+    if cfg.train.on_nan == "stop" and cfg.train.precision == "fp16":
+        raise UserError("--on-nan stop contradicts --precision fp16, whose loss scaling finds its scale by "
+                        "skipping the steps that overflow; use --on-nan skip or another precision.")
+    if cfg.parallel.max_restarts and cfg.parallel.nproc < 2:
+        raise UserError("--max-restarts restarts the workers that --nproc spawns; add --nproc, or under "
+                        "torchrun give torchrun its own --max-restarts.")
     if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)

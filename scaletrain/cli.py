@@ -1,7 +1,9 @@
 """The ``scaletrain`` command: train, parity, bench.
 
 User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
-exit with code 2, without a traceback; see CLI.md for the contract.
+exit with code 2, without a traceback; see CLI.md for the contract. A job
+that fails (a rank died, the loss is not finite: ``JobFailed``) prints its
+sentence and exits with code 1.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve
-from scaletrain.errors import UserError
+from scaletrain.errors import JobFailed, UserError
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
 
 
@@ -341,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2
+    except JobFailed as exc:
+        print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"scaletrain {args.command}: interrupted.", file=sys.stderr)
         return 130

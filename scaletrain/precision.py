@@ -159,8 +159,9 @@ class DynamicLossScaler:
             self._clean_steps = 0
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: bool) -> bool:
-        """Run ``optimizer.step()`` unless the (all-reduced) flag says a gradient overflowed."""
-        if self.enabled and found_inf:
+        """Run ``optimizer.step()`` unless the (all-reduced) flag says a gradient overflowed; a
+        skipped step is counted whatever the precision (``--on-nan skip``, train/nonfinite.py)."""
+        if found_inf:
             self._skipped += 1
             return False
         optimizer.step()

@@ -208,8 +208,7 @@ def test_checkpoint_saves_fp32_masters_and_resumes_exactly(tmp_path):
     opt = _adamw(masters.master_groups(decay_groups(model, 0.1)))
     for step in range(3):
         _step(model, opt, masters, step, "bf16")
-    path = ckpt.save_checkpoint(tmp_path, 3, model, opt, masters, {"step": 3}, is_main=True,
-                                barrier=lambda: None)
+    path = ckpt.save_checkpoint(tmp_path, 3, model, opt, masters, {"step": 3})
     saved = ckpt.read_model_tensors(path)
     assert saved["tok_emb.weight"].dtype == torch.float32
     assert torch.equal(saved["blocks.0.mlp.fc.weight"], masters.master_params[masters.names.index(
@@ -234,8 +233,7 @@ def test_a_bf16_run_resumes_from_an_fp32_checkpoint(tmp_path):
     model = _gpt()
     opt = _adamw(decay_groups(model, 0.1))
     _step(model, opt, None, 0)
-    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, None, {"step": 1}, is_main=True,
-                                barrier=lambda: None)
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, None, {"step": 1})
     bf16_model = _gpt(seed=1)
     masters = MasterWeights(bf16_model)
     bf16_opt = _adamw(masters.master_groups(decay_groups(bf16_model, 0.1)))

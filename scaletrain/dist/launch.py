@@ -21,9 +21,11 @@ on the others instead of a job that hangs forever.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import signal
 import socket
 import tempfile
 import uuid
@@ -39,7 +41,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from scaletrain.errors import UserError
+from scaletrain.errors import JobFailed, UserError
 
 DEFAULT_ADDR = "127.0.0.1"
 DEFAULT_PORT = 29500
@@ -211,6 +213,11 @@ def detect_environment(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
     return ProcessEnv(0, 1, 0, 1, addr, _port(environ, "shell", DEFAULT_PORT), "single")
 
 
+def restart_attempt(environ: Mapping[str, str] = os.environ) -> int:
+    """How many times torchrun's agent (or ``--max-restarts``) has restarted this job's workers: 0 at first."""
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 @dataclass
 class DistRuntime:
     """The process's place plus the backend and device it computes with.
@@ -272,12 +279,15 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
     return DistRuntime(env, chosen, device)
 
 
-def shutdown(runtime: DistRuntime) -> None:
+def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:
     """Leave the process group; the barrier first lets every rank finish its
-    last transfers, without which teardown aborts at random on torch 2.13."""
+    last transfers, without which teardown aborts at random on torch 2.13.
+    A rank leaving because the job failed skips it: the ranks it would wait
+    for may be dead or stuck."""
     if runtime.backend is None:
         return
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -289,12 +299,16 @@ def free_port(host: str = DEFAULT_ADDR) -> int:
 
 
 class WorkerFailed(RuntimeError):
-    """A worker started by `spawn_local` failed with something other than a UserError."""
+    """A worker started by `spawn_local` failed with a bug (its traceback is in the message)."""
+
+
+class WorkerKilled(JobFailed):
+    """A worker started by `spawn_local` was killed by a signal (no traceback to show)."""
 
 
 @record
-def _worker(user_error_dir: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """Run the entrypoint, leaving a UserError's sentence in a file for the parent.
+def _worker(sentence_dir: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """Run the entrypoint, leaving a UserError's or a JobFailed's sentence in a file for the parent.
 
     The error is raised on, so that the launcher stops the other ranks at
     once instead of leaving them blocked on this one until their collective
@@ -303,9 +317,21 @@ def _worker(user_error_dir: str, entrypoint: Callable[..., Any], *args: Any) -> 
     """
     try:
         return entrypoint(*args)
-    except UserError as error:
-        Path(user_error_dir, os.environ["RANK"]).write_text(str(error))
+    except (UserError, JobFailed) as error:
+        kind = "user" if isinstance(error, UserError) else "job"
+        name = f"{restart_attempt():04d}.{int(os.environ['RANK']):06d}"
+        Path(sentence_dir, name).write_text(json.dumps({"kind": kind, "text": str(error)}))
         raise
+
+
+def _sentence(sentence_dir: Path) -> UserError | JobFailed | None:
+    """The lowest rank's sentence from the last launch attempt, a user's mistake before a job's failure."""
+    files = sorted(sentence_dir.iterdir())
+    if not files:
+        return None
+    last = [json.loads(f.read_text()) for f in files if f.name.split(".")[0] == files[-1].name.split(".")[0]]
+    first = min(last, key=lambda said: said["kind"] != "user")
+    return (UserError if first["kind"] == "user" else JobFailed)(first["text"])
 
 
 def _failure_text(failure: Any) -> tuple[str, str]:
@@ -331,8 +357,8 @@ def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_
         logger.setLevel(logging.CRITICAL)
     try:
         with tempfile.TemporaryDirectory(prefix="scaletrain-spawn-") as workdir:
-            user_error_dir = Path(workdir, "user_errors")
-            user_error_dir.mkdir()
+            sentence_dir = Path(workdir, "sentences")
+            sentence_dir.mkdir()
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -346,18 +372,21 @@ def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_
             )
             failed: ChildFailedError | None = None
             try:
-                results = elastic_launch(config, _worker)(str(user_error_dir), entrypoint, *args)
+                results = elastic_launch(config, _worker)(str(sentence_dir), entrypoint, *args)
             except ChildFailedError as error:
                 failed = error
-            user_errors = sorted(user_error_dir.iterdir(), key=lambda path: int(path.name))
-            if user_errors:
-                raise UserError(user_errors[0].read_text())
+            sentence = _sentence(sentence_dir) if failed else None
     finally:
         for logger, level in zip(loggers, previous_levels, strict=True):
             logger.setLevel(level)
+    if sentence is not None:
+        raise sentence
     if failed is not None:
+        first_rank, first = failed.get_first_failure()
+        if first.exitcode < 0:  # killed: there is no traceback, only the signal
+            raise WorkerKilled(f"rank {first_rank} was killed by {signal.Signals(-first.exitcode).name} and the "
+                               f"launcher stopped the other workers")
         texts = {rank: _failure_text(failure) for rank, failure in sorted(failed.failures.items())}
-        summary = "; ".join(f"rank {rank}: {first}" for rank, (first, _) in texts.items())
-        first_rank, _ = failed.get_first_failure()
+        summary = "; ".join(f"rank {rank}: {line}" for rank, (line, _) in texts.items())
         raise WorkerFailed(f"{len(texts)} of {nproc} workers failed ({summary})\n{texts[first_rank][1]}".rstrip())
     return results

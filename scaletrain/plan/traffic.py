@@ -41,7 +41,7 @@ experts         per micro-batch and expert layer: an all-gather of the routing c
                 ``e*b*s*k*h`` each, which their ledgers' average equals. The routing
                 statistics are summed over the batch group once per step.
 gradient norm   4 bytes over each of tp, pp, ep (and the ZeRO group) that is larger
-                than one; fp16: the overflow flag over the world.
+                than one; the non-finite flag over the world (train/nonfinite.py).
 
 Evaluation, sampling and checkpoints are not part of a step and not counted.
 """
@@ -152,8 +152,7 @@ def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, 
                 traffic.add("all_reduce", group, r * sum(q.numel() for q in bucket))
     for group in ("tp", "pp", "ep", *([dense] if p.zero else [])):
         traffic.add("all_reduce", group, 4)  # the gradient norm's sum of squares
-    if t.precision == "fp16":
-        traffic.add("all_reduce", "world", 4)
+    traffic.add("all_reduce", "world", 4)  # the non-finite flag
     traffic.add("all_reduce", dense, 4)  # the loss
     return traffic.entries
 

@@ -2,15 +2,27 @@
 
 Layout of a run folder's ``checkpoints/``::
 
-    step_000050/            a complete checkpoint (DCP files + trainer_state.json)
+    step_000050/            a complete checkpoint: DCP files, trainer_state.json, manifest.json
     .tmp_step_000100/       one being written; never read, removed on the next save
+    .old_step_000010/       one being deleted (--keep-last); never read, removed on the next save
 
 Every rank writes its own part in parallel (DCP plans the writes, so
-replicated tensors are written once and sharded ones by their owners) into
-the temporary folder; after a barrier the main rank adds
-``trainer_state.json`` and renames the folder into place. A crash at any
-moment leaves either the previous complete checkpoint or the new one, never a
-half-written one that looks complete.
+replicated tensors are written once and sharded ones by their owners, and
+fsyncs each file) into the temporary folder. After a barrier the ranks
+share out the files and hash them (SHA-256); the main rank writes
+``trainer_state.json`` and then ``manifest.json`` (every file's size and
+hash), fsyncs both and the folder, and renames the folder into place, an
+atomic step on a POSIX file system. A crash at any moment leaves the
+previous complete checkpoint and maybe the new one, never a half-written one
+that looks complete: only ``step_*`` folders are read, and only those holding
+a manifest. ``--keep-last K`` deletes older ones only after the rename, each
+renamed away first so that a deletion cut off leaves no ``step_*`` folder
+with files missing.
+
+Before a resume the manifest is checked against the files (sizes and
+hashes), and the shapes in the metadata against the model: a truncated or
+altered file, another model's checkpoint or another vocabulary is one
+sentence, before any work starts.
 
 What is saved: the model's ``state_dict`` and the optimizer's per-parameter
 state keyed by parameter name (not by position), so a checkpoint does not
@@ -31,6 +43,7 @@ cannot run code.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -39,6 +52,7 @@ import pickle
 import shutil
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,9 +81,11 @@ from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
 
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
 # What reading a damaged, truncated or foreign checkpoint raises.
 READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException)
 _TMP_PREFIX = ".tmp_"
+_OLD_PREFIX = ".old_"
 
 
 @contextmanager
@@ -89,14 +105,83 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (temporary folders are never complete)."""
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints, oldest first (temporary folders are never complete)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
-        return None
-    complete = [p for p in root.iterdir()
-                if p.name.startswith("step_") and (p / STATE_FILE).is_file()]
-    return max(complete, key=lambda p: p.name, default=None)
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / MANIFEST).is_file())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint."""
+    complete = complete_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries, to the disk (a rename is durable once its folder is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Every file the manifest lists, with its size and SHA-256; one sentence for the first that differs."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"checkpoint {path} has no readable {MANIFEST} ({failure_reason(exc)}); delete it to "
+                        f"fall back to an earlier one.") from None
+    for name, entry in sorted(files.items()):
+        file = path / name
+        problem = ("is missing" if not file.is_file() else
+                   f"has {file.stat().st_size} bytes instead of {entry['bytes']}"
+                   if file.stat().st_size != entry["bytes"] else
+                   "does not match its SHA-256" if _sha256(file) != entry["sha256"] else None)
+        if problem:
+            raise UserError(f"checkpoint {path} is damaged: {name} {problem}; delete the folder to fall back "
+                            f"to an earlier checkpoint.")
+
+
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The full shape of every model tensor in a checkpoint, by ``state_dict`` key, from its metadata."""
+    metadata = SafeFileSystemReader(path).read_metadata()
+    return {fqn.removeprefix("model."): tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+
+
+def check_fits(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint holds exactly the model's tensors, in its shapes: one sentence otherwise,
+    the vocabulary named when it is what differs (the embedding's rows)."""
+    try:
+        saved = saved_shapes(path)
+    except READ_ERRORS as exc:
+        raise UserError(f"checkpoint {path} cannot be read ({failure_reason(exc)}); delete it to fall back "
+                        f"to an earlier one.") from None
+    missing, extra = sorted(expected.keys() - saved.keys()), sorted(saved.keys() - expected.keys())
+    if missing or extra:
+        names = ", ".join((missing or extra)[:3])
+        raise UserError(f"checkpoint {path} is of another model: {'it lacks' if missing else 'this model has no'} "
+                        f"{names}; resume with the model it was saved from, or start a new run.")
+    for name in sorted(expected):
+        if saved[name] != expected[name]:
+            if name == "tok_emb.weight" and saved[name][1:] == expected[name][1:]:
+                raise UserError(f"checkpoint {path} has a vocabulary of {saved[name][0]} tokens, but this run's "
+                                f"data and tokenizer give {expected[name][0]}; resume with the data, --tokenizer "
+                                f"and --vocab-size it was trained with.")
+            raise UserError(f"checkpoint {path} holds {name} of shape {list(saved[name])}, but this model's is "
+                            f"{list(expected[name])}; resume with the model sizes it was saved with.")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -296,31 +381,86 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
             "optim": {name: {k: whole(name, v) for k, v in state.items()} for name, state in optim.items()}}
 
 
+@dataclass(frozen=True)
+class Team:
+    """The ranks that save a checkpoint together: this one's index among them,
+    how many they are, and how they wait for and hear from each other (one
+    process: alone)."""
+
+    rank: int = 0
+    size: int = 1
+    barrier: Callable[[], None] = lambda: None
+    gather: Callable[[Any], list[Any]] = lambda value: [value]
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Folders of a save or a deletion that a crash cut off."""
+    for stale in root.glob(".*_step_*") if root.exists() else ():
+        if stale.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
+            shutil.rmtree(stale)
+
+
+def _hash_my_share(folder: Path, team: Team) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every ``team.size``-th file, from this rank's index on."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+            for name in names[team.rank::team.size]}
+
+
+def _write_durably(path: Path, text: str) -> None:
+    path.write_text(text)
+    _fsync(path)
+
+
+def prune(run_dir: Path, keep_last: int, strike: Callable[[str], None]) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints, each renamed away first."""
+    for old in complete_checkpoints(run_dir)[:-keep_last]:
+        doomed = old.with_name(_OLD_PREFIX + old.name)
+        os.replace(old, doomed)
+        strike("save-prune")
+        shutil.rmtree(doomed)
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    masters: MasterWeights | None, trainer_state: dict[str, Any], *, is_main: bool,
-                    barrier: Callable[[], None], zero: ZeroDataParallel | None = None,
-                    tensor_parallel: TensorParallel | None = None) -> Path:
+                    masters: MasterWeights | None, trainer_state: dict[str, Any], team: Team = Team(), *,
+                    zero: ZeroDataParallel | None = None, tensor_parallel: TensorParallel | None = None,
+                    keep_last: int = 0, strike: Callable[[str], None] = lambda point: None) -> Path:
+    """Write a checkpoint atomically (module docstring); ``strike`` is fault injection's hook (faults.py)."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
-    if is_main:
-        for stale in final.parent.glob(_TMP_PREFIX + "*") if final.parent.exists() else ():
-            shutil.rmtree(stale)  # left by a crash mid-save
+    if team.is_main:
+        _remove_leftovers(final.parent)
         tmp.mkdir(parents=True)
-    barrier()
+    team.barrier()
+    strike("save-begin")
     materialize_optimizer_state(optimizer)
     with _quiet():
         dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel),
-                 storage_writer=FileSystemWriter(tmp))
-    barrier()
-    if is_main:
-        state_path = tmp / STATE_FILE
-        state_path.write_text(json.dumps(trainer_state, indent=2))
-        with open(state_path) as f:
-            os.fsync(f.fileno())
-        if final.exists():  # an earlier attempt at this very step completed
-            shutil.rmtree(final)
+                 storage_writer=FileSystemWriter(tmp, sync_files=True))
+    strike("save-written")
+    team.barrier()
+    hashed = team.gather(_hash_my_share(tmp, team))
+    if team.is_main:
+        _write_durably(tmp / STATE_FILE, json.dumps(trainer_state, indent=2))
+        files = {name: entry for share in hashed for name, entry in share.items()}
+        files[STATE_FILE] = {"bytes": (tmp / STATE_FILE).stat().st_size, "sha256": _sha256(tmp / STATE_FILE)}
+        strike("save-manifest")
+        _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=2, sort_keys=True))
+        _fsync(tmp)
+        strike("save-rename")
+        replaced = final.with_name(_OLD_PREFIX + final.name)
+        if final.exists():  # an earlier attempt at this very step completed: moved aside, deleted after
+            os.replace(final, replaced)
         os.replace(tmp, final)
-    barrier()
+        _fsync(final.parent)
+        shutil.rmtree(replaced, ignore_errors=True)
+        if keep_last:
+            prune(run_dir, keep_last, strike)
+    team.barrier()
     return final
 
 

@@ -63,6 +63,8 @@ from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
+from scaletrain.errors import UserError
+from scaletrain.faults import Faults
 from scaletrain.models import build_model, gpt_config
 from scaletrain.models.gpt import sample_next
 from scaletrain.models.moe import auxiliary_loss, moe_layers
@@ -95,6 +97,7 @@ from scaletrain.train.metrics import (
     peak_tflops,
     step_memory_bytes,
 )
+from scaletrain.train.nonfinite import first_nonfinite, local_flag, stop_report, verdict
 from scaletrain.train.replicas import Replicas
 from scaletrain.train.routing import RoutingStats
 
@@ -141,6 +144,8 @@ class Trainer:
         self.run_dir = run_dir
         self.is_main = runtime.is_main
         self.device = runtime.device
+        self.faults = Faults.from_env(runtime.env.rank)  # none unless SCALETRAIN_FAULT asks (faults.py)
+        self.step: int | None = None  # the step under way, counted from 1, for failure reports
         self.data = open_data(spec, cfg)
         self.tp_group = mesh.group("tp")
         self.pp_group = mesh.group("pp")
@@ -225,11 +230,12 @@ class Trainer:
             ([self.replicas.dense] if self.zero else [])
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
+        self.on_nan = t.on_nan or ("skip" if t.precision == "fp16" else "stop")
         self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
         self.memory: dict | None = None  # the ledger taken on that step
         self.start_step = 0
-        if cfg.run.resume:
-            latest = ckpt.latest_checkpoint(run_dir)
+        latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
+        if latest:  # (none: a job restarted before its first checkpoint, run.py)
             state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters, self.zero,
                                          self.tensor_parallel)
             self.start_step = state["step"]
@@ -274,7 +280,10 @@ class Trainer:
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
-        first = first_sample(step, micro, t.grad_accum * self.micro_batches, self.replicas.batch.size,
+        per_step = t.grad_accum * self.micro_batches
+        if micro == min(1, per_step - 1):
+            self.faults.strike("micro-batch", step + 1)
+        first = first_sample(step, micro, per_step, self.replicas.batch.size,
                              self.replicas.batch.rank, t.micro_batch)
         return self._local(*self.data.train.get(first, t.micro_batch))
 
@@ -347,6 +356,7 @@ class Trainer:
 
     def train_step(self, step: int, record: bool = False) -> dict[str, float]:
         t = self.cfg.train
+        self.faults.strike("step", step + 1)
         torch.manual_seed(_step_seed(t.seed, step, self._dropout_rank()))
         self.model.train()
         routing = None
@@ -361,12 +371,16 @@ class Trainer:
             self.masters.copy_grads_to_master(self.data_parallel.gradient)
         if self.zero:
             self.zero.copy_grads_to_master()
-        overflow = False
-        if self.scaler.enabled:
-            found_inf = self.scaler.unscale_(self.step_params)
-            # Every rank skips together: replicas, and tp ranks whose slices overflowed or not.
-            self.comm.all_reduce(found_inf, self.mesh.group("world"), op="max")
-            overflow = bool(found_inf.item())
+        for name in self.faults.poisoned(step + 1):
+            self._poison(name)
+        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
+        # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
+        grads = [p.grad for p in self.step_params if p.grad is not None]
+        overflow = self.scaler.unscale_(self.step_params).to(self.device)
+        flag = local_flag(loss_sum, [] if self.scaler.enabled else grads).maximum(overflow)
+        skip = verdict(flag, self.comm, self.mesh.group("world"))
+        if skip and self.on_nan == "stop":
+            raise self._nonfinite_stop(step + 1, loss_sum.item())
         grad_norm = clip_grad_norm_([p.grad for p in self.step_params if p.grad is not None],
                                     t.grad_clip if t.grad_clip > 0 else math.inf,
                                     counted=[p.grad for p in self.norm_counted if p.grad is not None],
@@ -374,8 +388,9 @@ class Trainer:
         lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.scaler.step(self.optimizer, overflow)
-        self.scaler.update(overflow)
+        self.faults.strike("optimizer", step + 1)
+        self.scaler.step(self.optimizer, skip)
+        self.scaler.update(skip)
         if self.masters and not self.fused_working_copy:
             self.masters.copy_master_to_model()
         if self.zero:
@@ -386,13 +401,33 @@ class Trainer:
         if self.masters:
             self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         self.data_parallel.zero_grad()  # the model's
-        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
-        record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                  "skipped_steps": self.scaler.skipped_steps}
         if routing:
             record.update(routing.summed(self.comm, self.replicas.batch))
         if t.precision == "fp16":
-            record.update(loss_scale=self.scaler.scale_value, skipped_steps=self.scaler.skipped_steps)
+            record.update(loss_scale=self.scaler.scale_value)
         return record
+
+    def _named_step_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What the optimizer steps, by parameter name: ZeRO's pieces, the masters, or the weights."""
+        if self.zero:
+            return [(piece.name, piece.tensor) for unit in self.zero.units for piece in unit.pieces]
+        return [(name, self._stepped(p)) for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def _poison(self, name: str | None) -> None:
+        """A NaN into the gradient of ``name`` (None: the first holding one), for fault injection."""
+        held = [(n, t.grad) for n, t in self._named_step_tensors() if t.grad is not None and t.grad.numel()]
+        grad = next((g for n, g in held if name in (None, n)), None)
+        if grad is None:
+            raise UserError(f"SCALETRAIN_FAULT: rank {self.runtime.env.rank} holds no gradient named {name}.")
+        grad.view(-1)[0] = math.nan
+
+    def _nonfinite_stop(self, step: int, loss: float) -> Exception:
+        culprit = first_nonfinite((name, t.grad) for name, t in self._named_step_tensors())
+        culprits = self.comm.all_gather_object(culprit, self.mesh.group("world"))
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        return stop_report(step, loss, culprits, latest.name if latest else None)
 
     def _bytes_ledger(self) -> dict:
         if self.zero:
@@ -462,14 +497,15 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------
     def _save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters,
-                                    {"step": step, "world_size": self.runtime.env.world_size,
-                                     "layout": self.mesh.dims.describe(),
-                                     "scaler": {k: float(v) if torch.is_tensor(v) else v
-                                                for k, v in self.scaler.state_dict().items()}},
-                                    is_main=self.is_main,
-                                    barrier=lambda: self.comm.barrier(self.mesh.group("world")), zero=self.zero,
-                                    tensor_parallel=self.tensor_parallel)
+        world = self.mesh.group("world")
+        team = ckpt.Team(world.rank, world.size, barrier=lambda: self.comm.barrier(world),
+                         gather=lambda value: self.comm.all_gather_object(value, world))
+        state = {"step": step, "world_size": self.runtime.env.world_size, "layout": self.mesh.dims.describe(),
+                 "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
+        return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters, state, team,
+                                    zero=self.zero, tensor_parallel=self.tensor_parallel,
+                                    keep_last=self.cfg.run.keep_last,
+                                    strike=lambda point: self.faults.strike(point, step))
 
     def fit(self) -> RunSummary:
         cfg = self.cfg
@@ -483,6 +519,7 @@ class Trainer:
         record: dict = {}
         val_loss, saved = None, None
         for step in range(self.start_step, end):
+            self.step = step + 1
             start = time.perf_counter()
             record = {"step": step + 1, **self.train_step(step, record=step == end - 1)}
             seconds = time.perf_counter() - start

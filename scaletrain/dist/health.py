@@ -1,0 +1,111 @@
+"""Heartbeats: when a collective fails, say which rank failed.
+
+A collective with a dead rank fails on the others within a moment (gloo:
+"Connection reset by peer [10.0.0.7]:40312", an address, not a rank); with a
+rank that is alive but stuck, it waits for the process group's timeout.
+Neither says which rank, and on a thousand ranks that is the first question.
+
+So every rank keeps a counter in the job's rendezvous store (the TCPStore the
+process group met through: rank 0's, or the torchrun agent's, which outlives
+its workers) and bumps it every ``interval`` seconds from a daemon thread. A
+rank that fails in its own code writes why before it leaves; a rank that
+leaves because another failed says so too, so as not to be taken for dead. When a collective fails, the rank
+that saw it calls `diagnose`: a rank that wrote a reason is named with it,
+else the ranks whose counter stood still for three intervals, and that
+left no word, are the ones that died or hang.
+
+Keys live under ``scaletrain/health/<attempt>/``, the restart count of the
+launch, because the agent's store keeps the keys of earlier attempts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from scaletrain.dist.launch import ProcessEnv, restart_attempt
+
+# Store operations on an unreachable store fail with one of these.
+STORE_ERRORS = (RuntimeError, dist.DistError)
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """A twentieth of the collective timeout, between half a second and five:
+    often enough to tell dead from slow well inside the timeout, rarely enough
+    that thousands of ranks do not crowd the store."""
+    return min(5.0, max(0.5, timeout_s / 20))
+
+
+class Health:
+    def __init__(self, env: ProcessEnv, timeout_s: float):
+        self.env = env
+        self.interval = heartbeat_interval(timeout_s)
+        self._prefix = f"scaletrain/health/{restart_attempt()}"
+        self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                                    timeout=timedelta(seconds=max(5.0, 2 * self.interval)))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="scaletrain-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _key(self, what: str, rank: int) -> str:
+        return f"{self._prefix}/{what}/{rank}"
+
+    def _beat(self) -> None:
+        beat = self._key("beat", self.env.rank)
+        while not self._stop.is_set():
+            try:
+                self._store.add(beat, 1)
+            except STORE_ERRORS:
+                return  # the store is gone with its host; diagnose() will say so
+            self._stop.wait(self.interval)
+
+    def failed(self, reason: str) -> None:
+        """This rank fails in its own code, for ``reason``: the others will name it with that."""
+        self._set("failed", reason)
+
+    def leave(self) -> None:
+        """This rank leaves because another failed: not to be taken for a dead one."""
+        self._set("left", "")
+
+    def _set(self, what: str, value: str) -> None:
+        try:
+            self._store.set(self._key(what, self.env.rank), value)
+        except STORE_ERRORS:
+            pass  # the store is gone: the others learn it from diagnose()
+
+    def diagnose(self) -> str | None:
+        """Who failed, as a phrase (``rank 3 died or hangs``), or None when every
+        other rank is alive and silent: then the failure is this rank's own."""
+        others = [r for r in range(self.env.world_size) if r != self.env.rank]
+        try:
+            before = self._beats(others)
+            time.sleep(3 * self.interval)
+            after = self._beats(others)
+            # Read after the beats: a rank that wrote meanwhile is not taken for a dead one.
+            failed, left = self._written("failed", others), self._written("left", others)
+        except STORE_ERRORS:
+            host = "the torchrun agent" if self.env.source == "torchrun" else "rank 0"
+            return (f"the job's rendezvous store at {self.env.master_addr}:{self.env.master_port} is gone, "
+                    f"and with it {host}, its host")
+        if failed:
+            rank = min(failed)
+            return f"rank {rank} failed: {failed[rank]}"
+        stalled = [r for r in others if after[r] == before[r] and r not in left]
+        if not stalled:
+            return None
+        if len(stalled) == 1:
+            return f"rank {stalled[0]} died or hangs"
+        return f"ranks {', '.join(map(str, stalled))} died or hang"
+
+    def _beats(self, ranks: list[int]) -> dict[int, int]:
+        return {r: self._store.add(self._key("beat", r), 0) for r in ranks}
+
+    def _written(self, what: str, ranks: list[int]) -> dict[int, str]:
+        keys = {r: self._key(what, r) for r in ranks}
+        return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
+
+    def stop(self) -> None:
+        self._stop.set()

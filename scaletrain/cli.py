@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve
-from scaletrain.errors import JobFailed, UserError
-from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
+# Before torch loads: its C++ side logs a warning with a stack trace for every
+# socket a dead peer closed (the rendezvous store, gloo), pages of them before
+# the one sentence that names the rank. Errors still show; a user's own
+# TORCH_CPP_LOG_LEVEL=WARNING brings the warnings back.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve  # noqa: E402
+from scaletrain.errors import JobFailed, UserError  # noqa: E402
+from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):

@@ -309,6 +309,7 @@ _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "n
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts")
+_ABOVE_ZERO = ("lr", "timeout", "bucket_mb")
 
 
 def check_values(cfg: Config) -> None:
@@ -324,8 +325,9 @@ def check_values(cfg: Config) -> None:
         raise UserError(f"--val-fraction must be between 0 and 1, not {cfg.data.val_fraction}.")
     if not 0 <= cfg.model.dropout < 1:
         raise UserError(f"--dropout must be in [0, 1), not {cfg.model.dropout}.")
-    if cfg.train.lr <= 0 or cfg.parallel.timeout <= 0 or cfg.parallel.bucket_mb <= 0:
-        raise UserError("--lr, --timeout and --bucket-mb must be positive.")
+    for name in _ABOVE_ZERO:
+        if flat[name] <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, not {flat[name]}.")
     if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
         raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
     if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":

@@ -25,36 +25,6 @@ def _one_sentence_exit_2(result, phrase):
     assert phrase in result.stderr
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--data", "/no/such/corpus"], "/no/such/corpus does not exist"),
-    (["--nproc", "2", "--dp", "3"], "choose sizes whose product is 2"),
-    (["--n-heads", "3", "--d-model", "48", "--nproc", "2", "--tp", "2"], "--tp 2"),
-    (["--not-a-flag"], "unrecognized arguments: --not-a-flag"),
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--resume"], "--resume"),
-    (["--param-dtype", "bf16"], "--param-dtype bf16 needs --precision bf16"),
-    (["--model", "mlp", "--compile"], "--compile applies to the GPT models' blocks"),
-    (["--reduce-dtype", "bf16"], "--reduce-dtype bf16 reduces bf16 gradients"),
-    (["--bucket-mb", "0"], "--bucket-mb must be positive"),
-    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1"),
-    (["--allreduce", "tree"], "invalid choice: 'tree'"),
-    (["--nproc", "2", "--zero", "2", "--compress", "sign"], "--zero 2 does not combine with --compress"),
-    (["--nproc", "2", "--zero", "3", "--allreduce", "ring"], "does not combine with --allreduce ring"),
-    (["--zero", "1", "--optimizer", "adafactor"], "does not combine with --optimizer adafactor"),
-    (["--zero", "4"], "invalid choice: 4"),
-    (["--sp"], "--sp splits the sequence over the tp group, which needs --tp 2 or more"),
-    (["--nproc", "2", "--tp", "2", "--sp", "--seq-len", "31"], "choose a --seq-len divisible by 2"),
-    (["--nproc", "2", "--tp", "2", "--optimizer", "adafactor"], "does not combine with --optimizer adafactor"),
-    (["--model", "mlp", "--nproc", "2", "--tp", "2"], "splits attention heads, but this model has none"),
-    (["--nproc", "4", "--tp", "2", "--mesh-order", "dp,tp,pp"], "--mesh-order dp,tp,pp must name each of"),
-])
-def test_bad_input_is_one_sentence_and_writes_nothing(corpus, tmp_path, args, phrase):
-    out = tmp_path / "run"
-    result = run_cli(*_tiny(corpus, out), *args)  # the last of a repeated flag wins
-    _one_sentence_exit_2(result, phrase)
-    assert not out.exists()
-
-
 def test_resume_after_stop_at_runs_to_the_end(corpus, tmp_path):
     """--stop-at limits one invocation: the resumed run goes on to --steps unless given its own."""
     out = tmp_path / "run"

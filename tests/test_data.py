@@ -15,12 +15,14 @@ from scaletrain.data import (
     TokenBatches,
     build_token_cache,
     corpus_files,
+    count_tokens,
     default_corpus_files,
     load_digits,
     load_tokenizer,
     load_tokens,
     make_tokenizer,
     split_tokens,
+    token_lower_bound,
     unigram_entropy_nats,
 )
 from scaletrain.errors import UserError
@@ -155,6 +157,16 @@ def test_token_cache_contents_dtype_and_reuse(tmp_path, text_files, monkeypatch)
     monkeypatch.setattr(tok, "encode", fail)
     assert build_token_cache(text_files, tok, cache_dir) == path
     assert path.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_token_counts_match_the_cache_without_writing_it(tmp_path, text_files, kind):
+    tok = make_tokenizer(kind, text_files, vocab_size=300)
+    n_tokens = count_tokens(text_files, tok)
+    assert token_lower_bound(text_files, tok) <= n_tokens
+    if kind == "byte":  # one token per byte: the sizes are the count
+        assert token_lower_bound(text_files, tok) == n_tokens
+    assert len(load_tokens(build_token_cache(text_files, tok, tmp_path / "cache"))) == n_tokens
 
 
 def test_token_cache_key_follows_file_changes(tmp_path, text_files):

@@ -137,10 +137,13 @@ def test_disabled_scaler_is_a_pass_through():
     assert torch.equal(p.grad, torch.tensor([float("inf"), 3.0]))
     opt = torch.optim.SGD([p], lr=1.0)
     p.grad = torch.tensor([1.0, 1.0])
-    assert scaler.step(opt, found_inf=True)
+    assert scaler.step(opt, found_inf=False)
+    assert torch.equal(p.detach(), torch.tensor([-1.0, -1.0]))
+    # A step the trainer found non-finite (--on-nan skip) is skipped and counted; the scale stays 1.
+    assert not scaler.step(opt, found_inf=True)
     scaler.update(True)
     assert torch.equal(p.detach(), torch.tensor([-1.0, -1.0]))
-    assert scaler.scale_value == 1.0 and scaler.skipped_steps == 0
+    assert scaler.scale_value == 1.0 and scaler.skipped_steps == 1
 
 
 def test_state_dict_resumes_the_same_trajectory():

@@ -104,8 +104,8 @@ def test_corrupt_checkpoint_is_a_user_error(tiny_cfg):
     summary, _ = train(tiny_cfg.replace(steps=2))
     for f in summary.checkpoint.glob("*.distcp"):
         f.write_bytes(b"garbage")
-    with pytest.raises(UserError, match="cannot be loaded"):
-        execute(tiny_cfg.replace(steps=4, resume=True), None)
+    with pytest.raises(UserError, match=r"is damaged: __0_0.distcp has 7 bytes instead of \d+"):
+        prepare_run(tiny_cfg.replace(steps=4, resume=True))
 
 
 class _Exploit:

@@ -124,17 +124,28 @@ class ArrayBatches(_Batches):
         return self._inputs[items], self._targets[items]
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens before and after the cut: training first, the last `val_fraction` for validation."""
+def _validation_tokens(n_tokens: int, val_fraction: float, seq_len: int) -> int:
+    # Each part needs one whole sequence plus the token after it.
+    return max(int(n_tokens * val_fraction), seq_len + 1)
+
+
+def corpus_too_short(n_tokens: int, val_fraction: float, seq_len: int) -> bool:
+    """Whether `n_tokens` leave training or validation without one whole sequence."""
+    return n_tokens - _validation_tokens(n_tokens, val_fraction, seq_len) < seq_len + 1
+
+
+def check_corpus_length(n_tokens: int, val_fraction: float, seq_len: int) -> None:
     if not 0 < val_fraction < 1:
         raise UserError(f"--val-fraction is {val_fraction}; use a value between 0 and 1.")
-    # Each part needs one whole sequence plus the token after it.
-    minimum = seq_len + 1
-    n_val = max(int(len(tokens) * val_fraction), minimum)
-    if len(tokens) - n_val < minimum:
+    if corpus_too_short(n_tokens, val_fraction, seq_len):
         raise UserError(
-            f"The corpus has {len(tokens)} tokens, too few for a sequence of {minimum} in both training "
+            f"The corpus has {n_tokens} tokens, too few for a sequence of {seq_len + 1} in both training "
             f"and validation with --val-fraction {val_fraction}; give more text or a smaller --seq-len."
         )
-    cut = len(tokens) - n_val
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens before and after the cut: training first, the last `val_fraction` for validation."""
+    check_corpus_length(len(tokens), val_fraction, seq_len)
+    cut = len(tokens) - _validation_tokens(len(tokens), val_fraction, seq_len)
     return tokens[:cut], tokens[cut:]

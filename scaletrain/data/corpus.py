@@ -116,11 +116,32 @@ def _sidecar(tokens_path: Path) -> Path:
     return tokens_path.with_suffix(".json")
 
 
+def _read_text(path: Path) -> str:
+    # Not read_text(): its newline translation would change the bytes being tokenized.
+    return path.read_bytes().decode("utf-8")
+
+
+def _separator_tokens(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer) -> int:
+    return len(tokenizer.encode(DOCUMENT_SEPARATOR)) * (len(files) - 1)
+
+
+def count_tokens(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer) -> int:
+    """The length of the token file `build_token_cache` would write, without writing it."""
+    return _separator_tokens(files, tokenizer) + sum(len(tokenizer.encode(_read_text(f))) for f in files)
+
+
+def token_lower_bound(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer) -> int:
+    """At most `count_tokens`, from the files' sizes alone: no token spans more than
+    `tokenizer.longest_token_bytes` bytes."""
+    n_bytes = sum(f.stat().st_size for f in files)
+    return _separator_tokens(files, tokenizer) + n_bytes // tokenizer.longest_token_bytes
+
+
 def _write_tokens(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer, dtype: np.dtype, out) -> int:
     separator = tokenizer.encode(DOCUMENT_SEPARATOR).astype(dtype)
     n_tokens = 0
     for i, f in enumerate(files):
-        ids = tokenizer.encode(f.read_bytes().decode("utf-8")).astype(dtype)
+        ids = tokenizer.encode(_read_text(f)).astype(dtype)
         if i:
             separator.tofile(out)
             n_tokens += len(separator)

@@ -31,6 +31,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    longest_token_bytes = 1
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -80,6 +81,11 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         # May be below the requested size when the corpus offers too few merges.
         return self._tokenizer.get_vocab_size()
+
+    @property
+    def longest_token_bytes(self) -> int:
+        # The byte-level alphabet spells every byte as one character.
+        return max(map(len, self._tokenizer.get_vocab()))
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text).ids, dtype=np.int64)

@@ -266,17 +266,30 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     if env.world_size == 1:
         return DistRuntime(env, None, device)
-    # torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT,
-    # and env:// joins it; other launchers need rank 0 to start one there.
-    init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(
-        chosen,
-        init_method=init_method,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    if env.source == "torchrun":
+        dist.init_process_group(chosen, store=_attempt_store(env, timeout), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    else:  # rank 0 starts the rendezvous store at MASTER_ADDR:MASTER_PORT
+        dist.init_process_group(chosen, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
     return DistRuntime(env, chosen, device)
+
+
+def _attempt_store(env: ProcessEnv, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of this launch attempt under torchrun (or `spawn_local`).
+
+    The agent serves one store at MASTER_ADDR:MASTER_PORT for the whole job,
+    restarts included, so the keys the first attempt's ranks left (each one's
+    address) are still there when the restarted ranks meet, and a rank may
+    read another's old address before its new one: the connection is refused.
+    A prefix per attempt keeps attempts apart. (Without the agent's store,
+    rank 0 serves one, as under the other launchers.)
+    """
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=env.rank == 0 and not agent_serves, timeout=timeout)
+    return dist.PrefixStore(f"scaletrain/attempt_{restart_attempt()}", store)
 
 
 def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:

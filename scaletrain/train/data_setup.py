@@ -1,9 +1,11 @@
 """From the data flags to batches: prepared once, opened by every worker.
 
 ``prepare_data`` does the slow and fallible part (finding files, training a
-BPE tokenizer, tokenizing into the memmap cache, checking the corpus is long
-enough) before any training starts, in the launching process. Workers then
-``open_data`` the cached files, which is cheap and cannot fail on user input.
+BPE tokenizer, checking the corpus is long enough, tokenizing into the memmap
+cache) before any training starts, in the launching process. Every check
+comes before the first file is written, so a refused run leaves no cache
+behind. Workers then ``open_data`` the cached files, which is cheap and
+cannot fail on user input.
 Tokenizer and token file are cached beside the run folders (``runs/.cache``),
 keyed by the corpus files and tokenizer, so the next run starts at once.
 """
@@ -15,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import Config
-from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBatches, corpus_files,
-                             build_token_cache, files_fingerprint, load_digits, load_tokenizer,
-                             load_tokens, split_tokens, unigram_entropy_nats)
+from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBatches, build_token_cache,
+                             check_corpus_length, corpus_files, corpus_too_short, count_tokens,
+                             files_fingerprint, load_digits, load_tokenizer, load_tokens, split_tokens,
+                             token_lower_bound, unigram_entropy_nats)
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import UserError
 
@@ -41,15 +44,28 @@ class OpenedData:
     n_classes: int = 0
 
 
-def _bpe_tokenizer(files: list[Path], vocab_size: int, cache_dir: Path) -> BPETokenizer:
-    path = cache_dir / f"bpe-{vocab_size}-{files_fingerprint(files)[:16]}.json"
-    if path.is_file():
-        return BPETokenizer.load(path)
-    tokenizer = BPETokenizer.train(files, vocab_size)
+def check_folder_creatable(folder: Path, flag: str) -> None:
+    """Refuse a folder that cannot be made or written to, before anything else is written."""
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    if not existing.is_dir():
+        blocker = "it" if existing == folder else existing
+        raise UserError(f"{flag} {folder} cannot be a folder because {blocker} is a file; choose another path.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder} cannot be written because {existing} is read-only; choose a "
+                        f"folder you can write to.")
+
+
+def _tokenizer(files: list[Path], vocab_size: int, bpe_path: Path | None) -> ByteTokenizer | BPETokenizer:
+    """Bytes without a BPE path; else the cached BPE, or one trained here and not yet saved."""
+    if bpe_path is None:
+        return ByteTokenizer()
+    return BPETokenizer.load(bpe_path) if bpe_path.is_file() else BPETokenizer.train(files, vocab_size)
+
+
+def _save_atomically(tokenizer: BPETokenizer, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tokenizer.save(tmp)
     os.replace(tmp, path)
-    return tokenizer
 
 
 def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
@@ -59,15 +75,23 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
                             "bundled digits, so drop --data.")
         return DataSpec(kind="digits")
     files = corpus_files(cfg.data.data)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = (_bpe_tokenizer(files, cfg.data.vocab_size, cache_dir) if cfg.data.tokenizer == "bpe"
-                 else ByteTokenizer())
+    check_folder_creatable(cache_dir, "--cache-dir")
+    bpe_path = (cache_dir / f"bpe-{cfg.data.vocab_size}-{files_fingerprint(files)[:16]}.json"
+                if cfg.data.tokenizer == "bpe" else None)
+    tokenizer = _tokenizer(files, cfg.data.vocab_size, bpe_path)
+    # File sizes settle the length of most corpora without tokenizing them; one they leave in
+    # doubt is small, and tokenized once more to count.
+    if corpus_too_short(token_lower_bound(files, tokenizer), cfg.data.val_fraction, cfg.data.seq_len):
+        check_corpus_length(count_tokens(files, tokenizer), cfg.data.val_fraction, cfg.data.seq_len)
+    cache_dir.mkdir(parents=True, exist_ok=True)  # the first write: every check has passed
+    if bpe_path is not None and not bpe_path.is_file():
+        _save_atomically(tokenizer, bpe_path)
     tokens_path = build_token_cache(files, tokenizer, cache_dir)
     tokenizer_path = tokens_path.with_suffix(".tokenizer.json")
     if not tokenizer_path.exists():
         tokenizer.save(tokenizer_path)
     tokens = load_tokens(tokens_path)
-    train, _ = split_tokens(tokens, cfg.data.val_fraction, cfg.data.seq_len)  # raises if too short
+    train, _ = split_tokens(tokens, cfg.data.val_fraction, cfg.data.seq_len)
     return DataSpec(kind="text", tokens_path=str(tokens_path), tokenizer_path=str(tokenizer_path),
                     vocab_size=tokenizer.vocab_size, n_tokens=len(tokens),
                     unigram_entropy=unigram_entropy_nats(train, tokenizer.vocab_size))

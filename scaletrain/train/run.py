@@ -18,16 +18,26 @@ from pathlib import Path
 import torch
 
 from scaletrain.compile import COMPILE_NOTE
-from scaletrain.config import Config, check_values
+from scaletrain.config import Config, check_values, load_run_config
+from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.dist.comm import Comm, Ledger
-from scaletrain.dist.launch import ProcessEnv, detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.health import Health
+from scaletrain.dist.launch import (
+    ProcessEnv,
+    WorkerKilled,
+    detect_environment,
+    init_distributed,
+    restart_attempt,
+    shutdown,
+    spawn_local,
+)
 from scaletrain.dist.mesh import Mesh, ParallelDims
-from scaletrain.errors import UserError
+from scaletrain.errors import JobFailed, UserError
 from scaletrain.kernels import unavailable
-from scaletrain.models import gpt_config
+from scaletrain.models import build_model, gpt_config
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.data_setup import DataSpec, prepare_data
+from scaletrain.train.data_setup import DataSpec, check_folder_creatable, prepare_data
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
 
@@ -77,8 +87,11 @@ def default_out(cfg: Config) -> str:
 
 def check_run_folder(cfg: Config) -> None:
     out = Path(cfg.run.out)
+    check_folder_creatable(out, "--out")
     if cfg.run.resume:
         latest = ckpt.latest_checkpoint(out)
+        if latest is None and restart_attempt() > 0:
+            return  # restarted before its first checkpoint: the run starts over in its folder
         if latest is None:
             raise UserError(f"--resume found no complete checkpoint in {out}; start a new run "
                             f"without --resume or point --out at an earlier run.")
@@ -93,12 +106,39 @@ def check_run_folder(cfg: Config) -> None:
         raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
 
 
+def check_resumable(cfg: Config, spec: DataSpec) -> None:
+    """Before a resume: the newest checkpoint is whole (its manifest's sizes and
+    hashes) and of this model (the shapes in its metadata, the vocabulary's too)."""
+    latest = ckpt.latest_checkpoint(Path(cfg.run.out)) if cfg.run.resume else None
+    if latest is None:
+        return
+    ckpt.verify_checkpoint(latest)
+    with torch.device("meta"):
+        model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+                            n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
+    ckpt.check_fits(latest, {key: tuple(t.shape) for key, t in model.state_dict().items()})
+
+
+def continue_after_restart(cfg: Config) -> Config:
+    """A job that torchrun or --max-restarts restarted (attempt 1, 2, ...) continues
+    the run its first attempt began in --out, from the newest complete
+    checkpoint (from the start when none was complete yet): whenever that
+    folder holds a run of this very configuration. Any other folder gets the
+    first attempt's checks and refusals."""
+    out = Path(cfg.run.out)
+    if restart_attempt() == 0 or cfg.run.resume or not (out / "config.toml").is_file():
+        return cfg
+    begun = load_run_config(out).replace(resume=False)
+    return cfg.replace(resume=True) if begun.to_dict() == cfg.to_dict() else cfg
+
+
 def prepare_run(cfg: Config) -> DataSpec:
     """Everything before training that can fail on user input, then the folder."""
     check_values(cfg)
     check_run_folder(cfg)
     out = Path(cfg.run.out)
     spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else out.parent / ".cache")
+    check_resumable(cfg, spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml())
     return spec
@@ -122,7 +162,11 @@ def launch(cfg: Config) -> RunSummary:
 def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
     """Run the worker here, or spawn ``--nproc`` local ones (the run prepared)."""
     if cfg.parallel.nproc > 1:
-        return spawn_local(cfg.parallel.nproc, run_worker, (cfg, spec))[0]
+        try:
+            return spawn_local(cfg.parallel.nproc, run_worker, (cfg, spec),
+                               max_restarts=cfg.parallel.max_restarts)[0]
+        except WorkerKilled as exc:
+            raise JobFailed(f"{exc}; {restart_hint(Path(cfg.run.out))}.") from None
     return run_worker(cfg, spec)
 
 
@@ -130,23 +174,29 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
     """One worker: join the group, (prepare if nobody did), train, report."""
     env = detect_environment()
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
+    health = Health(env, cfg.parallel.timeout) if runtime.backend else None
+    trainer: Trainer | None = None
+    failed = False
     try:
         dims = cfg.parallel.mesh_dims(env.world_size)
         mesh = Mesh.build(dims, env.rank, env.world_size)
         comm = Comm(Ledger())
         world = mesh.group("world")
-        if spec is None:  # no launching process prepared the run: rank 0 does, all learn the verdict
-            outcome: DataSpec | str | None = None
-            if runtime.is_main:
-                try:
-                    outcome = prepare_run(cfg)
-                except UserError as exc:
-                    outcome = str(exc)
-            outcome = comm.all_gather_object(outcome, world)[0]
-            if isinstance(outcome, str):
-                raise UserError(outcome)
-            spec = outcome
+        # Rank 0 decides (prepares the run, if no launching process did) and all learn the verdict.
+        outcome: tuple[Config, DataSpec | None] | str | None = None
+        if runtime.is_main:
+            try:
+                cfg = continue_after_restart(cfg)
+                outcome = (cfg, prepare_run(cfg) if spec is None else spec)
+            except UserError as exc:
+                outcome = str(exc)
+        outcome = comm.all_gather_object(outcome, world)[0]
+        if isinstance(outcome, str):
+            raise UserError(outcome)
+        cfg, spec = outcome
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
+        if trainer.start_step and runtime.is_main:
+            print(f"resumed from checkpoint step_{trainer.start_step:06d}")
         if trainer.pipeline and runtime.is_main:
             schedule = trainer.pipeline.schedule
             print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
@@ -159,8 +209,43 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if trainer.pipeline:
             write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, Path(cfg.run.out))
         return summary
+    except Exception as exc:
+        failed = True
+        reported = explain_failure(exc, health, trainer.step if trainer else None, Path(cfg.run.out))
+        if reported is exc:
+            raise
+        raise reported from None
     finally:
-        shutdown(runtime)
+        if health:
+            health.stop()
+        shutdown(runtime, barrier=not failed)
+
+
+def explain_failure(exc: Exception, health: Health | None, step: int | None, run_dir: Path) -> Exception:
+    """What this rank's failure is reported as. Its own (a sentence, or a bug with
+    its traceback): as it is, after telling the others. A collective that failed
+    because another rank did: a `JobFailed` naming that rank (dist/health.py)."""
+    if health is None:
+        return exc
+    if isinstance(exc, (UserError, JobFailed)):
+        health.failed(str(exc))
+        return exc
+    culprit = health.diagnose()
+    if culprit is None:
+        health.failed(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        return exc
+    health.leave()
+    where = f"in step {step}" if step else "before training"
+    return JobFailed(f"{culprit}, so rank {health.env.rank} stopped {where}; {restart_hint(run_dir)}.")
+
+
+def restart_hint(run_dir: Path) -> str:
+    """How to go on after the job failed: from which checkpoint, by which command."""
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None:
+        return "the run has no complete checkpoint yet: run the same command again"
+    return (f"its newest complete checkpoint is {latest.name}: run the same command with --resume to go on from "
+            f"there (a launch with --max-restarts, ours or torchrun's, does it by itself)")
 
 
 def write_comm_report(comm: Comm, world, run_dir: Path, is_main: bool) -> None:

@@ -1,0 +1,230 @@
+"""Every user mistake: exit code 2, one sentence on stderr that says what to change, and
+nothing left behind (no run folder, no cache, no file of any kind).
+
+The table runs in this process through ``scaletrain.cli.main``, since a fresh interpreter per
+case would cost seconds of imports each; a few cases also run as real processes to show that
+the user sees no traceback there either.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scaletrain.cli import main
+from tests.conftest import run_cli
+
+# gpt-tiny for three steps: a case that wrongly passed would train for a second, not minutes. No
+# --out: a run folder would default to runs/ under the test's folder, where the check sees it.
+TINY = ("--model", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "3", "--warmup-steps", "1",
+        "--eval-batches", "1", "--sample-tokens", "0", "--no-progress")
+
+# Files a case creates in its folder first: bytes make a file, None an empty folder, an int a
+# folder with that mode, FINISHED a copy of a run that trained all of TINY's three steps.
+READ_ONLY = 0o500
+FINISHED = "finished"
+CONFIG = b'[model]\nname = "gpt-tiny"\n'
+NOT_A_FOLDER = {"taken": b"a file"}
+
+
+def case(name, args, phrase, files=None, command="train", marks=()):
+    """One wrong invocation: ``args`` after the valid tiny ones (the last of a repeated flag wins;
+    ``{tmp}`` is the test's folder), the phrase its sentence must hold, the files it needs."""
+    return pytest.param(command, args, phrase, files or {}, id=name, marks=marks)
+
+
+CASES = [
+    # layouts
+    case("world-not-product", ["--nproc", "2", "--dp", "3"], "choose sizes whose product is 2"),
+    case("sizes-not-dividing-world", ["--nproc", "4", "--tp", "3"], "choose sizes whose product divides 4"),
+    case("sp-without-tp", ["--sp"], "needs --tp 2 or more, not --tp 1; add --tp or drop --sp"),
+    case("cp-seq-len", ["--nproc", "2", "--cp", "2", "--seq-len", "30"], "choose a --seq-len divisible by 4"),
+    case("ep-without-experts", ["--nproc", "2", "--ep", "2"], "add --moe-experts (a multiple of 2) or use --ep 1"),
+    case("ep-not-dividing-experts", ["--nproc", "2", "--ep", "2", "--moe-experts", "3"],
+         "choose --moe-experts divisible by 2"),
+    case("zero3-with-pp", ["--nproc", "2", "--pp", "2", "--zero", "3"], "use --zero 1 or 2 with --pp 2"),
+    case("mlp-with-tp", ["--model", "mlp", "--nproc", "2", "--tp", "2"], "this model has none; use --tp 1"),
+    case("mesh-order", ["--nproc", "4", "--tp", "2", "--mesh-order", "dp,tp,pp"],
+         "--mesh-order dp,tp,pp must name each of dp,ep,pp,cp,tp exactly once"),
+    case("heads-by-tp", ["--n-heads", "3", "--d-model", "48", "--nproc", "2", "--tp", "2"],
+         "choose a --tp that divides 3"),
+    case("d-model-by-heads", ["--d-model", "50", "--n-heads", "4"],
+         "--d-model 50 is not divisible by --n-heads 4; choose sizes where it is"),
+    case("sp-seq-len", ["--nproc", "2", "--tp", "2", "--sp", "--seq-len", "31"],
+         "choose a --seq-len divisible by 2"),
+    case("tp-adafactor", ["--nproc", "2", "--tp", "2", "--optimizer", "adafactor"],
+         "--tp 2 does not combine with --optimizer adafactor"),
+    case("zero-compress", ["--nproc", "2", "--zero", "2", "--compress", "sign"],
+         "--zero 2 does not combine with --compress"),
+    case("zero-ring", ["--nproc", "2", "--zero", "3", "--allreduce", "ring"],
+         "--zero 3 does not combine with --allreduce ring"),
+    case("zero-adafactor", ["--zero", "1", "--optimizer", "adafactor"],
+         "--zero 1 does not combine with --optimizer adafactor"),
+    # pipelines
+    case("unknown-schedule", ["--nproc", "2", "--pp", "2", "--pp-schedule", "pipedream"],
+         "invalid choice: 'pipedream' (choose from"),
+    case("more-pp-than-layers", ["--nproc", "4", "--pp", "4"], "choose --pp at most 2"),
+    case("more-stages-than-layers", ["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved",
+                                     "--virtual-stages", "2", "--microbatches", "2"],
+         "cuts the model into 4 stages, but it has 2 layers; lower one of the two or raise --n-layers"),
+    case("interleaved-too-few-microbatches", ["--nproc", "2", "--pp", "2", "--n-layers", "4",
+                                              "--pp-schedule", "interleaved", "--microbatches", "1"],
+         "choose --microbatches divisible by 2, not 1"),
+    case("virtual-stages-without-interleaved", ["--nproc", "2", "--pp", "2", "--n-layers", "4",
+                                                "--virtual-stages", "2"], "needs --pp-schedule interleaved"),
+    case("microbatches-without-pp", ["--microbatches", "4"], "add --pp, or use --grad-accum"),
+    # data
+    case("missing-data", ["--data", "/no/such/corpus"], "/no/such/corpus does not exist; give a UTF-8 text file"),
+    case("empty-data-file", ["--data", "{tmp}/empty.txt"], "is empty; give a file that holds text",
+         {"empty.txt": b""}),
+    case("empty-data-folder", ["--data", "{tmp}/texts"],
+         "holds no non-empty UTF-8 text files; put text files in it", {"texts": None}),
+    case("binary-data-file", ["--data", "{tmp}/blob.bin"], "is not UTF-8 text; give a UTF-8 text file",
+         {"blob.bin": bytes(range(256)) * 4}),
+    case("corpus-shorter-than-a-sequence", ["--data", "{tmp}/short.txt"], "give more text or a smaller --seq-len",
+         {"short.txt": b"too short"}),
+    # 120 bytes, enough for a sequence of bytes but not of BPE tokens
+    case("corpus-shorter-in-bpe-tokens", ["--data", "{tmp}/ab.txt", "--tokenizer", "bpe", "--vocab-size", "300"],
+         "give more text or a smaller --seq-len", {"ab.txt": b"ab" * 60}),
+    case("bpe-vocab-below-bytes", ["--tokenizer", "bpe", "--vocab-size", "100"],
+         "--vocab-size 100 is below 256, the byte alphabet that BPE starts from; use 256 or more"),
+    case("mlp-with-data", ["--model", "mlp"], "so drop --data"),
+    # run folder and cache
+    case("out-is-a-file", ["--out", "{tmp}/taken"], "cannot be a folder because it is a file; choose another path",
+         NOT_A_FOLDER),
+    case("out-inside-a-file", ["--out", "{tmp}/taken/run"], "is a file; choose another path", NOT_A_FOLDER),
+    case("out-read-only", ["--out", "{tmp}/locked/run"], "is read-only; choose a folder you can write to",
+         {"locked": READ_ONLY},
+         marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")),
+    case("cache-inside-a-file", ["--cache-dir", "{tmp}/taken/cache"], "is a file; choose another path",
+         NOT_A_FOLDER),
+    case("out-holds-another-run", ["--out", "{tmp}/old"],
+         "already holds another run; choose a new folder or add --resume", {"old/config.toml": CONFIG}),
+    case("resume-without-out", ["--resume"], "--resume needs --out"),
+    case("resume-nothing", ["--resume", "--out", "{tmp}/run"],
+         "holds no scaletrain run (it has no config.toml); check --out"),
+    case("resume-folder-without-run", ["--resume", "--out", "{tmp}/other"], "holds no scaletrain run",
+         {"other/notes.txt": b"someone else's files"}),
+    case("resume-without-checkpoint", ["--resume", "--out", "{tmp}/old"],
+         "found no complete checkpoint in", {"old/config.toml": CONFIG, "old/checkpoints/step_000001": None}),
+    case("resume-finished-run", ["--resume", "--out", "{tmp}/old"],
+         "already finished 3 of --steps 3; raise --steps", {"old": FINISHED}),
+    case("resume-stop-at-before-checkpoint", ["--resume", "--out", "{tmp}/old", "--steps", "9", "--stop-at", "2"],
+         "--stop-at 2 is not after step 3", {"old": FINISHED}),
+    # models and sizes
+    case("unknown-model", ["--model", "gpt-5"], "invalid choice: 'gpt-5' (choose from"),
+    case("zero-steps", ["--steps", "0"], "--steps must be at least 1, not 0"),
+    case("zero-micro-batch", ["--micro-batch", "0"], "--micro-batch must be at least 1"),
+    case("negative-seq-len", ["--seq-len", "-8"], "--seq-len must be at least 1"),
+    case("zero-grad-accum", ["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    case("zero-layers", ["--n-layers", "0"], "--n-layers must be at least 1"),
+    case("zero-lr", ["--lr", "0"], "--lr must be positive"),
+    case("negative-timeout", ["--timeout", "-5"], "--timeout must be positive"),
+    case("zero-bucket", ["--bucket-mb", "0"], "--bucket-mb must be positive"),
+    case("zero-powersgd-rank", ["--powersgd-rank", "0"], "--powersgd-rank must be at least 1"),
+    case("negative-keep-last", ["--keep-last", "-1"], "--keep-last must not be negative"),
+    case("dropout-above-one", ["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    case("val-fraction-one", ["--val-fraction", "1"], "--val-fraction must be between 0 and 1"),
+    case("stop-at-after-steps", ["--stop-at", "9"], "--stop-at must lie between 1 and --steps (3)"),
+    case("top-k-above-experts", ["--moe-experts", "2", "--moe-top-k", "3"], "choose at most 2"),
+    case("recompute-policy", ["--recompute", "every:0"], "'every:0' is not valid; use one of"),
+    case("not-a-number", ["--steps", "ten"], "invalid int value: 'ten'"),
+    # options that contradict each other
+    case("on-nan-stop-fp16", ["--on-nan", "stop", "--precision", "fp16"],
+         "use --on-nan skip or another precision"),
+    case("max-restarts-without-nproc", ["--max-restarts", "2"], "add --nproc"),
+    case("param-dtype-without-bf16", ["--param-dtype", "bf16"], "--param-dtype bf16 needs --precision bf16"),
+    case("reduce-dtype-without-bf16", ["--reduce-dtype", "bf16"], "add it, or keep --reduce-dtype fp32"),
+    case("mlp-compile", ["--model", "mlp", "--compile"], "drop it for the mlp"),
+    case("unknown-allreduce", ["--allreduce", "tree"], "invalid choice: 'tree' (choose from"),
+    case("unknown-zero-stage", ["--zero", "4"], "invalid choice: 4 (choose from"),
+    case("unknown-flag", ["--not-a-flag"], "unrecognized arguments: --not-a-flag; see scaletrain --help"),
+    # TOML
+    case("config-missing", ["--config", "{tmp}/nowhere.toml"], "does not exist; give the path of a TOML file"),
+    case("config-syntax", ["--config", "{tmp}/run.toml"], "is not valid TOML", {"run.toml": b"steps = = 3\n"}),
+    case("config-unknown-key", ["--config", "{tmp}/run.toml"], "unknown key 'stepz'",
+         {"run.toml": b"stepz = 3\n"}),
+    case("config-wrong-section", ["--config", "{tmp}/run.toml"], "unknown key 'steps' in section [model]",
+         {"run.toml": b"[model]\nsteps = 3\n"}),
+    case("config-wrong-type", ["--config", "{tmp}/run.toml"], "config key 'lr' must be float, not 'fast'",
+         {"run.toml": b'[train]\nlr = "fast"\n'}),
+    case("config-unknown-choice", ["--config", "{tmp}/run.toml"], "config key 'pp_schedule' must be one of",
+         {"run.toml": b'pp_schedule = "pipedream"\n'}),
+    case("config-bad-value", ["--config", "{tmp}/run.toml"], "--grad-accum must be at least 1",
+         {"run.toml": b"grad_accum = 0\n"}),
+    # parity takes train's flags and refuses the same mistakes, plus its own
+    case("parity-world", ["--nproc", "2", "--dp", "3"], "choose sizes whose product is 2", command="parity"),
+    case("parity-sp-without-tp", ["--nproc", "2", "--sp"], "add --tp or drop --sp", command="parity"),
+    case("parity-tolerance", ["--nproc", "2", "--tolerance", "0"], "--tolerance must be positive",
+         command="parity"),
+    case("parity-empty-data", ["--nproc", "2", "--data", "{tmp}/empty.txt"], "is empty", {"empty.txt": b""},
+         command="parity"),
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", *TINY, "--data", str(corpus), "--out", str(out),
+                 "--cache-dir", str(out.parent / "cache")]) == 0
+    return out
+
+
+def _create(root: Path, files: dict, request) -> None:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content == FINISHED:  # trained only when a case needs it
+            shutil.copytree(request.getfixturevalue("finished_run"), path)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.mkdir()
+            if content is not None:
+                path.chmod(content)
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
+def _argv(command: str, args: list[str], corpus: Path, tmp_path: Path) -> list[str]:
+    valid = [*TINY, "--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
+    return [command, *valid, *(arg.format(tmp=tmp_path) for arg in args)]
+
+
+def _assert_one_sentence(code: int, stderr: str, phrase: str) -> None:
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("."), stderr
+    assert phrase in lines[0]
+
+
+@pytest.mark.parametrize("command, args, phrase, files", CASES)
+def test_mistake_is_one_sentence_and_leaves_nothing(command, args, phrase, files, corpus, tmp_path, monkeypatch,
+                                                    capsys, request):
+    monkeypatch.chdir(tmp_path)
+    _create(tmp_path, files, request)
+    before = _listing(tmp_path)
+    try:
+        code = main(_argv(command, args, corpus, tmp_path))
+    except SystemExit as exc:  # argparse's mistakes exit from inside the parser
+        code = exc.code
+    _assert_one_sentence(code, capsys.readouterr().err, phrase)
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--not-a-flag"], "unrecognized arguments: --not-a-flag"),
+    (["--nproc", "2", "--dp", "3"], "choose sizes whose product is 2"),
+    (["--data", "{tmp}/empty.txt"], "is empty"),
+], ids=["argparse", "layout", "data"])
+def test_a_real_process_prints_no_traceback(args, phrase, corpus, tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    result = run_cli(*_argv("train", args, corpus, tmp_path), cwd=tmp_path)
+    _assert_one_sentence(result.returncode, result.stderr, phrase)
+    assert _listing(tmp_path) == ["empty.txt"]

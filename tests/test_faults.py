@@ -1,0 +1,131 @@
+"""A rank dies or hangs mid-step: the others end with its name, and a restarted job resumes exactly.
+
+Faults are real (faults.py: SIGKILL or SIGSTOP of one worker process) and so
+are the launches: workers started one by one as mpirun or srun would (no
+agent to stop the others, so each must notice on its own), and torchrun with
+``--max-restarts``, whose restarted job must continue from the newest
+complete checkpoint and log the losses an uninterrupted run logs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.dist import free_port
+
+TIMEOUT_S = 10  # --timeout of these jobs: short, as a test's should be
+
+
+def _train(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "gpt-tiny", "--data", str(corpus), "--seq-len", "32", "--micro-batch", "4",
+            "--grad-accum", "2", "--steps", "6", "--checkpoint-every", "2", "--warmup-steps", "1",
+            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+            "--timeout", str(TIMEOUT_S), "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra]
+
+
+def _rank_env(rank: int, world: int, port: int, fault: str) -> dict[str, str]:
+    """What mpirun gives one rank of a one-node job (Open MPI's variables), plus the fault."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world),
+               OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE=str(world),
+               MASTER_PORT=str(port), SCALETRAIN_FAULT=fault, OMP_NUM_THREADS="1")
+    return env
+
+
+def _launch_ranks(args: list[str], world: int, fault: str, deadline_s: float) -> list[tuple[int, str, float]]:
+    """Every rank's exit code, stderr and seconds until it ended; stopped ones are killed at the end."""
+    port = free_port()
+    start = time.monotonic()
+    workers = [subprocess.Popen([sys.executable, "-m", "scaletrain", *args], env=_rank_env(r, world, port, fault),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for r in range(world)]
+    ended: dict[int, tuple[int, str, float]] = {}
+    try:
+        while len(ended) < world and time.monotonic() - start < deadline_s:
+            for rank, worker in enumerate(workers):
+                if rank not in ended and worker.poll() is not None:
+                    ended[rank] = (worker.returncode, worker.stderr.read(), time.monotonic() - start)
+            time.sleep(0.1)
+    finally:
+        for worker in workers:
+            worker.kill()  # a SIGSTOPped rank ends only this way
+            worker.wait()
+    return [ended.get(rank, (None, "", deadline_s)) for rank in range(world)]
+
+
+@pytest.mark.parametrize("layout, world, victim, step, at", [
+    (["--dp", "3"], 3, 1, 3, "micro-batch"),
+    (["--tp", "2"], 2, 1, 3, "optimizer"),
+    (["--pp", "2"], 2, 1, 3, "micro-batch"),
+    (["--pp", "2", "--dp", "2"], 4, 0, 3, "step"),  # rank 0 hosts the rendezvous store
+])
+def test_a_killed_rank_ends_every_other_rank_with_its_name(corpus, tmp_path, layout, world, victim, step, at):
+    args = _train(corpus, tmp_path / "run", *layout)
+    results = _launch_ranks(args, world, f"kill rank={victim} step={step} at={at}", deadline_s=180)
+    killed_at = results[victim][2]
+    assert results[victim][0] == -signal.SIGKILL
+    culprit = "rank 0, its host" if victim == 0 else f"rank {victim} died or hangs"
+    for rank, (code, stderr, seconds) in enumerate(results):
+        if rank == victim:
+            continue
+        assert code == 1, stderr[-3000:]
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+        assert culprit in stderr and f"so rank {rank} stopped in step" in stderr
+        assert "newest complete checkpoint is step_000002" in stderr
+        assert seconds - killed_at < TIMEOUT_S, f"rank {rank} took {seconds - killed_at:.1f} s after the kill"
+
+
+def test_a_hung_rank_is_named_once_the_timeout_passes(corpus, tmp_path):
+    """SIGSTOP keeps the rank's sockets open: nothing fails until the collective timeout."""
+    args = _train(corpus, tmp_path / "run", "--dp", "2")
+    (code, stderr, seconds), hung = _launch_ranks(args, 2, "hang rank=1 step=3 at=step", deadline_s=180)
+    assert hung[0] is None  # still stopped when the survivor had given up
+    assert code == 1 and "rank 1 died or hangs, so rank 0 stopped in step 3" in stderr, stderr[-3000:]
+    assert len(stderr.strip().splitlines()) == 1
+
+
+def _losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    return [r["loss"] for r in records]
+
+
+def test_torchrun_restarts_the_job_and_it_resumes_exactly(corpus, tmp_path):
+    """Rank 1 is killed in step 5 of the first attempt; torchrun restarts both workers,
+    which continue from step_000004 and log what an uninterrupted run logs."""
+    run = tmp_path / "restarted"
+    env = {**os.environ, "SCALETRAIN_FAULT": "kill rank=1 step=5 at=micro-batch", "OMP_NUM_THREADS": "1"}
+    restarted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                "--max-restarts", "1", "--master-port", str(free_port()), "-m", "scaletrain",
+                                *_train(corpus, run, "--pp", "2")],
+                               capture_output=True, text=True, timeout=300, env=env)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "exitcode: -9" in restarted.stderr  # the first attempt did lose a rank
+    assert "resumed from checkpoint step_000004" in restarted.stdout
+
+    straight = tmp_path / "straight"
+    result = subprocess.run([sys.executable, "-m", "scaletrain", *_train(corpus, straight, "--pp", "2", "--nproc",
+                                                                        "2")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(run) == _losses(straight)  # exactly: fp32 on CPU, the same arithmetic
+
+
+def test_max_restarts_restarts_local_workers_before_the_first_checkpoint(corpus, tmp_path):
+    """Killed before anything was saved, the restarted job starts its run over, in the same folder."""
+    run = tmp_path / "run"
+    env = {**os.environ, "SCALETRAIN_FAULT": "kill rank=0 step=2 at=optimizer"}
+    result = subprocess.run([sys.executable, "-m", "scaletrain", *_train(corpus, run, "--nproc", "2",
+                                                                         "--max-restarts", "1")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" not in result.stdout
+    assert len(_losses(run)) == 6

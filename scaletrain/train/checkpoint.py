@@ -174,12 +174,13 @@ def check_fits(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
         names = ", ".join((missing or extra)[:3])
         raise UserError(f"checkpoint {path} is of another model: {'it lacks' if missing else 'this model has no'} "
                         f"{names}; resume with the model it was saved from, or start a new run.")
-    for name in sorted(expected):
+    rows = saved.get("tok_emb.weight"), expected.get("tok_emb.weight")  # the GPT's vocabulary x width
+    if rows[0] and rows[1] and rows[0] != rows[1] and rows[0][1:] == rows[1][1:]:
+        raise UserError(f"checkpoint {path} has a vocabulary of {rows[0][0]} tokens, but this run's data and "
+                        f"tokenizer give {rows[1][0]}; resume with the data, --tokenizer and --vocab-size it was "
+                        f"trained with.")
+    for name in expected:  # in the model's order: the first that differs
         if saved[name] != expected[name]:
-            if name == "tok_emb.weight" and saved[name][1:] == expected[name][1:]:
-                raise UserError(f"checkpoint {path} has a vocabulary of {saved[name][0]} tokens, but this run's "
-                                f"data and tokenizer give {expected[name][0]}; resume with the data, --tokenizer "
-                                f"and --vocab-size it was trained with.")
             raise UserError(f"checkpoint {path} holds {name} of shape {list(saved[name])}, but this model's is "
                             f"{list(expected[name])}; resume with the model sizes it was saved with.")
 

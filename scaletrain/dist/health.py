@@ -33,10 +33,11 @@ STORE_ERRORS = (RuntimeError, dist.DistError)
 
 
 def heartbeat_interval(timeout_s: float) -> float:
-    """A twentieth of the collective timeout, between half a second and five:
+    """A twentieth of the collective timeout, between one second and five:
     often enough to tell dead from slow well inside the timeout, rarely enough
-    that thousands of ranks do not crowd the store."""
-    return min(5.0, max(0.5, timeout_s / 20))
+    that thousands of ranks do not crowd the store, and not so often that a
+    busy machine's scheduler delays a live rank's beat past three of them."""
+    return min(5.0, max(1.0, timeout_s / 20))
 
 
 class Health:

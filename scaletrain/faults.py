@@ -27,10 +27,13 @@ A job without the variable pays one dictionary lookup per point.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 from scaletrain.dist.launch import restart_attempt
 from scaletrain.errors import UserError
@@ -105,3 +108,12 @@ class Faults:
     def poisoned(self, step: int) -> list[str | None]:
         """The parameters whose gradient turns NaN at ``step`` (None: the first with one)."""
         return [f.param for f in self._mine if f.kind == "nan" and f.step == step]
+
+
+def poison(named_tensors: list[tuple[str, torch.Tensor]], name: str | None) -> None:
+    """A NaN into the gradient of the tensor ``name`` (None: the first holding a gradient)."""
+    held = [(n, t.grad) for n, t in named_tensors if t.grad is not None and t.grad.numel()]
+    grad = next((g for n, g in held if name in (None, n)), None)
+    if grad is None:
+        raise UserError(f"{VARIABLE}: this rank holds no gradient named {name}; name one it holds.")
+    grad.view(-1)[0] = math.nan

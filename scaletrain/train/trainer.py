@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +63,8 @@ from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
-from scaletrain.errors import UserError
-from scaletrain.faults import Faults
+from scaletrain.faults import Faults, poison
 from scaletrain.models import build_model, gpt_config
-from scaletrain.models.gpt import sample_next
 from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
 from scaletrain.optim.clip import clip_grad_norm_
@@ -100,6 +98,7 @@ from scaletrain.train.metrics import (
 from scaletrain.train.nonfinite import first_nonfinite, local_flag, stop_report, verdict
 from scaletrain.train.replicas import Replicas
 from scaletrain.train.routing import RoutingStats
+from scaletrain.train.sampling import generate, line_prompt
 
 
 @dataclass
@@ -372,7 +371,7 @@ class Trainer:
         if self.zero:
             self.zero.copy_grads_to_master()
         for name in self.faults.poisoned(step + 1):
-            self._poison(name)
+            poison(self._named_step_tensors(), name)
         self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
         # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
         grads = [p.grad for p in self.step_params if p.grad is not None]
@@ -414,14 +413,6 @@ class Trainer:
         if self.zero:
             return [(piece.name, piece.tensor) for unit in self.zero.units for piece in unit.pieces]
         return [(name, self._stepped(p)) for name, p in self.model.named_parameters() if p.requires_grad]
-
-    def _poison(self, name: str | None) -> None:
-        """A NaN into the gradient of ``name`` (None: the first holding one), for fault injection."""
-        held = [(n, t.grad) for n, t in self._named_step_tensors() if t.grad is not None and t.grad.numel()]
-        grad = next((g for n, g in held if name in (None, n)), None)
-        if grad is None:
-            raise UserError(f"SCALETRAIN_FAULT: rank {self.runtime.env.rank} holds no gradient named {name}.")
-        grad.view(-1)[0] = math.nan
 
     def _nonfinite_stop(self, step: int, loss: float) -> Exception:
         culprit = first_nonfinite((name, t.grad) for name, t in self._named_step_tensors())
@@ -468,32 +459,12 @@ class Trainer:
         return loss
 
     def sample(self) -> str | None:
-        """A continuation of a line from the validation text (GPT only)."""
+        """A continuation of a line from the validation text (GPT only; train/sampling.py)."""
         tokenizer = self.data.tokenizer
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None
         window, _ = self.data.val.get(0, 1)
-        text = tokenizer.decode(window[0].tolist())
-        start = text.find("\n") + 1  # begin at a line, not mid-word
-        if start > len(text) // 2:  # no line break early enough: take the window as it is
-            start = 0
-        prompt = torch.tensor(tokenizer.encode(text[start:start + 48]), dtype=torch.long)
-        generator = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
-        self.model.eval()
-        prompt = prompt[None].to(self.device)
-        with ExitStack() as generation:
-            for part in (self.tensor_parallel, self.context_parallel):
-                if part is not None:
-                    generation.enter_context(part.generation())
-            if self.pipeline:
-                out = self.pipeline.generate(
-                    prompt, self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
-                    sample_next=lambda logits: sample_next(logits[:, :self.spec.vocab_size], generator=generator),
-                    forward_context=lambda: autocast(self.cfg.train.precision, self.device))
-            else:
-                with autocast(self.cfg.train.precision, self.device):
-                    out = self.model.generate(prompt, self.cfg.run.sample_tokens, generator=generator)
-        return tokenizer.decode(out[0].tolist())
+        return tokenizer.decode(generate(self, line_prompt(tokenizer, window[0]), self.cfg.run.sample_tokens).tolist())
 
     # -- the loop ------------------------------------------------------------
     def _save(self, step: int) -> Path:

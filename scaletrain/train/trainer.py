@@ -26,10 +26,11 @@ different experts):
     wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
     shard of it (parallel/zero.py)
     with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
-    unscale (fp16), clip the global gradient norm (each element counted once over the mesh: tp
-    slices and ZeRO shards summed, replicated norms and the tied embedding's copies not;
-    optim/clip.py), set the learning rate, take the optimizer step
-    (skipped, with the loss scale halved, when an fp16 gradient overflowed)
+    average the loss; unscale (fp16); a loss or gradient that is inf or NaN on any rank (one
+    flag over the world, train/nonfinite.py) makes every rank skip the step, or stop (--on-nan)
+    clip the global gradient norm (each element counted once over the mesh: tp slices and ZeRO
+    shards summed, replicated norms and the tied embedding's copies not; optim/clip.py), set the
+    learning rate, take the optimizer step (unless skipped; fp16 then halves its loss scale)
     with master weights: round the masters back into the model's weights (ZeRO-1/2: and
     all-gather the updated shards)
 

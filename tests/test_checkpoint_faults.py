@@ -47,12 +47,13 @@ def straight(corpus, tmp_path_factory) -> list[float]:
 
 
 @pytest.mark.parametrize("point, rank, launch, complete", [
-    ("save-begin", 0, [], "step_000002"),
+    pytest.param("save-begin", 0, [], "step_000002", marks=pytest.mark.slow),
     ("save-written", 0, [], "step_000002"),
-    ("save-manifest", 0, [], "step_000002"),
+    pytest.param("save-manifest", 0, [], "step_000002", marks=pytest.mark.slow),
     ("save-rename", 0, [], "step_000002"),
     ("save-prune", 0, [], "step_000004"),  # the new one was in place; the old one half deleted
-    ("save-written", 1, ["--nproc", "2", "--dp", "2", "--micro-batch", "2"], "step_000002"),
+    pytest.param("save-written", 1, ["--nproc", "2", "--dp", "2", "--micro-batch", "2"], "step_000002",
+                 marks=pytest.mark.slow),
 ])
 def test_a_save_cut_off_leaves_a_complete_checkpoint_and_the_resume_is_exact(corpus, tmp_path, straight, point,
                                                                              rank, launch, complete):

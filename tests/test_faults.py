@@ -65,9 +65,10 @@ def _launch_ranks(args: list[str], world: int, fault: str, deadline_s: float,
 
 @pytest.mark.parametrize("layout, world, victim, step, at", [
     (["--dp", "3"], 3, 1, 3, "micro-batch"),
-    (["--tp", "2"], 2, 1, 3, "optimizer"),
+    pytest.param(["--tp", "2"], 2, 1, 3, "optimizer", marks=pytest.mark.slow),
     (["--pp", "2"], 2, 1, 3, "micro-batch"),
-    (["--pp", "2", "--dp", "2"], 4, 0, 3, "step"),  # rank 0 hosts the rendezvous store
+    # rank 0 hosts the rendezvous store
+    pytest.param(["--pp", "2", "--dp", "2"], 4, 0, 3, "step", marks=pytest.mark.slow),
 ])
 def test_a_killed_rank_ends_every_other_rank_with_its_name(corpus, tmp_path, layout, world, victim, step, at):
     args = _train(corpus, tmp_path / "run", *layout)

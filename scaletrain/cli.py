@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "Python standard library's source), on CPU, in one process.")
     _add_train_flags(train)
 
+    finetune = commands.add_parser(
+        "finetune", help="fine-tune a trained model, with LoRA or QLoRA adapters",
+        description="Train on new data from a checkpoint (--from), with its model and tokenizer: every weight, "
+                    "or LoRA adapters beside the frozen base (--lora-rank), the base stored in 4 bits with "
+                    "--quantize nf4. Takes every flag of train.")
+    _add_train_flags(finetune)
+
     parity = commands.add_parser(
         "parity", help="check a layout against single-device training",
         description="Train the single-device reference and the requested layout with the same seed, "
@@ -169,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cast floating tensors to this dtype [as saved: fp32]")
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
     return parser
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    if getattr(args, "from") is None and not args.resume:
+        raise UserError("scaletrain finetune needs --from, the run folder or checkpoint to start from.")
+    return _train(args)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -345,7 +358,7 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "parity": _parity, "bench": _bench, "schedule": _schedule,
+        return {"train": _train, "finetune": _finetune, "parity": _parity, "bench": _bench, "schedule": _schedule,
                 "export": _export, "plan": _plan}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)

@@ -171,8 +171,22 @@ class RunConfig:
     sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
 
 
+@dataclass
+class FinetuneConfig:
+    base: str | None = _opt(None, "a checkpoint (run folder or step_NNNNNN) to start from: its model, "
+                                  "tokenizer and weights", flag="from")
+    lora_rank: int = _opt(0, "rank r of the LoRA adapters on the --lora-targets layers, the base frozen "
+                             "(0: no adapters, every weight trains)")
+    lora_alpha: float = _opt(16.0, "LoRA scaling numerator: the update is alpha / r x B A")
+    lora_dropout: float = _opt(0.0, "dropout on the adapters' input")
+    lora_targets: str = _opt("qkv,proj,fc", "the linear layers that get adapters, by name (proj: both the "
+                                            "attention's and the MLP's)")
+    quantize: str = _opt("none", "store the frozen base weights as 4-bit NormalFloat with double "
+                                 "quantization (QLoRA; needs --lora-rank)", choices=("none", "nf4"))
+
+
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-            "parallel": ParallelConfig, "run": RunConfig}
+            "parallel": ParallelConfig, "run": RunConfig, "finetune": FinetuneConfig}
 
 
 @dataclass
@@ -182,6 +196,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: {k: v for k, v in dataclasses.asdict(getattr(self, name)).items() if v is not None}

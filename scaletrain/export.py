@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from scaletrain.errors import UserError
 from scaletrain.train.checkpoint import (
+    MANIFEST,
     READ_ERRORS,
     STATE_FILE,
     failure_reason,
@@ -63,7 +64,7 @@ def find_checkpoint(source: Path) -> Path:
     if not source.exists():
         raise UserError(f"--from {source} does not exist; give a run folder or one of its "
                         f"checkpoints/step_NNNNNN folders.")
-    if (source / STATE_FILE).is_file():
+    if (source / MANIFEST).is_file():  # a complete step_NNNNNN folder
         return source
     latest = latest_checkpoint(source)
     if latest is None:

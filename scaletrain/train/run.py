@@ -33,6 +33,8 @@ from scaletrain.dist.launch import (
 )
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.finetune.base import check_layout, with_base
+from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
 from scaletrain.models import build_model, gpt_config
 from scaletrain.recompute import parse_policy
@@ -149,6 +151,9 @@ def launch(cfg: Config) -> RunSummary:
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
     env = detect_environment()
+    if cfg.finetune.base:
+        cfg = with_base(cfg)
+        check_layout(cfg)
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     if env.rank == 0:
@@ -202,6 +207,11 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
                   f"{schedule.virtual_stages} stage(s) per rank\n{trainer.pipeline.layout}\n")
         summary = trainer.fit()
+        if cfg.finetune.lora_rank and runtime.is_main:
+            save_adapters(trainer.model, Path(cfg.run.out) / ADAPTER_FILE,
+                          {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),
+                           "targets": cfg.finetune.lora_targets, "base": str(cfg.finetune.base),
+                           "step": str(summary.steps_done)})
         if cfg.run.report_comm:
             write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
         if cfg.run.report_memory:

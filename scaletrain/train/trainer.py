@@ -65,6 +65,7 @@ from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
 from scaletrain.faults import Faults, poison
+from scaletrain.finetune.base import start_from_base
 from scaletrain.models import build_model, gpt_config
 from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups, lr_at
@@ -158,6 +159,8 @@ class Trainer:
         self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                                             n_features=self.data.n_features,
                                             n_classes=self.data.n_classes).to(self.device)
+        if cfg.finetune.base:  # the base run's weights, frozen beside adapters with --lora-rank
+            start_from_base(self.model, cfg.finetune)
         self.flops_per_token = self.model.flops_per_token()  # of the whole model, before any split
         p = cfg.parallel
         # Megatron tensor (and sequence) parallelism: the full weights were

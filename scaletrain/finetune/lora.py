@@ -1,0 +1,131 @@
+"""LoRA: low-rank adapters beside frozen weights (Hu et al. 2022, "LoRA: Low-Rank
+Adaptation of Large Language Models").
+
+A frozen linear map ``W`` (``d_out x d_in``) is left as it is and a trainable
+update of rank ``r`` is added beside it:
+
+    y = x W^T + (alpha / r) * dropout(x) A^T B^T,     A: r x d_in,  B: d_out x r
+
+``A`` starts Kaiming-uniform (``a = sqrt(5)``, as ``nn.Linear`` and PEFT do) and
+``B`` at zero, so the adapted model starts as exactly the base. Only ``A`` and
+``B`` train: a layer's gradients and AdamW state shrink from ``d_in * d_out``
+values to ``r * (d_in + d_out)``. Dividing by ``r`` keeps the update's size
+(and the learning rate that suits it) roughly independent of the rank.
+
+Merging folds the update into the base, ``W <- W + (alpha / r) B A``, so the
+fine-tuned model runs (or exports) as a plain one at no extra cost; unmerging
+subtracts it again. The base may also be a 4-bit ``NF4Linear`` (QLoRA,
+nf4.py): the update then stays beside it, since merging needs float weights
+(`merged_tensors` folds a saved model's adapters into float weights instead).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+ADAPTER_PARAMS = ("lora_A", "lora_B")
+ADAPTER_FILE = "adapters.safetensors"  # in the run folder, written at the end of a LoRA fine-tune
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer (``base``) with a trainable low-rank update beside it."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.in_features, self.out_features = base.in_features, base.out_features  # a linear layer's shape
+        self.rank, self.scaling = rank, alpha / rank
+        weight = self.base_weight()
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+        self.merged = False
+
+    def base_weight(self) -> torch.Tensor:
+        """The base's weight as a float tensor (an NF4 base dequantizes it)."""
+        return self.base.dequantized_weight() if hasattr(self.base, "dequantized_weight") else self.base.weight
+
+    def delta(self) -> torch.Tensor:
+        """The update ``(alpha / r) B A``, shaped like the base weight."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.merged:
+            return y
+        return y + (self.dropout(x) @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            self.base.weight += self.delta().to(self.base.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            self.base.weight -= self.delta().to(self.base.weight.dtype)
+            self.merged = False
+
+
+def target_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """The linear layers named ``*.{target}``, in the model's order."""
+    return [name for name, module in model.named_modules()
+            if name.rsplit(".", 1)[-1] in targets and hasattr(module, "in_features")]
+
+
+def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float) -> list[str]:
+    """Freeze every weight, then put an adapter beside each target layer; the adapted names."""
+    model.requires_grad_(False)
+    names = target_names(model, targets)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout))
+    return names
+
+
+def adapters(model: nn.Module) -> list[LoRALinear]:
+    return [module for module in model.modules() if isinstance(module, LoRALinear)]
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors alone, by ``state_dict`` key: what a fine-tune adds to its base."""
+    return {key: value.detach() for key, value in model.state_dict().items()
+            if key.rsplit(".", 1)[-1] in ADAPTER_PARAMS}
+
+
+def save_adapters(model: nn.Module, path: Path, metadata: dict[str, str]) -> int:
+    """The adapters alone in one safetensors file (written beside, then renamed into place); their bytes."""
+    tensors = {key: value.contiguous() for key, value in adapter_state(model).items()}
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    tmp.replace(path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def merged_tensors(tensors: dict[str, torch.Tensor], scaling: float,
+                   dequantize=None) -> dict[str, torch.Tensor]:
+    """A saved adapted model's tensors as the plain model's: every ``X.base.weight`` with
+    ``X.lora_A`` and ``X.lora_B`` becomes ``X.weight = W + scaling B A`` (an NF4 base's
+    codes dequantized first, by ``dequantize(tensors, prefix)``), other ``X.base.*`` become ``X.*``."""
+    merged: dict[str, torch.Tensor] = {}
+    layers = {key.rsplit(".", 1)[0] for key in tensors if key.endswith(".lora_A")}
+    for layer in sorted(layers):
+        base = f"{layer}.base."
+        weight = (tensors[base + "weight"] if base + "weight" in tensors else dequantize(tensors, base))
+        merged[f"{layer}.weight"] = weight.float() + scaling * (tensors[f"{layer}.lora_B"].float()
+                                                                @ tensors[f"{layer}.lora_A"].float())
+    for key, value in tensors.items():
+        layer = next((name for name in layers if key.startswith(f"{name}.")), None)
+        if layer is None:
+            merged[key] = value
+        elif key.startswith(f"{layer}.base.") and key.removeprefix(f"{layer}.base.") == "bias":
+            merged[f"{layer}.bias"] = value
+    return merged

@@ -18,6 +18,10 @@ tie: nothing to re-create, no ``strict=False``. The header records the tie.
 The header's ``__metadata__`` (strings only): ``format``, ``step``,
 ``source`` (the checkpoint), ``tied`` (``head.weight=tok_emb.weight``) and
 ``config``, the run's ``config.toml``, from which the model is rebuilt.
+
+A LoRA fine-tune exports merged: each adapted weight is written as
+``W + (alpha / r) B A`` (an NF4 base dequantized first), so the file is the
+plain model's, whatever trained it.
 """
 
 from __future__ import annotations
@@ -94,6 +98,19 @@ def _read(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
                         f"one.") from None
 
 
+def _without_adapters(tensors: dict[str, torch.Tensor], checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A LoRA fine-tune's tensors merged into the plain model's (finetune/lora.py): the file
+    loads into the model its base was, and computes what the fine-tune does."""
+    if not any(key.endswith(".lora_A") for key in tensors):
+        return tensors
+    from scaletrain.config import load_run_config
+    from scaletrain.finetune.lora import merged_tensors
+    from scaletrain.finetune.nf4 import dequantize_saved
+
+    finetune = load_run_config(checkpoint.parent.parent).finetune
+    return merged_tensors(tensors, finetune.lora_alpha / finetune.lora_rank, dequantize_saved)
+
+
 def _present_ties(tensors: dict[str, torch.Tensor], checkpoint: Path) -> list[tuple[str, str]]:
     """The ties whose both names the checkpoint holds; loading writes both into one
     parameter, so copies that differ would make the result depend on key order."""
@@ -160,6 +177,7 @@ def export(source: Path, target: Path, dtype: str | None = None, force: bool = F
     check_target(target, force)
     checkpoint = find_checkpoint(source)
     step, tensors = _read(checkpoint)
+    tensors = _without_adapters(tensors, checkpoint)
     ties = _present_ties(tensors, checkpoint)
     cast = DTYPES[dtype] if dtype else None
     _write_atomically(_prepared(tensors, cast), _metadata(checkpoint, step, ties), target)

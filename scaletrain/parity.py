@@ -42,6 +42,7 @@ import torch
 from scaletrain.config import Config, check_values
 from scaletrain.dist.launch import detect_environment
 from scaletrain.errors import UserError
+from scaletrain.finetune.base import as_finetune
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import execute, prepare_run, resolve_layout, world_size_for
@@ -114,6 +115,7 @@ def _relative_diffs(layout: dict[str, torch.Tensor], reference: dict[str, torch.
 
 
 def run_parity(cfg: Config, tolerance: float) -> ParityReport:
+    cfg = as_finetune(cfg)
     check_values(cfg)
     env = detect_environment()
     if env.world_size > 1:

@@ -32,6 +32,16 @@ def base_checkpoint(finetune: FinetuneConfig) -> Path:
     return find_checkpoint(Path(finetune.base))
 
 
+def as_finetune(cfg: Config) -> Config:
+    """``cfg`` with the model, tokenizer and sequence length of its ``--from`` base run,
+    its layout checked; ``cfg`` as it is when it has no base."""
+    if not cfg.finetune.base:
+        return cfg
+    cfg = with_base(cfg)
+    check_layout(cfg)
+    return cfg
+
+
 def with_base(cfg: Config) -> Config:
     """``cfg`` with the model, tokenizer and sequence length of the base run."""
     base = load_run_config(base_checkpoint(cfg.finetune).parent.parent)

@@ -33,7 +33,7 @@ from scaletrain.dist.launch import (
 )
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
-from scaletrain.finetune.base import check_layout, with_base
+from scaletrain.finetune.base import as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
 from scaletrain.models import build_model, gpt_config
@@ -151,9 +151,7 @@ def launch(cfg: Config) -> RunSummary:
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
     env = detect_environment()
-    if cfg.finetune.base:
-        cfg = with_base(cfg)
-        check_layout(cfg)
+    cfg = as_finetune(cfg)
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     if env.rank == 0:

@@ -1,4 +1,4 @@
-"""The ``scaletrain`` command: train, parity, bench.
+"""The ``scaletrain`` command: train, finetune, parity, bench, schedule, plan, export, generate.
 
 User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
 exit with code 2, without a traceback; see CLI.md for the contract. A job
@@ -175,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=DTYPES,
                         help="cast floating tensors to this dtype [as saved: fp32]")
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
+
+    generate = commands.add_parser(
+        "generate", help="continue a prompt with a trained model or released GPT-2 weights",
+        description="Continue --prompt with a model and print the prompt and its continuation. The model is "
+                    "a Hugging Face GPT-2 folder (config.json, model.safetensors or pytorch_model.bin, and "
+                    "tokenizer.json or vocab.json with merges.txt; nothing is downloaded), or one of ours: a "
+                    "run folder for its latest complete checkpoint, or a checkpoint folder, with the run's "
+                    "tokenizer.")
+    generate.add_argument("--from", dest="source", metavar="CKPT_OR_HF_DIR", required=True,
+                          help="a Hugging Face GPT-2 folder, a run folder, or RUN/checkpoints/step_NNNNNN")
+    generate.add_argument("--prompt", metavar="TEXT", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=int, default=100, metavar="N", help="tokens to add [100]")
+    generate.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                          help="divides the logits before sampling: below 1 sharper, above 1 flatter, 0 "
+                               "always the most likely token [0.8]")
+    generate.add_argument("--top-k", type=int, default=50, metavar="K",
+                          help="sample among the K most likely tokens (0: among all) [50]")
+    generate.add_argument("--seed", type=int, default=1234, metavar="N",
+                          help="seed of the sampling: the same seed gives the same text [1234]")
     return parser
 
 
@@ -274,6 +293,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from scaletrain.generate import generate
+
+    print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
 PLAN_FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
               "virtual_stages", "micro_batch")
 PLAN_POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
@@ -359,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "finetune": _finetune, "parity": _parity, "bench": _bench, "schedule": _schedule,
-                "export": _export, "plan": _plan}[args.command](args)
+                "export": _export, "generate": _generate, "plan": _plan}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

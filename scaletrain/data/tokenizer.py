@@ -47,6 +47,15 @@ class ByteTokenizer:
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
 
+def _byte_level(model: models.BPE) -> Tokenizer:
+    """A BPE over the byte-level alphabet, as GPT-2 built its tokenizer."""
+    tokenizer = Tokenizer(model)
+    # No prefix space: decode(encode(text)) must give back text exactly.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 class BPETokenizer:
     """Byte-level BPE from the `tokenizers` library."""
 
@@ -63,10 +72,7 @@ class BPETokenizer:
                 f"--vocab-size {vocab_size} is below {len(alphabet)}, the byte alphabet "
                 f"that BPE starts from; use {len(alphabet)} or more."
             )
-        tokenizer = Tokenizer(models.BPE())
-        # No prefix space: decode(encode(text)) must give back text exactly.
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer = _byte_level(models.BPE())
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False
         )
@@ -76,6 +82,11 @@ class BPETokenizer:
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
         return cls(Tokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_vocab_merges(cls, vocab: str | Path, merges: str | Path) -> BPETokenizer:
+        """GPT-2's own format: the token -> id map (vocab.json) and the merge rules in order (merges.txt)."""
+        return cls(_byte_level(models.BPE.from_file(str(vocab), str(merges))))
 
     @property
     def vocab_size(self) -> int:

@@ -3,13 +3,19 @@
 Pre-norm blocks (Radford et al. 2019, GPT-2): ``x + attn(ln(x))`` then
 ``x + mlp(ln(x))``; learned position embeddings; the output head shares the
 token embedding's weight (weight tying, Press & Wolf 2017). Linear layers have
-no biases (as in PaLM, Chowdhery et al. 2022): besides saving parameters, it
-removes a degenerate direction, since a key bias adds the same amount to
-every score of a row, softmax cancels it, and its exact gradient is zero;
-Adam would turn the float noise in that zero into full-size random steps.
-Layer norms keep their bias. Initialization follows GPT-2: N(0, 0.02), with the two residual projections of each block
-scaled by 1/sqrt(2 * n_layers) so the residual stream's variance does not
-grow with depth.
+no biases by default (as in PaLM, Chowdhery et al. 2022): besides saving
+parameters, it removes a degenerate direction, since a key bias adds the same
+amount to every score of a row, softmax cancels it, and its exact gradient is
+zero; Adam would turn the float noise in that zero into full-size random
+steps. ``bias=True`` gives the four linear layers of each block (qkv, attn.proj,
+mlp.fc, mlp.proj) biases, zero at initialization: GPT-2 has them, so its
+released weights (finetune/hf.py) need them to compute the same function.
+The parallel transforms split bias-free layers only; tensor parallelism
+refuses a model with biases. Layer norms keep their bias; their epsilon is
+``norm_eps``. Initialization follows GPT-2: N(0, 0.02), with the two residual
+projections of each block scaled by 1/sqrt(2 * n_layers) so the residual
+stream's variance does not grow with depth. The MLP's GELU is the tanh
+approximation, GPT-2's ``gelu_new``.
 
 With ``moe`` set, the MLP of every ``moe.every``-th block is a mixture of
 experts instead (models/moe.py), named ``blocks.{i}.moe``.
@@ -44,6 +50,8 @@ class GPTConfig:
     dropout: float = 0.0
     vocab_multiple: int = 1
     moe: MoEConfig | None = None
+    bias: bool = False  # biases on the blocks' linear layers, as GPT-2 has
+    norm_eps: float = 1e-5  # the layer norms' epsilon (GPT-2's layer_norm_epsilon)
 
     @property
     def head_dim(self) -> int:
@@ -91,9 +99,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.core = CausalAttention(cfg.dropout)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +117,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +130,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, experts: bool = False):
         super().__init__()
-        self.ln1 = LayerNorm(cfg.d_model)
+        self.ln1 = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = LayerNorm(cfg.d_model)
+        self.ln2 = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         if experts:
             self.moe = MoE(cfg.d_model, cfg.moe)
         else:
@@ -145,7 +153,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
                                     for i in range(cfg.n_layers))
-        self.ln_f = LayerNorm(cfg.d_model)
+        self.ln_f = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
@@ -157,6 +165,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0."""
@@ -209,7 +219,10 @@ class GPT(nn.Module):
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 50,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of last-position ``logits`` [batch, vocab]: top-k, then temperature sampling."""
+    """One token id per row of last-position ``logits`` [batch, vocab]: top-k, then temperature
+    sampling; temperature 0 takes the most likely token (greedy decoding)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]

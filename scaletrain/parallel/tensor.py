@@ -104,6 +104,7 @@ from scaletrain.dist.autograd import (
 )
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
+from scaletrain.errors import UserError
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, linear
 
@@ -464,6 +465,9 @@ def parallelize(model: nn.Module, plan: tuple, comm: Comm, group: Group, *, sequ
         if isinstance(style, Region):
             module.register_forward_pre_hook(tp._region_entry_hook)
             continue
+        if getattr(module, "bias", None) is not None:  # the sliced layers compute x @ W^T alone
+            raise UserError(f"tensor parallelism splits bias-free layers, but {name} has a bias (a GPT-2 "
+                            f"checkpoint's); use --tp 1.")
         weight = module.weight
         if isinstance(style, VocabEmbedding):
             tp.vocab = vocab_split(weight)

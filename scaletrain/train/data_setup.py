@@ -55,6 +55,12 @@ def check_folder_creatable(folder: Path, flag: str) -> None:
                         f"folder you can write to.")
 
 
+def bpe_cache_path(cache_dir: Path, vocab_size: int, files: list[Path]) -> Path:
+    """Where the BPE of ``vocab_size`` tokens trained on ``files`` is cached: keyed by the
+    files' fingerprint, so an edited corpus gets a tokenizer of its own."""
+    return cache_dir / f"bpe-{vocab_size}-{files_fingerprint(files)[:16]}.json"
+
+
 def _tokenizer(files: list[Path], vocab_size: int, bpe_path: Path | None) -> ByteTokenizer | BPETokenizer:
     """Bytes without a BPE path; else the cached BPE, or one trained here and not yet saved."""
     if bpe_path is None:
@@ -76,8 +82,7 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
         return DataSpec(kind="digits")
     files = corpus_files(cfg.data.data)
     check_folder_creatable(cache_dir, "--cache-dir")
-    bpe_path = (cache_dir / f"bpe-{cfg.data.vocab_size}-{files_fingerprint(files)[:16]}.json"
-                if cfg.data.tokenizer == "bpe" else None)
+    bpe_path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files) if cfg.data.tokenizer == "bpe" else None
     tokenizer = _tokenizer(files, cfg.data.vocab_size, bpe_path)
     # File sizes settle the length of most corpora without tokenizing them; one they leave in
     # doubt is small, and tokenized once more to count.

@@ -320,7 +320,9 @@ class ZeroDataParallel:
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank keeps, by ledger entry (the optimizer's state aside)."""
         return {
-            "params": [t for unit in self.units for t in (unit.full, unit.shard)],
+            # and, whole on every rank, what does not train: a fine-tune's frozen (or 4-bit) base
+            "params": [*(t for unit in self.units for t in (unit.full, unit.shard)),
+                       *(p for p in self.model.parameters() if not p.requires_grad), *self.model.buffers()],
             "grads": [t for unit in self.units for t in (unit.grad, unit.master_grad, unit.grad_full)
                       if t is not None],
             "optimizer": [unit.master for unit in self.units if unit.master is not unit.shard],

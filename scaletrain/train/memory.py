@@ -138,7 +138,7 @@ def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights 
     params = list(model.parameters())
     master_params = masters.master_params if masters else []
     return bytes_by_entry({
-        "params": params,
+        "params": [*params, *model.buffers()],  # buffers: a 4-bit base's codes and scales (finetune/nf4.py)
         "grads": [*(p.grad for p in (*params, *master_params) if p.grad is not None), *grad_buffers],
         "optimizer": [*master_params, *optimizer_state(optimizer)],
     })

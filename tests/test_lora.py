@@ -140,3 +140,28 @@ def test_finetune_trains_the_adapters_and_leaves_the_base_as_it_was(base_run, pr
 def test_finetune_over_data_parallel_ranks_equals_one_device(base_run, prose, tmp_path, zero):
     report = run_parity(_finetune_cfg(base_run, prose, tmp_path, nproc=2, dp=2, zero=zero), tolerance=1e-5)
     assert report.passed, report.to_json()
+
+
+def test_qlora_keeps_the_base_in_4_bits_and_exports_the_merged_model(base_run, prose, tmp_path):
+    from safetensors.torch import load_file as load_safetensors
+
+    from scaletrain.export import export
+    from scaletrain.finetune.nf4 import NF4Linear
+
+    summary = launch(_finetune_cfg(base_run, prose, tmp_path, quantize="nf4"))
+    tuned = ckpt.read_model_tensors(summary.checkpoint)
+    base = ckpt.read_model_tensors(ckpt.latest_checkpoint(base_run))
+    stored = sum(t.numel() * t.element_size() for k, t in tuned.items() if ".base." in k and "shape" not in k)
+    full = sum(4 * base[f"{name}.weight"].numel() for name in {k.split(".base.")[0] for k in tuned if ".base." in k})
+    assert 4.127 / 32 < stored / full < 4.7 / 32  # 4-bit codes, 8-bit scales; a small model pads its last groups
+
+    exported = export(summary.run_dir, tmp_path / "merged.safetensors")
+    plain = _gpt(seed=1)
+    plain.load_state_dict(load_safetensors(exported.path))  # strict: the plain model's keys
+    quantized = _gpt(seed=2)
+    apply_lora(quantized, TARGETS, rank=4, alpha=16.0, dropout=0.0)
+    for layer in adapters(quantized):  # the fine-tune's modules, to run its saved state
+        layer.base = NF4Linear.from_linear(layer.base)
+    quantized.load_state_dict(tuned)
+    tokens = torch.randint(0, 256, (2, 32))
+    assert torch.allclose(plain(tokens), quantized(tokens), atol=1e-4)

@@ -1,3 +1,5 @@
-"""Fine-tuning a frozen base model: low-rank adapters (LoRA) trained beside it,
-and the base's weights stored in 4-bit NormalFloat with double quantization
-(QLoRA), so that the frozen part costs about a quarter of its bf16 memory."""
+"""Fine-tuning a trained model: low-rank adapters trained beside its frozen
+weights (LoRA, lora.py), those weights stored in 4-bit NormalFloat with double
+quantization (QLoRA, nf4.py), so that the frozen part costs about a quarter of
+its bf16 memory, and where a fine-tune starts from: one of our checkpoints
+(base.py) or a Hugging Face GPT-2 folder (hf.py)."""

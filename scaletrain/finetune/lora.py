@@ -63,6 +63,9 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
+        if not hasattr(self.base, "weight"):
+            raise ValueError("a 4-bit base cannot hold the merged update; merge a saved model's tensors into "
+                             "float weights with merged_tensors instead")
         if not self.merged:
             self.base.weight += self.delta().to(self.base.weight.dtype)
             self.merged = True

@@ -98,7 +98,7 @@ def _read(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
                         f"one.") from None
 
 
-def _without_adapters(tensors: dict[str, torch.Tensor], checkpoint: Path) -> dict[str, torch.Tensor]:
+def without_adapters(tensors: dict[str, torch.Tensor], checkpoint: Path) -> dict[str, torch.Tensor]:
     """A LoRA fine-tune's tensors merged into the plain model's (finetune/lora.py): the file
     loads into the model its base was, and computes what the fine-tune does."""
     if not any(key.endswith(".lora_A") for key in tensors):
@@ -177,7 +177,7 @@ def export(source: Path, target: Path, dtype: str | None = None, force: bool = F
     check_target(target, force)
     checkpoint = find_checkpoint(source)
     step, tensors = _read(checkpoint)
-    tensors = _without_adapters(tensors, checkpoint)
+    tensors = without_adapters(tensors, checkpoint)
     ties = _present_ties(tensors, checkpoint)
     cast = DTYPES[dtype] if dtype else None
     _write_atomically(_prepared(tensors, cast), _metadata(checkpoint, step, ties), target)

@@ -135,6 +135,9 @@ def test_finetune_trains_the_adapters_and_leaves_the_base_as_it_was(base_run, pr
     assert ledger["grads"] == adapter_bytes  # gradients of the adapters alone
     assert 2 * adapter_bytes <= ledger["optimizer"] < 2 * adapter_bytes + 1024  # AdamW's two moments (+ steps)
 
+    from scaletrain.generate import generate  # from the fine-tune's run: the adapters merged
+    assert generate(summary.run_dir, "The fox", tokens=8, temperature=0).startswith("The fox")
+
 
 @pytest.mark.parametrize("zero", [0, 2])
 def test_finetune_over_data_parallel_ranks_equals_one_device(base_run, prose, tmp_path, zero):

@@ -47,6 +47,9 @@ def with_base(cfg: Config) -> Config:
     base = load_run_config(base_checkpoint(cfg.finetune).parent.parent)
     if base.model.name == "mlp":
         raise UserError(f"--from {cfg.finetune.base} is an mlp run; fine-tuning adapts the GPT models' layers.")
+    if base.data.tokenizer != "byte":
+        raise UserError(f"--from {cfg.finetune.base} tokenized its corpus with a BPE trained on it, which this "
+                        f"version cannot carry over to new data; fine-tune a run of the byte tokenizer.")
     flat = {name: getattr(section, name) for section in (base.model, base.data) for name in INHERITED
             if hasattr(section, name)}
     return cfg.replace(**flat)

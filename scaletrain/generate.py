@@ -1,0 +1,130 @@
+"""Text from a model: the ``generate`` command.
+
+``--from`` names a Hugging Face GPT-2 folder (finetune/hf.py reads its
+weights and tokenizer; nothing is downloaded), a run folder (its latest
+complete checkpoint) or one of its ``checkpoints/step_NNNNNN`` folders. A
+checkpoint holds weights only, so the model is rebuilt from the run's
+``config.toml`` and the text goes through the run's tokenizer: bytes, or the
+BPE that training cached beside the run folders (``.cache``, or the run's
+``--cache-dir``) under its corpus's fingerprint, found the way training
+found it.
+
+Sampling is the model's own ``generate``: top-k, then temperature (0: the
+most likely token each time), one seeded generator, so a seed gives the same
+text again on the same device. There is no key/value cache: every new token
+runs the model over the whole window (up to seq_len tokens), which keeps the
+model code plain and is quick enough for a few hundred tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import Config, load_run_config
+from scaletrain.data import BPETokenizer, ByteTokenizer, corpus_files
+from scaletrain.errors import UserError
+from scaletrain.export import find_checkpoint, without_adapters
+from scaletrain.finetune.hf import is_hf_folder, load_hf_gpt2, load_hf_tokenizer
+from scaletrain.models import GPT, build_model
+from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
+from scaletrain.train.data_setup import bpe_cache_path
+
+AnyTokenizer = ByteTokenizer | BPETokenizer
+
+
+def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> None:
+    """The sampling options, before any model is read: one sentence per mistake."""
+    if not prompt:
+        raise UserError("--prompt is empty; give the text to continue.")
+    if tokens < 1:
+        raise UserError(f"--tokens must be at least 1, not {tokens}.")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise UserError(f"--temperature must be 0 (the most likely token) or a positive number, not {temperature}.")
+    if top_k < 0:
+        raise UserError(f"--top-k must not be negative, not {top_k} (0 samples among every token).")
+
+
+def _run_tokenizer(cfg: Config, run_dir: Path) -> AnyTokenizer:
+    """The tokenizer the run trained with."""
+    if cfg.data.tokenizer == ByteTokenizer.name:
+        return ByteTokenizer()
+    try:
+        files = corpus_files(cfg.data.data)
+    except UserError:
+        raise UserError(f"the run in {run_dir} trained its BPE on {cfg.data.data}, which is no longer there, and "
+                        f"its cached tokenizer is found by that corpus; restore the corpus.") from None
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir.parent / ".cache"  # as training chose
+    path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files)
+    if not path.is_file():
+        raise UserError(f"the BPE tokenizer of the run in {run_dir} is not in its cache ({path}): the corpus "
+                        f"changed since training or the cache was removed; restore them as they were.")
+    return BPETokenizer.load(path)
+
+
+def _check_fits(model: GPT, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    saved = {name: tuple(t.shape) for name, t in tensors.items()}
+    differing = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
+    if differing:
+        name = differing[0]
+        raise UserError(f"checkpoint {checkpoint} does not fit the model its run's config.toml describes ({name}: "
+                        f"saved {saved.get(name)}, built {expected.get(name)}); generate from the run that saved it.")
+
+
+def load_run_model(checkpoint: Path) -> tuple[GPT, AnyTokenizer]:
+    """A checkpoint's model, rebuilt from its run's config.toml, and the run's tokenizer."""
+    run_dir = checkpoint.parent.parent  # RUN/checkpoints/step_NNNNNN
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(f"checkpoint {checkpoint} is not inside its run folder (no {run_dir / 'config.toml'}); "
+                        f"give it where training wrote it.")
+    cfg = load_run_config(run_dir)
+    if cfg.model.name == "mlp":
+        raise UserError(f"--from {checkpoint} is a run of the mlp classifier, which writes no text; give a GPT run.")
+    tokenizer = _run_tokenizer(cfg, run_dir)
+    model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len)
+    try:
+        tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
+    except READ_ERRORS as exc:
+        raise UserError(f"checkpoint {checkpoint} cannot be read ({failure_reason(exc)}); give an earlier "
+                        f"one.") from None
+    _check_fits(model, tensors, checkpoint)
+    model.load_state_dict(tensors)
+    return model.eval(), tokenizer
+
+
+def load_model(source: Path) -> tuple[GPT, AnyTokenizer]:
+    """The model and tokenizer that ``--from`` names."""
+    if not source.exists():
+        raise UserError(f"--from {source} does not exist; give a Hugging Face GPT-2 folder, a run folder or "
+                        f"one of its checkpoints/step_NNNNNN folders.")
+    if is_hf_folder(source):
+        tokenizer = load_hf_tokenizer(source)  # the small files first: a mistake costs no weights read
+        return load_hf_gpt2(source)[0], tokenizer
+    try:
+        checkpoint = find_checkpoint(source)
+    except UserError:  # it exists: what it lacks is a checkpoint
+        raise UserError(f"--from {source} is neither a Hugging Face model folder (it has no config.json) nor "
+                        f"a run folder with a complete checkpoint; give one of those, or a checkpoints/"
+                        f"step_NNNNNN folder.") from None
+    return load_run_model(checkpoint)
+
+
+def generate(source: Path, prompt: str, tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
+             seed: int = 1234) -> str:
+    """``prompt`` and ``tokens`` more tokens sampled by the model in ``source``;
+    ``top_k`` 0 samples among every token."""
+    check_options(prompt, tokens, temperature, top_k)
+    model, tokenizer = load_model(source)
+    ids = torch.tensor(tokenizer.encode(prompt), dtype=torch.long)
+    vocab = model.cfg.vocab_size
+    if int(ids.max()) >= vocab:
+        raise UserError(f"the tokenizer gives --prompt the id {int(ids.max())}, beyond the model's {vocab} "
+                        f"tokens; the tokenizer files belong to another model.")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.to(device).generate(ids[None].to(device), tokens, temperature=temperature, top_k=top_k or None,
+                                    generator=generator)
+    return tokenizer.decode(out[0].tolist())

@@ -139,7 +139,7 @@ def test_finetune_trains_the_adapters_and_leaves_the_base_as_it_was(base_run, pr
     assert generate(summary.run_dir, "The fox", tokens=8, temperature=0).startswith("The fox")
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_finetune_over_data_parallel_ranks_equals_one_device(base_run, prose, tmp_path, zero):
     report = run_parity(_finetune_cfg(base_run, prose, tmp_path, nproc=2, dp=2, zero=zero), tolerance=1e-5)
     assert report.passed, report.to_json()

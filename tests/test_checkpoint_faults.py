@@ -50,7 +50,7 @@ def straight(corpus, tmp_path_factory) -> list[float]:
     pytest.param("save-begin", 0, [], "step_000002", marks=pytest.mark.slow),
     ("save-written", 0, [], "step_000002"),
     pytest.param("save-manifest", 0, [], "step_000002", marks=pytest.mark.slow),
-    ("save-rename", 0, [], "step_000002"),
+    pytest.param("save-rename", 0, [], "step_000002", marks=pytest.mark.slow),
     ("save-prune", 0, [], "step_000004"),  # the new one was in place; the old one half deleted
     pytest.param("save-written", 1, ["--nproc", "2", "--dp", "2", "--micro-batch", "2"], "step_000002",
                  marks=pytest.mark.slow),

@@ -36,14 +36,6 @@ def test_resume_after_stop_at_runs_to_the_end(corpus, tmp_path):
     assert steps == [1, 2, 3]
 
 
-def test_corpus_shorter_than_one_sequence(tmp_path):
-    short = tmp_path / "short.txt"
-    short.write_text("too short")
-    result = run_cli(*_tiny(short, tmp_path / "run"))
-    _one_sentence_exit_2(result, "The corpus has 9 tokens, too few for a sequence of 33")
-    assert not (tmp_path / "run").exists()
-
-
 def test_nproc_2_launch_trains_and_accounts_every_byte(corpus, tmp_path):
     out = tmp_path / "run"
     result = run_cli(*_tiny(corpus, out, "--nproc", "2", "--report-comm"))

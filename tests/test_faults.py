@@ -86,6 +86,7 @@ def test_a_killed_rank_ends_every_other_rank_with_its_name(corpus, tmp_path, lay
         assert seconds - killed_at < TIMEOUT_S, f"rank {rank} took {seconds - killed_at:.1f} s after the kill"
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_once_the_timeout_passes(corpus, tmp_path):
     """SIGSTOP keeps the rank's sockets open: nothing fails until the collective timeout."""
     args = _train(corpus, tmp_path / "run", "--dp", "2")

@@ -36,13 +36,13 @@ from safetensors.torch import save_file
 
 from scaletrain.errors import UserError
 from scaletrain.train.checkpoint import (
-    MANIFEST,
     READ_ERRORS,
     STATE_FILE,
     failure_reason,
     latest_checkpoint,
     read_model_tensors,
 )
+from scaletrain.train.manifest import MANIFEST
 
 FORMAT = "scaletrain-model-v1"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

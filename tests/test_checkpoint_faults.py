@@ -20,6 +20,7 @@ import pytest
 
 from scaletrain.errors import UserError
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.manifest import MANIFEST
 from scaletrain.train.run import execute, prepare_run
 
 
@@ -63,7 +64,7 @@ def test_a_save_cut_off_leaves_a_complete_checkpoint_and_the_resume_is_exact(cor
     assert cut.returncode in (-signal.SIGKILL, 1), cut.stderr[-3000:]  # one process killed, or its launcher's report
     root = run / "checkpoints"
     assert [p.name for p in ckpt.complete_checkpoints(run)] == [complete]
-    assert all((p / ckpt.MANIFEST).is_file() for p in root.glob("step_*"))  # nothing partial looks complete
+    assert all((p / MANIFEST).is_file() for p in root.glob("step_*"))  # nothing partial looks complete
     leftovers = {p.name for p in root.glob(".*")}
     assert leftovers, "the kill should have left the save's or the deletion's folder"
 

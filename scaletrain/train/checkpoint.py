@@ -11,7 +11,7 @@ replicated tensors are written once and sharded ones by their owners, and
 fsyncs each file) into the temporary folder. After a barrier the ranks
 share out the files and hash them (SHA-256); the main rank writes
 ``trainer_state.json`` and then ``manifest.json`` (every file's size and
-hash), fsyncs both and the folder, and renames the folder into place, an
+hash; train/manifest.py), fsyncs both and the folder, and renames the folder into place, an
 atomic step on a POSIX file system. A crash at any moment leaves the
 previous complete checkpoint and maybe the new one, never a half-written one
 that looks complete: only ``step_*`` folders are read, and only those holding
@@ -43,7 +43,6 @@ cannot run code.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
@@ -79,9 +78,16 @@ from scaletrain.errors import UserError
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
+from scaletrain.train.manifest import (
+    MANIFEST,
+    entry,
+    fsync,
+    share,
+    write_durably,
+    write_manifest,
+)
 
 STATE_FILE = "trainer_state.json"
-MANIFEST = "manifest.json"
 # What reading a damaged, truncated or foreign checkpoint raises.
 READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError, CheckpointException)
 _TMP_PREFIX = ".tmp_"
@@ -117,41 +123,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint."""
     complete = complete_checkpoints(run_dir)
     return complete[-1] if complete else None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file, or a folder's entries, to the disk (a rename is durable once its folder is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Every file the manifest lists, with its size and SHA-256; one sentence for the first that differs."""
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"checkpoint {path} has no readable {MANIFEST} ({failure_reason(exc)}); delete it to "
-                        f"fall back to an earlier one.") from None
-    for name, entry in sorted(files.items()):
-        file = path / name
-        problem = ("is missing" if not file.is_file() else
-                   f"has {file.stat().st_size} bytes instead of {entry['bytes']}"
-                   if file.stat().st_size != entry["bytes"] else
-                   "does not match its SHA-256" if _sha256(file) != entry["sha256"] else None)
-        if problem:
-            raise UserError(f"checkpoint {path} is damaged: {name} {problem}; delete the folder to fall back "
-                            f"to an earlier checkpoint.")
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -405,18 +376,6 @@ def _remove_leftovers(root: Path) -> None:
             shutil.rmtree(stale)
 
 
-def _hash_my_share(folder: Path, team: Team) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every ``team.size``-th file, from this rank's index on."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-            for name in names[team.rank::team.size]}
-
-
-def _write_durably(path: Path, text: str) -> None:
-    path.write_text(text)
-    _fsync(path)
-
-
 def prune(run_dir: Path, keep_last: int, strike: Callable[[str], None]) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints, each renamed away first."""
     for old in complete_checkpoints(run_dir)[:-keep_last]:
@@ -444,20 +403,20 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
                  storage_writer=FileSystemWriter(tmp, sync_files=True))
     strike("save-written")
     team.barrier()
-    hashed = team.gather(_hash_my_share(tmp, team))
+    hashed = team.gather(share(tmp, team.rank, team.size))
     if team.is_main:
-        _write_durably(tmp / STATE_FILE, json.dumps(trainer_state, indent=2))
-        files = {name: entry for share in hashed for name, entry in share.items()}
-        files[STATE_FILE] = {"bytes": (tmp / STATE_FILE).stat().st_size, "sha256": _sha256(tmp / STATE_FILE)}
+        write_durably(tmp / STATE_FILE, json.dumps(trainer_state, indent=2))
+        files = {name: line for part in hashed for name, line in part.items()}
+        files[STATE_FILE] = entry(tmp / STATE_FILE)
         strike("save-manifest")
-        _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=2, sort_keys=True))
-        _fsync(tmp)
+        write_manifest(tmp, step, files)
+        fsync(tmp)
         strike("save-rename")
         replaced = final.with_name(_OLD_PREFIX + final.name)
         if final.exists():  # an earlier attempt at this very step completed: moved aside, deleted after
             os.replace(final, replaced)
         os.replace(tmp, final)
-        _fsync(final.parent)
+        fsync(final.parent)
         shutil.rmtree(replaced, ignore_errors=True)
         if keep_last:
             prune(run_dir, keep_last, strike)

@@ -40,6 +40,7 @@ from scaletrain.models import build_model, gpt_config
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, check_folder_creatable, prepare_data
+from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
 
@@ -114,7 +115,7 @@ def check_resumable(cfg: Config, spec: DataSpec) -> None:
     latest = ckpt.latest_checkpoint(Path(cfg.run.out)) if cfg.run.resume else None
     if latest is None:
         return
-    ckpt.verify_checkpoint(latest)
+    verify_checkpoint(latest)
     with torch.device("meta"):
         model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
@@ -240,7 +241,7 @@ def explain_failure(exc: Exception, health: Health | None, step: int | None, run
         return exc
     culprit = health.diagnose()
     if culprit is None:
-        health.failed(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        health.failed(f"{type(exc).__name__}: {ckpt.failure_reason(exc)}")
         return exc
     health.leave()
     where = f"in step {step}" if step else "before training"

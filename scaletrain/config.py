@@ -168,6 +168,8 @@ class RunConfig:
     report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
     report_memory: bool = _opt(False, "write and print the memory ledger (memory.json)")
     progress: bool = _opt(True, "show a progress bar")
+    log_every: int = _opt(1, "read each step's loss and gradient norm from the device every K steps, in one "
+                             "transfer, so the host never waits for the device mid-run (records stay per step)")
     sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
 
 
@@ -320,7 +322,7 @@ def load_run_config(run_dir: Path) -> Config:
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank",
-             "moe_top_k", "moe_every")
+             "moe_top_k", "moe_every", "log_every")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts")

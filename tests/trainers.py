@@ -12,11 +12,11 @@ from scaletrain.dist.launch import DistRuntime
 from scaletrain.train.trainer import Trainer
 
 
-def build_trainer(rank: int, n: int, cfg, spec) -> Trainer:
+def build_trainer(rank: int, n: int, cfg, spec, device: str = "cpu") -> Trainer:
     """The trainer of rank ``rank`` of ``n``, in the layout ``cfg`` names (dp filled in)."""
     env = ProcessEnv(rank, n, rank, n, "127.0.0.1", 0, "single")
     mesh = Mesh.build(cfg.parallel.mesh_dims(n), rank, n)
-    return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, Comm(), Path(cfg.run.out))
+    return Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device(device)), mesh, Comm(), Path(cfg.run.out))
 
 
 def train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[float]:

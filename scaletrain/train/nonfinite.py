@@ -37,10 +37,11 @@ def local_flag(loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(values)).any().float()
 
 
-def verdict(flag: torch.Tensor, comm: Comm, world: Group) -> bool:
-    """Whether any rank raised its flag (one all-reduce of four bytes, and a read of it)."""
+def agreed_flag(flag: torch.Tensor, comm: Comm, world: Group) -> torch.Tensor:
+    """1.0 on every rank where any rank raised its flag (one all-reduce of four bytes); read
+    at once before the update, or later with the step's other numbers (train/step_window.py)."""
     comm.all_reduce(flag, world, op="max")
-    return bool(flag.item())
+    return flag
 
 
 def first_nonfinite(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
@@ -59,3 +60,12 @@ def stop_report(step: int, loss: float, culprits: list[str | None], checkpoint: 
     resume = f"resume from {checkpoint}" if checkpoint else "start again"
     return JobFailed(f"step {step} is not finite: the loss is {loss:g} and {where}; the run stopped before "
                      f"updating, so {resume} with a lower --lr, or train through such steps with --on-nan skip.")
+
+
+def late_stop_report(step: int, loss: float, read_at: int, log_every: int, checkpoint: str | None) -> JobFailed:
+    """The sentence a run stops with when its non-finite flags are read a window at a time."""
+    resume = f"resume from {checkpoint}" if checkpoint else "start again"
+    return JobFailed(f"step {step} is not finite: the loss is {loss:g}, read at step {read_at} with "
+                     f"--log-every {log_every}, and no checkpoint was written after it, so {resume} with a "
+                     f"lower --lr, with --log-every 1 to stop before the update and name the first non-finite "
+                     f"gradient, or with --on-nan skip.")

@@ -49,7 +49,6 @@ step number to continue exactly as if it had never stopped.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +96,11 @@ from scaletrain.train.metrics import (
     peak_tflops,
     step_memory_bytes,
 )
-from scaletrain.train.nonfinite import first_nonfinite, local_flag, stop_report, verdict
+from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
 from scaletrain.train.replicas import Replicas
 from scaletrain.train.routing import RoutingStats
 from scaletrain.train.sampling import generate, line_prompt
+from scaletrain.train.step_window import PendingStep, StepWindow
 
 
 @dataclass
@@ -292,7 +292,10 @@ class Trainer:
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch on this rank's device; with cp, only this rank's positions of it."""
-        x, y = x.to(self.device), y.to(self.device)
+        if self.device.type == "cuda":  # page-locked, so the copy is queued, not waited for
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x, y = x.to(self.device), y.to(self.device)
         if self.context_parallel:
             return self.context_parallel.local(x), self.context_parallel.local(y)
         return x, y
@@ -358,6 +361,17 @@ class Trainer:
         return self.pipeline.from_last_stage(loss_sum)
 
     def train_step(self, step: int, record: bool = False) -> dict[str, float]:
+        """One optimizer step, its numbers read at once (``fit`` reads them a window at a time)."""
+        window = StepWindow(1, self.tokens_per_step)
+        window.add(self._step(step, record))
+        (read,) = window.read()
+        if read.nonfinite:
+            raise self._late_stop(read.record)
+        return read.record
+
+    def _step(self, step: int, record: bool) -> PendingStep:
+        """One optimizer step; its loss, gradient norm and (with ``--log-every`` K > 1) its
+        non-finite flag left on the device (train/step_window.py)."""
         t = self.cfg.train
         self.faults.strike("step", step + 1)
         torch.manual_seed(_step_seed(t.seed, step, self._dropout_rank()))
@@ -381,7 +395,9 @@ class Trainer:
         grads = [p.grad for p in self.step_params if p.grad is not None]
         overflow = self.scaler.unscale_(self.step_params).to(self.device)
         flag = local_flag(loss_sum, [] if self.scaler.enabled else grads).maximum(overflow)
-        skip = verdict(flag, self.comm, self.mesh.group("world"))
+        late = self._reads_flag_late
+        flag = agreed_flag(flag, self.comm, self.mesh.group("world"))
+        skip = False if late else bool(flag.item())
         if skip and self.on_nan == "stop":
             raise self._nonfinite_stop(step + 1, loss_sum.item())
         grad_norm = clip_grad_norm_([p.grad for p in self.step_params if p.grad is not None],
@@ -404,13 +420,19 @@ class Trainer:
         if self.masters:
             self.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         self.data_parallel.zero_grad()  # the model's
-        record = {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
-                  "skipped_steps": self.scaler.skipped_steps}
+        host = {"lr": lr, "skipped_steps": self.scaler.skipped_steps}
         if routing:
-            record.update(routing.summed(self.comm, self.replicas.batch))
+            host.update(routing.summed(self.comm, self.replicas.batch))
         if t.precision == "fp16":
-            record.update(loss_scale=self.scaler.scale_value)
-        return record
+            host.update(loss_scale=self.scaler.scale_value)
+        return PendingStep(step + 1, host, {"loss": loss_sum, "grad_norm": grad_norm},
+                           nonfinite=flag if late else None)
+
+    @property
+    def _reads_flag_late(self) -> bool:
+        """Whether the non-finite flag is read with the window rather than at once: only
+        where nothing this step does depends on it (train/step_window.py)."""
+        return self.cfg.run.log_every > 1 and self.on_nan == "stop" and not self.scaler.enabled
 
     def _named_step_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the optimizer steps, by parameter name: ZeRO's pieces, the masters, or the weights."""
@@ -423,6 +445,11 @@ class Trainer:
         culprits = self.comm.all_gather_object(culprit, self.mesh.group("world"))
         latest = ckpt.latest_checkpoint(self.run_dir)
         return stop_report(step, loss, culprits, latest.name if latest else None)
+
+    def _late_stop(self, record: dict) -> Exception:
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        return late_stop_report(record["step"], record["loss"], self.step, self.cfg.run.log_every,
+                                latest.name if latest else None)
 
     def _bytes_ledger(self) -> dict:
         if self.zero:
@@ -493,24 +520,29 @@ class Trainer:
                    disable=not (self.is_main and cfg.run.progress))
         record: dict = {}
         val_loss, saved = None, None
+        window = StepWindow(cfg.run.log_every, self.tokens_per_step)
         for step in range(self.start_step, end):
-            self.step = step + 1
-            start = time.perf_counter()
-            record = {"step": step + 1, **self.train_step(step, record=step == end - 1)}
-            seconds = time.perf_counter() - start
-            tokens_per_s = self.tokens_per_step / seconds
-            record.update(tokens_per_s=tokens_per_s, step_s=seconds,
-                          mfu=mfu(tokens_per_s, self.flops_per_token, self.peak,
-                                  self.runtime.env.world_size),
-                          mem_bytes=step_memory_bytes(self.device))
-            done = step + 1
-            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end:
-                val_loss = record["val_loss"] = self.evaluate()
-            if writer:
-                writer.write(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end:
+            self.step = done = step + 1
+            window.open_if_empty()
+            window.add(self._step(step, record=done == end))
+            evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
+            saving = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end
+            if not (window.due(done) or evaluating or saving):
+                continue
+            read = window.read()
+            memory = step_memory_bytes(self.device)
+            if evaluating and not any(r.nonfinite for r in read):
+                val_loss = read[-1].record["val_loss"] = self.evaluate()
+            for record, nonfinite in ((r.record, r.nonfinite) for r in read):
+                if nonfinite:  # the steps before it are recorded, as a stop at once would have
+                    raise self._late_stop(record)
+                record.update(mfu=mfu(record["tokens_per_s"], self.flops_per_token, self.peak,
+                                      self.runtime.env.world_size), mem_bytes=memory)
+                if writer:
+                    writer.write(record)
+            bar.update(len(read))
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            if saving:
                 saved = self._save(done)
         bar.close()
         if writer:

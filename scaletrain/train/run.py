@@ -154,10 +154,10 @@ def prepare_run(cfg: Config) -> DataSpec:
 
 def launch(cfg: Config) -> RunSummary:
     """The command line's door: validate, prepare, then run or spawn workers."""
+    cfg = as_finetune(cfg)  # first: a fine-tune's default folder is named after its base's model
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
     env = detect_environment()
-    cfg = as_finetune(cfg)
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     if env.rank == 0:

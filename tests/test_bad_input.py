@@ -152,7 +152,13 @@ CASES = [
     case("unknown-allreduce", ["--allreduce", "tree"], "invalid choice: 'tree' (choose from"),
     case("unknown-zero-stage", ["--zero", "4"], "invalid choice: 4 (choose from"),
     case("unknown-flag", ["--not-a-flag"], "unrecognized arguments: --not-a-flag; see scaletrain --help"),
-    # fine-tuning a Hugging Face GPT-2 folder: its files are checked before anything is written
+    # fine-tuning: the base, and a Hugging Face GPT-2 folder's files, are checked before anything is written
+    case("finetune-from-missing", ["--from", "{tmp}/nowhere"],
+         "does not exist; give a run folder, one of its checkpoints/step_NNNNNN folders or a Hugging Face GPT-2",
+         command="finetune"),
+    case("finetune-from-neither", ["--from", "{tmp}/notes"],
+         "is neither a Hugging Face GPT-2 folder (with a config.json) nor a run folder with a complete checkpoint",
+         {"notes/a.txt": b"some text"}, command="finetune"),
     case("finetune-hf-without-tokenizer", ["--from", "{tmp}/gpt2"],
          "holds no tokenizer (tokenizer.json, or vocab.json with merges.txt)", {"gpt2/config.json": GPT2_CONFIG},
          command="finetune"),

@@ -54,9 +54,17 @@ def as_finetune(cfg: Config) -> Config:
 def with_base(cfg: Config) -> Config:
     """``cfg`` with the model, tokenizer and sequence length of the base."""
     source = Path(cfg.finetune.base)
+    if not source.exists():
+        raise UserError(f"--from {source} does not exist; give a run folder, one of its checkpoints/step_NNNNNN "
+                        f"folders or a Hugging Face GPT-2 folder.")
     if is_hf_folder(source):
         return with_hf_base(cfg, source)
-    run_dir = base_checkpoint(cfg.finetune).parent.parent
+    try:
+        run_dir = base_checkpoint(cfg.finetune).parent.parent
+    except UserError:  # neither kind of base: name both
+        raise UserError(f"--from {source} is neither a Hugging Face GPT-2 folder (with a config.json) nor a run "
+                        f"folder with a complete checkpoint; give one of those, or a checkpoints/step_NNNNNN "
+                        f"folder.") from None
     base = load_run_config(run_dir)
     if base.model.name == "mlp":
         raise UserError(f"--from {cfg.finetune.base} is an mlp run; fine-tuning adapts the GPT models' layers.")

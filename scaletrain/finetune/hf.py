@@ -23,6 +23,12 @@ into heads of head_dim: the [3, heads, head_dim] layout our attention reads,
 so the fused weight maps without reordering. ``h.{i}.attn.bias`` and
 ``masked_bias`` in older files are the causal mask and its fill value,
 buffers rather than weights, and are skipped.
+
+``load_hf_gpt2`` gives the model for ``generate``; a fine-tune builds its
+model from the run's ModelConfig (finetune/base.py sets it from config.json:
+biases, norm epsilon, positions, vocabulary) and loads ``read_hf_weights``
+into it. ``check_hf_weights`` checks the weights from the safetensors header
+alone, so that a wrong folder is refused before a run writes anything.
 """
 
 from __future__ import annotations

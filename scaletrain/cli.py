@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     finetune = commands.add_parser(
         "finetune", help="fine-tune a trained model, with LoRA or QLoRA adapters",
-        description="Train on new data from a checkpoint (--from), with its model and tokenizer: every weight, "
+        description="Train on new data from a checkpoint or a Hugging Face GPT-2 folder (--from), with its model "
+                    "and tokenizer: every weight, "
                     "or LoRA adapters beside the frozen base (--lora-rank), the base stored in 4 bits with "
                     "--quantize nf4. Takes every flag of train.")
     _add_train_flags(finetune)
@@ -199,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finetune(args: argparse.Namespace) -> int:
     if getattr(args, "from") is None and not args.resume:
-        raise UserError("scaletrain finetune needs --from, the run folder or checkpoint to start from.")
+        raise UserError("scaletrain finetune needs --from, the run folder, checkpoint or Hugging Face GPT-2 folder to "
+                        "start from.")
     return _train(args)
 
 

@@ -50,6 +50,13 @@ class ModelConfig:
     moe_every: int = _opt(1, "every this-many-th block is a mixture of experts (2: blocks 1, 3, ...)")
     moe_aux_coef: float = _opt(0.01, "weight of the load-balancing loss (Switch Transformer)")
     moe_z_coef: float = _opt(0.0, "weight of the router z-loss (ST-MoE uses 0.001)")
+    bias: bool = _opt(False, "biases on each block's linear layers (qkv, proj, fc), as GPT-2 has; tensor "
+                             "parallelism refuses them")
+    norm_eps: float = _opt(1e-5, "epsilon of the layer norms (GPT-2's layer_norm_epsilon)")
+    n_positions: int | None = _opt(None, "rows of the position embedding, the longest sequence the model "
+                                         "reads (default: --seq-len; GPT-2's n_positions, 1024)")
+    n_vocab: int | None = _opt(None, "the model's vocabulary before --vocab-multiple padding (default: the "
+                                     "tokenizer's; a GPT-2 folder's vocab_size, 50257)")
 
 
 @dataclass
@@ -63,6 +70,8 @@ class DataConfig:
     seq_len: int = _opt(128, "tokens per sequence")
     cache_dir: str | None = _opt(None, "folder for tokenizers and token files (default: .cache beside "
                                        "the run folder)")
+    tokenizer_from: str | None = _opt(None, "tokenize with the tokenizer of this run folder or Hugging Face "
+                                            "GPT-2 folder instead of --tokenizer (a fine-tune sets its --from)")
 
 
 @dataclass
@@ -175,8 +184,8 @@ class RunConfig:
 
 @dataclass
 class FinetuneConfig:
-    base: str | None = _opt(None, "a checkpoint (run folder or step_NNNNNN) to start from: its model, "
-                                  "tokenizer and weights", flag="from")
+    base: str | None = _opt(None, "a checkpoint (run folder or step_NNNNNN) or a Hugging Face GPT-2 folder "
+                                  "to start from: its model, tokenizer and weights", flag="from")
     lora_rank: int = _opt(0, "rank r of the LoRA adapters on the --lora-targets layers, the base frozen "
                              "(0: no adapters, every weight trains)")
     lora_alpha: float = _opt(16.0, "LoRA scaling numerator: the update is alpha / r x B A")
@@ -322,11 +331,11 @@ def load_run_config(run_dir: Path) -> Config:
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank",
-             "moe_top_k", "moe_every", "log_every")
+             "moe_top_k", "moe_every", "log_every", "n_positions", "n_vocab")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts")
-_ABOVE_ZERO = ("lr", "timeout", "bucket_mb")
+_ABOVE_ZERO = ("lr", "timeout", "bucket_mb", "norm_eps")
 
 
 def check_values(cfg: Config) -> None:
@@ -345,6 +354,10 @@ def check_values(cfg: Config) -> None:
     for name in _ABOVE_ZERO:
         if flat[name] <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, not {flat[name]}.")
+    positions = cfg.model.n_positions
+    if positions is not None and cfg.data.seq_len > positions:
+        raise UserError(f"--seq-len {cfg.data.seq_len} is longer than the model's {positions} positions "
+                        f"(--n-positions); choose a --seq-len of at most {positions}.")
     if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
         raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
     if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
@@ -361,6 +374,9 @@ def check_values(cfg: Config) -> None:
                 raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
                                 f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
     tp = cfg.parallel.tp
+    if cfg.model.bias and tp > 1:
+        raise UserError(f"--tp {tp} splits bias-free linear layers only, and this model has biases (--bias, "
+                        f"as GPT-2 has); use --tp 1.")
     if cfg.parallel.sp and tp < 2:
         raise UserError(f"--sp splits the sequence over the tp group, which needs --tp 2 or more, "
                         f"not --tp {tp}; add --tp or drop --sp.")

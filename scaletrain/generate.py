@@ -4,10 +4,11 @@
 weights and tokenizer; nothing is downloaded), a run folder (its latest
 complete checkpoint) or one of its ``checkpoints/step_NNNNNN`` folders. A
 checkpoint holds weights only, so the model is rebuilt from the run's
-``config.toml`` and the text goes through the run's tokenizer: bytes, or the
-BPE that training cached beside the run folders (``.cache``, or the run's
-``--cache-dir``) under its corpus's fingerprint, found the way training
-found it.
+``config.toml`` (a GPT-2 fine-tune's biases, positions and vocabulary
+included) and the text goes through the run's tokenizer: the
+``tokenizer.json`` training saved in the run folder (train/data_setup.py;
+for runs older than that file, bytes or the BPE training cached beside the
+run folders, found by its corpus's fingerprint).
 
 Sampling is the model's own ``generate``: top-k, then temperature (0: the
 most likely token each time), one seeded generator, so a seed gives the same
@@ -23,16 +24,13 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import Config, load_run_config
-from scaletrain.data import BPETokenizer, ByteTokenizer, corpus_files
+from scaletrain.config import load_run_config
 from scaletrain.errors import UserError
 from scaletrain.export import find_checkpoint, without_adapters
 from scaletrain.finetune.hf import is_hf_folder, load_hf_gpt2, load_hf_tokenizer
 from scaletrain.models import GPT, build_model
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
-from scaletrain.train.data_setup import bpe_cache_path
-
-AnyTokenizer = ByteTokenizer | BPETokenizer
+from scaletrain.train.data_setup import AnyTokenizer, run_tokenizer
 
 
 def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> None:
@@ -45,23 +43,6 @@ def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> N
         raise UserError(f"--temperature must be 0 (the most likely token) or a positive number, not {temperature}.")
     if top_k < 0:
         raise UserError(f"--top-k must not be negative, not {top_k} (0 samples among every token).")
-
-
-def _run_tokenizer(cfg: Config, run_dir: Path) -> AnyTokenizer:
-    """The tokenizer the run trained with."""
-    if cfg.data.tokenizer == ByteTokenizer.name:
-        return ByteTokenizer()
-    try:
-        files = corpus_files(cfg.data.data)
-    except UserError:
-        raise UserError(f"the run in {run_dir} trained its BPE on {cfg.data.data}, which is no longer there, and "
-                        f"its cached tokenizer is found by that corpus; restore the corpus.") from None
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir.parent / ".cache"  # as training chose
-    path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files)
-    if not path.is_file():
-        raise UserError(f"the BPE tokenizer of the run in {run_dir} is not in its cache ({path}): the corpus "
-                        f"changed since training or the cache was removed; restore them as they were.")
-    return BPETokenizer.load(path)
 
 
 def _check_fits(model: GPT, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
@@ -83,7 +64,7 @@ def load_run_model(checkpoint: Path) -> tuple[GPT, AnyTokenizer]:
     cfg = load_run_config(run_dir)
     if cfg.model.name == "mlp":
         raise UserError(f"--from {checkpoint} is a run of the mlp classifier, which writes no text; give a GPT run.")
-    tokenizer = _run_tokenizer(cfg, run_dir)
+    tokenizer = run_tokenizer(run_dir)
     model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len)
     try:
         tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged

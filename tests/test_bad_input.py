@@ -28,6 +28,7 @@ READ_ONLY = 0o500
 FINISHED = "finished"
 CONFIG = b'[model]\nname = "gpt-tiny"\n'
 NOT_A_FOLDER = {"taken": b"a file"}
+GPT2_CONFIG = b'{"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 300}'
 
 
 def case(name, args, phrase, files=None, command="train", marks=()):
@@ -92,6 +93,12 @@ CASES = [
     case("bpe-vocab-below-bytes", ["--tokenizer", "bpe", "--vocab-size", "100"],
          "--vocab-size 100 is below 256, the byte alphabet that BPE starts from; use 256 or more"),
     case("mlp-with-data", ["--model", "mlp"], "so drop --data"),
+    case("tokenizer-from-missing", ["--tokenizer-from", "{tmp}/nowhere"],
+         "does not exist; give a run folder or a Hugging Face GPT-2 folder"),
+    case("tokenizer-from-not-a-model", ["--tokenizer-from", "{tmp}/notes"],
+         "is neither a run folder (it has no config.toml) nor a Hugging Face model folder",
+         {"notes/a.txt": b"some text"}),
+    case("n-vocab-below-tokenizer", ["--n-vocab", "100"], "--n-vocab 100 is below the 256 tokens of the tokenizer"),
     # run folder and cache
     case("out-is-a-file", ["--out", "{tmp}/taken"], "cannot be a folder because it is a file; choose another path",
          NOT_A_FOLDER),
@@ -129,6 +136,9 @@ CASES = [
     case("dropout-above-one", ["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     case("val-fraction-one", ["--val-fraction", "1"], "--val-fraction must be between 0 and 1"),
     case("stop-at-after-steps", ["--stop-at", "9"], "--stop-at must lie between 1 and --steps (3)"),
+    case("zero-norm-eps", ["--norm-eps", "0"], "--norm-eps must be positive"),
+    case("n-positions-below-seq-len", ["--n-positions", "16"], "choose a --seq-len of at most 16"),
+    case("bias-with-tp", ["--nproc", "2", "--tp", "2", "--bias"], "this model has biases (--bias, as GPT-2 has)"),
     case("top-k-above-experts", ["--moe-experts", "2", "--moe-top-k", "3"], "choose at most 2"),
     case("recompute-policy", ["--recompute", "every:0"], "'every:0' is not valid; use one of"),
     case("not-a-number", ["--steps", "ten"], "invalid int value: 'ten'"),
@@ -142,6 +152,19 @@ CASES = [
     case("unknown-allreduce", ["--allreduce", "tree"], "invalid choice: 'tree' (choose from"),
     case("unknown-zero-stage", ["--zero", "4"], "invalid choice: 4 (choose from"),
     case("unknown-flag", ["--not-a-flag"], "unrecognized arguments: --not-a-flag; see scaletrain --help"),
+    # fine-tuning: the base, and a Hugging Face GPT-2 folder's files, are checked before anything is written
+    case("finetune-from-missing", ["--from", "{tmp}/nowhere"],
+         "does not exist; give a run folder, one of its checkpoints/step_NNNNNN folders or a Hugging Face GPT-2",
+         command="finetune"),
+    case("finetune-from-neither", ["--from", "{tmp}/notes"],
+         "is neither a Hugging Face GPT-2 folder (with a config.json) nor a run folder with a complete checkpoint",
+         {"notes/a.txt": b"some text"}, command="finetune"),
+    case("finetune-hf-without-tokenizer", ["--from", "{tmp}/gpt2"],
+         "holds no tokenizer (tokenizer.json, or vocab.json with merges.txt)", {"gpt2/config.json": GPT2_CONFIG},
+         command="finetune"),
+    case("finetune-hf-without-weights", ["--from", "{tmp}/gpt2"], "holds no model.safetensors",
+         {"gpt2/config.json": GPT2_CONFIG, "gpt2/vocab.json": b'{"a": 0, "b": 1}', "gpt2/merges.txt": b""},
+         command="finetune"),
     # TOML
     case("config-missing", ["--config", "{tmp}/nowhere.toml"], "does not exist; give the path of a TOML file"),
     case("config-syntax", ["--config", "{tmp}/run.toml"], "is not valid TOML", {"run.toml": b"steps = = 3\n"}),

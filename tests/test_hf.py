@@ -175,10 +175,14 @@ def test_generate_from_our_own_checkpoint(tiny_cfg, capsys, tokenizer):
         assert capsys.readouterr().out.startswith("def ")
 
 
-def test_a_bpe_run_whose_cached_tokenizer_is_gone_is_one_sentence(tiny_cfg, tmp_path, capsys):
+def test_a_bpe_run_generates_from_its_saved_tokenizer_and_an_older_run_without_it_is_one_sentence(
+        tiny_cfg, tmp_path, capsys):
     cfg = tiny_cfg.replace(steps=2, tokenizer="bpe", vocab_size=VOCAB)
     run_dir = execute(cfg, prepare_run(cfg)).run_dir
-    shutil.rmtree(tmp_path / "cache")
+    shutil.rmtree(tmp_path / "cache")  # the run folder's tokenizer.json is enough
+    assert main(["generate", "--from", str(run_dir), "--prompt", "def", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+    (run_dir / "tokenizer.json").unlink()  # as runs saved before that file: the cache was their only copy
     assert main(["generate", "--from", str(run_dir), "--prompt", "def"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "is not in its cache" in err, err

@@ -1,13 +1,21 @@
-"""Where a fine-tune starts (``--from``): the base run's model, tokenizer and weights.
+"""Where a fine-tune starts (``--from``): the base's model, tokenizer and weights.
 
 A fine-tune trains on new data with the base's architecture and tokenizer,
 so the model section, the tokenizer and the sequence length (the position
-embedding's rows) come from the base run's ``config.toml``, whatever the
-command line says of them. The base weights load into the freshly built
-model before anything else touches it; then the base is frozen and adapters
-are put beside the target layers (``--lora-rank``), its weights stored in 4
-bits first with ``--quantize nf4``. The data-parallel and ZeRO wrappers that
-follow see only the adapters as trainable.
+embedding's rows) come from the base, whatever the command line says of them.
+The base is one of our runs (its ``config.toml`` and newest complete
+checkpoint, a LoRA fine-tune's adapters merged in) or a Hugging Face GPT-2
+folder (finetune/hf.py: the sizes, biases, norm epsilon, positions and
+vocabulary of its ``config.json``; ``--seq-len`` stays the user's, at most
+its positions). The new data is tokenized by the base's tokenizer
+(``--tokenizer-from`` set to the base: the run's saved ``tokenizer.json``, or
+the folder's GPT-2 tokenizer); a byte-level base needs none.
+
+The base weights load into the freshly built model before anything else
+touches it; then the base is frozen and adapters are put beside the target
+layers (``--lora-rank``), its weights stored in 4 bits first with
+``--quantize nf4``. The data-parallel and ZeRO wrappers that follow see only
+the adapters as trainable.
 """
 
 from __future__ import annotations
@@ -19,13 +27,14 @@ from torch import nn
 
 from scaletrain.config import Config, FinetuneConfig, load_run_config
 from scaletrain.errors import UserError
-from scaletrain.export import find_checkpoint
+from scaletrain.export import find_checkpoint, without_adapters
+from scaletrain.finetune.hf import check_hf_weights, is_hf_folder, load_hf_tokenizer, read_hf_config, read_hf_weights
 from scaletrain.finetune.lora import apply_lora
 from scaletrain.train.checkpoint import read_model_tensors
 
 # What a fine-tune inherits from its base run: the model's shape and how text becomes tokens.
 INHERITED = ("name", "n_layers", "n_heads", "d_model", "vocab_multiple", "moe_experts", "moe_top_k",
-             "moe_every", "tokenizer", "vocab_size", "seq_len")
+             "moe_every", "bias", "norm_eps", "n_positions", "n_vocab", "tokenizer", "vocab_size", "seq_len")
 
 
 def base_checkpoint(finetune: FinetuneConfig) -> Path:
@@ -43,16 +52,45 @@ def as_finetune(cfg: Config) -> Config:
 
 
 def with_base(cfg: Config) -> Config:
-    """``cfg`` with the model, tokenizer and sequence length of the base run."""
-    base = load_run_config(base_checkpoint(cfg.finetune).parent.parent)
+    """``cfg`` with the model, tokenizer and sequence length of the base."""
+    source = Path(cfg.finetune.base)
+    if not source.exists():
+        raise UserError(f"--from {source} does not exist; give a run folder, one of its checkpoints/step_NNNNNN "
+                        f"folders or a Hugging Face GPT-2 folder.")
+    if is_hf_folder(source):
+        return with_hf_base(cfg, source)
+    try:
+        run_dir = base_checkpoint(cfg.finetune).parent.parent
+    except UserError:  # neither kind of base: name both
+        raise UserError(f"--from {source} is neither a Hugging Face GPT-2 folder (with a config.json) nor a run "
+                        f"folder with a complete checkpoint; give one of those, or a checkpoints/step_NNNNNN "
+                        f"folder.") from None
+    base = load_run_config(run_dir)
     if base.model.name == "mlp":
         raise UserError(f"--from {cfg.finetune.base} is an mlp run; fine-tuning adapts the GPT models' layers.")
-    if base.data.tokenizer != "byte":
-        raise UserError(f"--from {cfg.finetune.base} tokenized its corpus with a BPE trained on it, which this "
-                        f"version cannot carry over to new data; fine-tune a run of the byte tokenizer.")
     flat = {name: getattr(section, name) for section in (base.model, base.data) for name in INHERITED
             if hasattr(section, name)}
-    return cfg.replace(**flat)
+    # A base's own BPE (trained on its corpus, or taken from a GPT-2 folder) tokenizes the new data too.
+    bytes_only = base.data.tokenizer == "byte" and not base.data.tokenizer_from
+    return cfg.replace(**flat, tokenizer_from=None if bytes_only else str(run_dir))
+
+
+def with_hf_base(cfg: Config, folder: Path) -> Config:
+    """``cfg`` with the architecture of the GPT-2 model in ``folder`` and its tokenizer; the folder's
+    config, tokenizer and weights file checked before anything is written."""
+    gpt2 = read_hf_config(folder)
+    tokenizer = load_hf_tokenizer(folder)
+    if tokenizer.vocab_size > gpt2.vocab_size:
+        raise UserError(f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens, more than the "
+                        f"vocab_size {gpt2.vocab_size} of its config.json; the tokenizer files belong to another "
+                        f"model.")
+    check_hf_weights(folder, gpt2)
+    # The preset's name only labels the run: every size is given. Its vocabulary keeps its exact rows,
+    # so that the logits are GPT-2's (--vocab-multiple would add rows that GPT-2's softmax lacks).
+    return cfg.replace(name="gpt2-124m", n_layers=gpt2.n_layers, n_heads=gpt2.n_heads, d_model=gpt2.d_model,
+                       vocab_multiple=1, moe_experts=0, bias=True, norm_eps=gpt2.norm_eps,
+                       n_positions=gpt2.positions, n_vocab=gpt2.vocab_size, tokenizer="bpe",
+                       vocab_size=tokenizer.vocab_size, tokenizer_from=str(folder))
 
 
 def check_layout(cfg: Config) -> None:
@@ -75,8 +113,19 @@ def check_layout(cfg: Config) -> None:
 def start_from_base(model: nn.Module, finetune: FinetuneConfig) -> None:
     """Load the base weights into ``model``; with ``--lora-rank``, freeze them (in 4 bits
     with ``--quantize nf4``) and add the adapters."""
-    tensors = read_model_tensors(base_checkpoint(finetune))
+    source = Path(finetune.base)
+    if is_hf_folder(source):
+        tensors = read_hf_weights(source, model.cfg)
+    else:
+        checkpoint = base_checkpoint(finetune)
+        tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
     model.load_state_dict(tensors)
+    add_adapters(model, finetune)
+
+
+def add_adapters(model: nn.Module, finetune: FinetuneConfig) -> None:
+    """With ``--lora-rank``: freeze ``model`` (in 4 bits with ``--quantize nf4``) and put the adapters
+    beside its target layers; the model a fine-tune trains and checkpoints."""
     if not finetune.lora_rank:
         return
     targets = finetune.lora_targets.split(",")

@@ -23,6 +23,12 @@ into heads of head_dim: the [3, heads, head_dim] layout our attention reads,
 so the fused weight maps without reordering. ``h.{i}.attn.bias`` and
 ``masked_bias`` in older files are the causal mask and its fill value,
 buffers rather than weights, and are skipped.
+
+``load_hf_gpt2`` gives the model for ``generate``; a fine-tune builds its
+model from the run's ModelConfig (finetune/base.py sets it from config.json:
+biases, norm epsilon, positions, vocabulary) and loads ``read_hf_weights``
+into it. ``check_hf_weights`` checks the weights from the safetensors header
+alone, so that a wrong folder is refused before a run writes anything.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from scaletrain.data.tokenizer import BPETokenizer
@@ -55,6 +61,7 @@ CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 PREFIX = "transformer."  # GPT2LMHeadModel's name for its GPT2Model; GPT2Model's own files have none
 HEAD = "lm_head.weight"
+READ_ERRORS = (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 def _reason(exc: BaseException) -> str:
@@ -126,26 +133,58 @@ def hf_names(n_layers: int) -> dict[str, tuple[str, bool]]:
     return names
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's tensors, by name, the ``transformer.`` prefix taken off."""
+def read_hf_config(folder: Path) -> GPTConfig:
+    """Our GPTConfig for the GPT-2 model in ``folder``, or one sentence on what is wrong with it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder; give the folder holding the model's config.json.")
+    if not is_hf_folder(folder):
+        raise UserError(f"{folder} has no config.json; give a Hugging Face GPT-2 folder as save_pretrained "
+                        f"writes it.")
+    return config_from_hf(_read_config(folder), folder)
+
+
+def _weights_file(folder: Path) -> Path:
     source = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
     if source is None:
         raise UserError(f"{folder} holds no model.safetensors (nor pytorch_model.bin); copy the model's "
                         f"weights into it.")
+    return source
+
+
+def _unreadable(source: Path, exc: BaseException) -> UserError:
+    return UserError(f"{source} cannot be read ({_reason(exc)}); download it again.")
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors, by name, the ``transformer.`` prefix taken off."""
+    source = _weights_file(folder)
     try:
         tensors = (load_file(source) if source.suffix == ".safetensors"
                    else torch.load(source, map_location="cpu", weights_only=True))
-    except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-        raise UserError(f"{source} cannot be read ({_reason(exc)}); download it again.") from None
+    except READ_ERRORS as exc:
+        raise _unreadable(source, exc) from None
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise UserError(f"{source} holds no mapping of names to tensors; download it again.")
     return {name.removeprefix(PREFIX): tensor for name, tensor in tensors.items()}
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], model: GPT, names: dict[str, tuple[str, bool]],
-                   folder: Path) -> None:
+def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The folder's tensor shapes by name; of a safetensors file from its header alone."""
+    source = _weights_file(folder)
+    if source.suffix != ".safetensors":
+        return {name: tuple(t.shape) for name, t in _read_weights(folder).items()}
+    try:
+        with safe_open(source, framework="pt") as f:
+            return {name.removeprefix(PREFIX): tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except READ_ERRORS as exc:
+        raise _unreadable(source, exc) from None
+
+
+def _check_shapes(shapes: dict[str, tuple[int, ...]], cfg: GPTConfig, folder: Path) -> None:
     """Exactly the weights config.json's sizes call for, in their shapes: one sentence for the first that is not."""
-    given = {name for name in tensors if not BUFFERS.fullmatch(name)} - {HEAD}
+    names = hf_names(cfg.n_layers)
+    given = {name for name in shapes if not BUFFERS.fullmatch(name)} - {HEAD}
     missing, unexpected = sorted(names.keys() - given), sorted(given - names.keys())
     if missing:
         raise UserError(f"{folder} lacks the GPT-2 weight {missing[0]} that its config.json calls for; "
@@ -153,34 +192,42 @@ def _check_tensors(tensors: dict[str, torch.Tensor], model: GPT, names: dict[str
     if unexpected:
         raise UserError(f"{folder} holds {unexpected[0]}, which is no weight of a GPT-2 model of its "
                         f"config.json's sizes; give a folder of GPT-2 (model_type gpt2) weights.")
-    ours = model.state_dict()
+    with torch.device("meta"):
+        ours = GPT(cfg).state_dict()
     for name, (our_name, transposed) in names.items():
         expected = tuple(reversed(ours[our_name].shape) if transposed else ours[our_name].shape)
-        if tuple(tensors[name].shape) != expected:
-            raise UserError(f"{folder} holds {name} of shape {list(tensors[name].shape)}, but its config.json's "
+        if shapes[name] != expected:
+            raise UserError(f"{folder} holds {name} of shape {list(shapes[name])}, but its config.json's "
                             f"sizes give {list(expected)}; the weights and config.json are of different models.")
+
+
+def check_hf_weights(folder: Path, cfg: GPTConfig) -> None:
+    """The weights file is there and holds the tensors ``cfg`` calls for (read from the header where
+    it can be), so that a mistake is found before a run starts."""
+    _check_shapes(_weight_shapes(Path(folder)), cfg, Path(folder))
+
+
+def read_hf_weights(folder: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The folder's GPT-2 weights under our names, as ``GPT(cfg).load_state_dict`` takes them
+    (the head tied to the embedding: the same tensor under both names)."""
+    folder = Path(folder)
+    tensors = _read_weights(folder)
+    _check_shapes({name: tuple(t.shape) for name, t in tensors.items()}, cfg, folder)
     if HEAD in tensors and not torch.equal(tensors[HEAD], tensors["wte.weight"]):
         raise UserError(f"{folder} holds an {HEAD} that differs from wte.weight; this GPT ties its output head "
                         f"to the token embedding, as GPT-2 does.")
+    ours = {our_name: tensors[name].t() if transposed else tensors[name]
+            for name, (our_name, transposed) in hf_names(cfg.n_layers).items()}
+    ours["head.weight"] = ours["tok_emb.weight"]
+    return ours
 
 
 def load_hf_gpt2(folder: Path) -> tuple[GPT, GPTConfig]:
     """The GPT-2 model in a Hugging Face folder as our GPT (fp32, in eval mode), and its config."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"{folder} is not a folder; give the folder holding the model's config.json.")
-    if not is_hf_folder(folder):
-        raise UserError(f"{folder} has no config.json; give a Hugging Face GPT-2 folder as save_pretrained "
-                        f"writes it.")
-    cfg = config_from_hf(_read_config(folder), folder)
-    tensors = _read_weights(folder)
+    cfg = read_hf_config(folder)
+    tensors = read_hf_weights(folder, cfg)
     model = GPT(cfg)
-    names = hf_names(cfg.n_layers)
-    _check_tensors(tensors, model, names, folder)
-    ours = model.state_dict()  # shares storage with the parameters; the head is the embedding
-    with torch.no_grad():
-        for name, (our_name, transposed) in names.items():
-            ours[our_name].copy_(tensors[name].t() if transposed else tensors[name])
+    model.load_state_dict(tensors)
     return model.eval(), cfg
 
 

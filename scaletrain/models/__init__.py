@@ -19,7 +19,8 @@ GPT_PRESETS = {
 
 
 def gpt_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
-    """The preset, with any size the user set overriding it."""
+    """The preset, with any size the user set overriding it; ``vocab_size`` is the tokenizer's,
+    which ``--n-vocab`` (a GPT-2 folder's vocab_size) overrides."""
     layers, heads, width = GPT_PRESETS[cfg.name]
     width = cfg.d_model or width
     moe = None
@@ -27,9 +28,10 @@ def gpt_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
         moe = MoEConfig(experts=cfg.moe_experts, top_k=cfg.moe_top_k, hidden=4 * width // cfg.moe_top_k,
                         capacity=cfg.moe_capacity, every=cfg.moe_every, aux_coef=cfg.moe_aux_coef,
                         z_coef=cfg.moe_z_coef)
-    return GPTConfig(vocab_size=vocab_size, seq_len=seq_len,
+    return GPTConfig(vocab_size=cfg.n_vocab or vocab_size, seq_len=seq_len,
                      n_layers=cfg.n_layers or layers, n_heads=cfg.n_heads or heads,
-                     d_model=width, dropout=cfg.dropout, vocab_multiple=cfg.vocab_multiple, moe=moe)
+                     d_model=width, dropout=cfg.dropout, vocab_multiple=cfg.vocab_multiple, moe=moe,
+                     bias=cfg.bias, norm_eps=cfg.norm_eps, n_positions=cfg.n_positions)
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, n_features: int = 0,

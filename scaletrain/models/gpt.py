@@ -52,6 +52,7 @@ class GPTConfig:
     moe: MoEConfig | None = None
     bias: bool = False  # biases on the blocks' linear layers, as GPT-2 has
     norm_eps: float = 1e-5  # the layer norms' epsilon (GPT-2's layer_norm_epsilon)
+    n_positions: int | None = None  # rows of the position embedding (default: seq_len; GPT-2's n_positions)
 
     @property
     def head_dim(self) -> int:
@@ -63,6 +64,12 @@ class GPTConfig:
         ``vocab_multiple`` (64 keeps GPU matrix tiles full, as nanoGPT's 50257 -> 50304).
         The extra ids are never inputs or targets, and never sampled."""
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def positions(self) -> int:
+        """The longest sequence the model reads: the position embedding's rows. Training may use
+        fewer (``seq_len``), as a fine-tune of GPT-2's 1024 positions on shorter windows does."""
+        return self.n_positions or self.seq_len
 
 
 class LayerNorm(nn.LayerNorm):
@@ -149,7 +156,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.positions, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
                                     for i in range(cfg.n_layers))
@@ -212,7 +219,7 @@ class GPT(nn.Module):
                  top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :self.cfg.vocab_size]
+            logits = self(idx[:, -self.cfg.positions:])[:, -1, :self.cfg.vocab_size]
             idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
         return idx
 

@@ -8,6 +8,13 @@ behind. Workers then ``open_data`` the cached files, which is cheap and
 cannot fail on user input.
 Tokenizer and token file are cached beside the run folders (``runs/.cache``),
 keyed by the corpus files and tokenizer, so the next run starts at once.
+
+``--tokenizer-from`` takes the tokenizer of another run (its saved
+``tokenizer.json``) or of a Hugging Face GPT-2 folder instead of making one:
+a fine-tune sets it to its base, so that the new data becomes tokens as the
+base's own data did. Every run saves the tokenizer it trained with as
+``RUN/tokenizer.json`` (``save_run_tokenizer``), which is what the next
+fine-tune and ``generate`` read (``run_tokenizer``).
 """
 
 from __future__ import annotations
@@ -16,13 +23,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import Config
+from scaletrain.config import Config, load_run_config
 from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBatches, build_token_cache,
                              check_corpus_length, corpus_files, corpus_too_short, count_tokens,
                              files_fingerprint, load_digits, load_tokenizer, load_tokens, split_tokens,
                              token_lower_bound, unigram_entropy_nats)
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import UserError
+from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
+
+AnyTokenizer = ByteTokenizer | BPETokenizer
+RUN_TOKENIZER = "tokenizer.json"  # in the run folder: the tokenizer its data was tokenized with
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,49 @@ def bpe_cache_path(cache_dir: Path, vocab_size: int, files: list[Path]) -> Path:
     return cache_dir / f"bpe-{vocab_size}-{files_fingerprint(files)[:16]}.json"
 
 
+def _legacy_run_tokenizer(cfg: Config, run_dir: Path) -> AnyTokenizer:
+    """The tokenizer of a run that saved none (older runs): bytes, or its BPE in the cache beside
+    the run folders, found by its corpus's fingerprint as training found it."""
+    if cfg.data.tokenizer == ByteTokenizer.name:
+        return ByteTokenizer()
+    try:
+        files = corpus_files(cfg.data.data)
+    except UserError:
+        raise UserError(f"the run in {run_dir} trained its BPE on {cfg.data.data}, which is no longer there, and "
+                        f"its cached tokenizer is found by that corpus; restore the corpus.") from None
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir.parent / ".cache"  # as training chose
+    path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files)
+    if not path.is_file():
+        raise UserError(f"the BPE tokenizer of the run in {run_dir} is not in its cache ({path}): the corpus "
+                        f"changed since training or the cache was removed; restore them as they were.")
+    return BPETokenizer.load(path)
+
+
+def run_tokenizer(run_dir: Path) -> AnyTokenizer:
+    """The tokenizer a run folder's data was tokenized with."""
+    saved = run_dir / RUN_TOKENIZER
+    return load_tokenizer(saved) if saved.is_file() else _legacy_run_tokenizer(load_run_config(run_dir), run_dir)
+
+
+def save_run_tokenizer(spec: DataSpec, run_dir: Path) -> None:
+    """``RUN/tokenizer.json``: a copy of the tokenizer the run's data was tokenized with."""
+    if spec.tokenizer_path is not None:
+        load_tokenizer(spec.tokenizer_path).save(run_dir / RUN_TOKENIZER)
+
+
+def tokenizer_from(source: Path) -> AnyTokenizer:
+    """``--tokenizer-from``: a Hugging Face folder's tokenizer, or the one a run trained with."""
+    if not source.exists():
+        raise UserError(f"--tokenizer-from {source} does not exist; give a run folder or a Hugging Face GPT-2 "
+                        f"folder.")
+    if is_hf_folder(source):
+        return load_hf_tokenizer(source)
+    if (source / "config.toml").is_file():
+        return run_tokenizer(source)
+    raise UserError(f"--tokenizer-from {source} is neither a run folder (it has no config.toml) nor a Hugging "
+                    f"Face model folder (no config.json); give one of those.")
+
+
 def _tokenizer(files: list[Path], vocab_size: int, bpe_path: Path | None) -> ByteTokenizer | BPETokenizer:
     """Bytes without a BPE path; else the cached BPE, or one trained here and not yet saved."""
     if bpe_path is None:
@@ -82,8 +136,14 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
         return DataSpec(kind="digits")
     files = corpus_files(cfg.data.data)
     check_folder_creatable(cache_dir, "--cache-dir")
-    bpe_path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files) if cfg.data.tokenizer == "bpe" else None
-    tokenizer = _tokenizer(files, cfg.data.vocab_size, bpe_path)
+    if cfg.data.tokenizer_from:
+        bpe_path, tokenizer = None, tokenizer_from(Path(cfg.data.tokenizer_from))
+    else:
+        bpe_path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files) if cfg.data.tokenizer == "bpe" else None
+        tokenizer = _tokenizer(files, cfg.data.vocab_size, bpe_path)
+    if cfg.model.n_vocab is not None and cfg.model.n_vocab < tokenizer.vocab_size:
+        raise UserError(f"--n-vocab {cfg.model.n_vocab} is below the {tokenizer.vocab_size} tokens of the "
+                        f"tokenizer; give at least {tokenizer.vocab_size}, or leave --n-vocab out.")
     # File sizes settle the length of most corpora without tokenizing them; one they leave in
     # doubt is small, and tokenized once more to count.
     if corpus_too_short(token_lower_bound(files, tokenizer), cfg.data.val_fraction, cfg.data.seq_len):

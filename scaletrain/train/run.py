@@ -33,13 +33,13 @@ from scaletrain.dist.launch import (
 )
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
-from scaletrain.finetune.base import as_finetune
+from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
 from scaletrain.models import build_model, gpt_config
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.data_setup import DataSpec, check_folder_creatable, prepare_data
+from scaletrain.train.data_setup import DataSpec, check_folder_creatable, prepare_data, save_run_tokenizer
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.trainer import RunSummary, Trainer
@@ -116,9 +116,13 @@ def check_resumable(cfg: Config, spec: DataSpec) -> None:
     if latest is None:
         return
     verify_checkpoint(latest)
-    with torch.device("meta"):
+    # A fine-tune's checkpoint holds its adapters (and NF4 codes, which quantizing computes from
+    # the weights' values: on the CPU, as meta tensors have none).
+    with torch.device("cpu" if cfg.finetune.quantize == "nf4" else "meta"):
         model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
+        if cfg.finetune.base:
+            add_adapters(model, cfg.finetune)
     ckpt.check_fits(latest, {key: tuple(t.shape) for key, t in model.state_dict().items()})
 
 
@@ -143,16 +147,17 @@ def prepare_run(cfg: Config) -> DataSpec:
     spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else out.parent / ".cache")
     check_resumable(cfg, spec)
     out.mkdir(parents=True, exist_ok=True)
+    save_run_tokenizer(spec, out)  # what a fine-tune from this run, or generate, tokenizes with
     (out / "config.toml").write_text(cfg.to_toml())
     return spec
 
 
 def launch(cfg: Config) -> RunSummary:
     """The command line's door: validate, prepare, then run or spawn workers."""
+    cfg = as_finetune(cfg)  # first: a fine-tune's default folder is named after its base's model
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
     env = detect_environment()
-    cfg = as_finetune(cfg)
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     if env.rank == 0:

@@ -72,6 +72,13 @@ def zero_groups(mesh: Mesh, dense: Group) -> tuple[Group, Group | None]:
     return (mesh.group(hybrid_group_name(mesh.dims, "shard")), mesh.group(hybrid_group_name(mesh.dims, "replica")))
 
 
+def int8_shard_bytes(numel: int) -> int:
+    """Bytes one rank sends for its shard of ``numel`` elements in an int8 gather: the
+    fp32 scales, then the codes padded to whole 4-byte words (so that every rank's
+    scales start aligned for viewing as fp32)."""
+    return 4 * math.ceil(numel / BLOCK) + 4 * math.ceil(numel / 4)
+
+
 def quantize_int8(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` flattened into int8 (same length) and one fp32 absmax scale per
     ``block`` elements (the last block shorter)."""
@@ -119,10 +126,7 @@ class ShardCollectives:
         if not self.quantized:
             return self.comm.all_gather(full, shard, self.shard, async_op=True)
         numel, n_scales = shard.numel(), math.ceil(shard.numel() / BLOCK)
-        # One byte buffer per rank: the scales, then the codes, padded to whole 4-byte words
-        # so that every rank's scales start aligned for viewing as fp32.
-        code_bytes = 4 * math.ceil(numel / 4)
-        width = 4 * n_scales + code_bytes
+        width = int8_shard_bytes(numel)  # one byte buffer per rank: scales, then codes
         mine = torch.zeros(width, dtype=torch.uint8, device=shard.device)
         codes, scales = quantize_int8(shard)
         mine[:4 * n_scales].view(torch.float32).copy_(scales)

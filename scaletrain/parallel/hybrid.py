@@ -2,9 +2,12 @@
 and optionally with int8 weight all-gathers.
 
 Hybrid sharding. Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
-Fully Sharded Data Parallel" (HSDP), and the hpZ part of Wang et al. 2023,
-"ZeRO++: Extremely Efficient Collective Communication for Giant Model
-Training". Plain ZeRO shards over all ``D`` data-parallel ranks, so every
+Fully Sharded Data Parallel" (HSDP); Wang et al. 2023, "ZeRO++: Extremely
+Efficient Collective Communication for Giant Model Training" keeps its
+optimizer state over all ranks and only a secondary weight shard per node
+(hpZ), which saves memory but leaves its forward gathers and gradient
+reduce-scatters crossing nodes; HSDP, here, keeps all of them in the node.
+Plain ZeRO shards over all ``D`` data-parallel ranks, so every
 weight all-gather and gradient reduce-scatter spans every node. With
 ``--shard-group N`` the dp group (dist/mesh.py) is cut into ``G = D / N``
 shard groups of N neighbouring ranks (a node) and N replica groups of the G
@@ -44,7 +47,7 @@ and in backward (the gradient is exactly that of the quantized weights). The
 fp32 masters the optimizer updates are never quantized, only the copies the
 layers compute with. Bytes per rank's shard of S elements, padded to whole
 words: ``4 ceil(S/BLOCK) + 4 ceil(S/4)``, about ``S (1 + 4/BLOCK)``, so the
-gathers move 0.27x the bytes of fp32 weights (0.53x of bf16); the
+gathers move 0.254x the bytes of fp32 weights (0.51x of bf16); the
 reduce-scatters are unchanged. The error of an element is at most ``s/2``, half
 a step of its block's grid: a relative 1/254 of the block's largest weight.
 """

@@ -144,10 +144,11 @@ class ParallelConfig:
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
-    shard_group: int | None = _opt(None, "hybrid sharding (HSDP, ZeRO++ hpZ): ZeRO shards within groups of "
-                                         "this many neighbouring dp ranks (a node) and replicates across the "
-                                         "groups, gradients reduce-scattered inside a group and all-reduced "
-                                         "across groups (default: one group of all dp ranks; needs --zero)")
+    shard_group: int | None = _opt(None, "hybrid sharding (HSDP, akin to ZeRO++ hpZ): ZeRO shards within "
+                                         "groups of this many neighbouring dp ranks (a node) and replicates "
+                                         "across the groups, gradients reduce-scattered inside a group and "
+                                         "all-reduced across groups (default: one group of all dp ranks; "
+                                         "needs --zero)")
     quantize_weights: str = _opt("none", "ZeRO-3's weight all-gathers in int8 with an fp32 absmax scale per "
                                          "256-element block (ZeRO++ qwZ; forward and backward then run on "
                                          "those weights; needs --zero 3)", choices=("none", "int8"))

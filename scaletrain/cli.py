@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                           ("virtual-stages", "stages per rank [2 for interleaved, else 1]")):
         fixed.add_argument(f"--{name}", type=int, metavar="N", help=meaning)
     fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage over the replicas")
+    fixed.add_argument("--shard-group", type=int, metavar="N", help="ZeRO within groups of N ranks (hybrid)")
+    fixed.add_argument("--quantize-weights", choices=("none", "int8"), help="ZeRO-3's gathers in int8")
     fixed.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                        help="sequence parallelism inside the tp group")
     fixed.add_argument("--recompute", choices=PLANNED_RECOMPUTE, help="activation checkpointing")
@@ -303,9 +305,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 PLAN_FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
-              "virtual_stages", "micro_batch")
+              "virtual_stages", "micro_batch", "shard_group", "quantize_weights")
 PLAN_POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
-                 "dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "virtual_stages", "moe_top_k")
+                 "dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "virtual_stages", "moe_top_k",
+                 "shard_group")
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

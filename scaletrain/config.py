@@ -153,11 +153,20 @@ class ParallelConfig:
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
+    shard_group: int | None = _opt(None, "hybrid sharding (HSDP, akin to ZeRO++ hpZ): ZeRO shards within "
+                                         "groups of this many neighbouring dp ranks (a node) and replicates "
+                                         "across the groups, gradients reduce-scattered inside a group and "
+                                         "all-reduced across groups (default: one group of all dp ranks; "
+                                         "needs --zero)")
+    quantize_weights: str = _opt("none", "ZeRO-3's weight all-gathers in int8 with an fp32 absmax scale per "
+                                         "256-element block (ZeRO++ qwZ; forward and backward then run on "
+                                         "those weights; needs --zero 3)", choices=("none", "int8"))
 
     def mesh_dims(self, world_size: int) -> ParallelDims:
         """The mesh these sizes make of ``world_size`` ranks (dp filled in), in ``mesh_order``."""
         return ParallelDims.infer(world_size, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep,
-                                  order=tuple(name.strip() for name in self.mesh_order.split(",")))
+                                  order=tuple(name.strip() for name in self.mesh_order.split(",")),
+                                  shard_group=self.shard_group or 0)
 
     def pipeline_sizes(self) -> tuple[int, int]:
         """(micro-batches per pipeline round, stages per rank), defaults filled in."""
@@ -330,8 +339,9 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
-             "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank",
-             "moe_top_k", "moe_every", "log_every", "n_positions", "n_vocab")
+             "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "shard_group", "vocab_size",
+             "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank", "moe_top_k", "moe_every",
+             "log_every", "n_positions", "n_vocab")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts")
@@ -373,6 +383,7 @@ def check_values(cfg: Config) -> None:
             if used:
                 raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
                                 f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
+    _check_hybrid(cfg.parallel)
     tp = cfg.parallel.tp
     if cfg.model.bias and tp > 1:
         raise UserError(f"--tp {tp} splits bias-free linear layers only, and this model has biases (--bias, "
@@ -405,6 +416,17 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_hybrid(p: ParallelConfig) -> None:
+    """--shard-group and --quantize-weights (parallel/hybrid.py); the divisibility of the
+    dp group is checked with the mesh (dist/mesh.py)."""
+    if p.shard_group is not None and not p.zero:
+        raise UserError(f"--shard-group {p.shard_group} shards ZeRO's state within groups of ranks, which "
+                        f"needs --zero 1, 2 or 3; add --zero or drop --shard-group.")
+    if p.quantize_weights != "none" and p.zero != 3:
+        raise UserError(f"--quantize-weights {p.quantize_weights} compresses ZeRO-3's parameter all-gathers, "
+                        f"which only --zero 3 makes; use --zero 3 or drop --quantize-weights.")
 
 
 def _check_context(cfg: Config) -> None:

@@ -13,6 +13,14 @@ parallelism is outermost because it talks least often (once per step).
 
 A group "along" some dims is the set of ranks whose coordinates agree on every
 other dim; the groups along the same dims partition the world.
+
+Hybrid sharding (``--shard-group N``, parallel/hybrid.py) splits each group
+ZeRO shards over (dp, or dp x cp) further: its members, in rank order, form
+shard groups of N consecutive ranks (neighbours, so on one node) and replica
+groups of the ranks at the same place in every shard group:
+
+    dp group [0 1 2 3 4 5 6 7], N = 4:  shard [0 1 2 3] [4 5 6 7]
+                                        replica [0 4] [1 5] [2 6] [3 7]
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ DIM_NAMES = ("dp", "ep", "pp", "cp", "tp")
 # sequence, not the weights) and dense parameters also across ep, whose ranks
 # see different tokens.
 COMBINED_DIMS = (("dp", "cp"), ("dp", "ep"), ("dp", "ep", "cp"))
+HYBRID_KINDS = ("shard", "replica")
 
 
 def _flag_product(sizes: dict[str, int]) -> str:
@@ -51,6 +60,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     order: tuple[str, ...] = DIM_NAMES
+    shard_group: int = 0  # ranks per hybrid-sharding shard group (module docstring); 0: no split
 
     def __post_init__(self) -> None:
         for name in DIM_NAMES:
@@ -62,6 +72,15 @@ class ParallelDims:
                 f"--mesh-order {','.join(self.order)} must name each of "
                 f"{','.join(DIM_NAMES)} exactly once, outermost first."
             )
+        if self.shard_group:
+            sharded = self.dp * self.cp
+            if self.ep > 1:
+                raise UserError(f"--shard-group splits the dp group, but --ep {self.ep} spreads experts over "
+                                f"it too; drop one of the two.")
+            if sharded % self.shard_group:
+                raise UserError(f"--shard-group {self.shard_group} must divide the {sharded} ranks ZeRO shards "
+                                f"over (--dp {self.dp} x --cp {self.cp}); choose a --shard-group that divides "
+                                f"{sharded}.")
 
     @classmethod
     def infer(
@@ -73,6 +92,7 @@ class ParallelDims:
         tp: int = 1,
         ep: int = 1,
         order: tuple[str, ...] = DIM_NAMES,
+        shard_group: int = 0,
     ) -> ParallelDims:
         """Fill in dp as whatever the other sizes leave of the world."""
         if dp is None:
@@ -86,7 +106,7 @@ class ParallelDims:
                     f"{world_size} processes; choose sizes whose product divides {world_size}."
                 )
             dp = world_size // product
-        dims = cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, order=tuple(order))
+        dims = cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, order=tuple(order), shard_group=shard_group)
         dims.validate(world_size)
         return dims
 
@@ -197,10 +217,36 @@ class ParallelDims:
                 groups.append(members)
         return groups
 
+    @property
+    def sharded_dims(self) -> tuple[str, ...]:
+        """The dims of the group ZeRO shards over (with ep = 1): dp, and cp where it is split."""
+        return ("dp", "cp") if self.cp > 1 else ("dp",)
+
+    def hybrid_groups(self, kind: str) -> list[list[int]]:
+        """With a shard group size: the partition of the ranks into "shard" or "replica"
+        groups (module docstring), ordered by first rank."""
+        if kind not in HYBRID_KINDS or not self.shard_group:
+            raise ValueError(f"no {kind!r} groups in a mesh with shard_group={self.shard_group}")
+        n, groups = self.shard_group, []
+        for members in self.all_groups(self.sharded_dims):
+            groups += [members[i:i + n] for i in range(0, len(members), n)] if kind == "shard" else \
+                [members[i::n] for i in range(n)]
+        return sorted(groups)
+
+    def named_group_ranks(self, name: str, rank: int) -> list[int]:
+        """The ranks of the group that `Mesh.group(name)` gives `rank` ("dp_cp", "dp_shard", "world")."""
+        if name == "world":
+            return list(range(self.world_size))
+        kind = name.rpartition("_")[2]
+        if kind in HYBRID_KINDS:
+            return next(group for group in self.hybrid_groups(kind) if rank in group)
+        return self.group_ranks(tuple(name.split("_")), rank)
+
     def describe(self) -> str:
         """Short name of the layout, e.g. "dp2 x tp2"; only dims larger than 1 appear."""
         parts = [f"{name}{size}" for name, size in self.sizes.items() if size > 1]
-        return " x ".join(parts) if parts else "single rank"
+        text = " x ".join(parts) if parts else "single rank"
+        return text + (f" (shard groups of {self.shard_group})" if self.shard_group else "")
 
     def layout_table(self) -> str:
         """One line per rank with its coordinates, for the start-of-run log."""
@@ -223,6 +269,11 @@ def _as_dims(dim: str | tuple[str, ...]) -> tuple[str, ...]:
 def group_name(dim: str | tuple[str, ...]) -> str:
     """Canonical name of the group along `dim`: dims joined in DIM_NAMES order, e.g. "dp_cp"."""
     return "_".join(sorted(_as_dims(dim), key=DIM_NAMES.index))
+
+
+def hybrid_group_name(dims: ParallelDims, kind: str) -> str:
+    """The ledger's name of this rank's hybrid "shard" or "replica" group: "dp_shard", "dp_cp_replica"."""
+    return f"{group_name(dims.sharded_dims)}_{kind}"
 
 
 @dataclass
@@ -268,10 +319,13 @@ class Mesh:
         # cp == 1 is the dp group, and a group of all ranks is the world.
         handles: dict[tuple[int, ...], Any] = {everyone: dist.group.WORLD if world_size > 1 else None}
         groups = {"world": Group("world", everyone, rank, handles[everyone])}
-        for along in [(name,) for name in DIM_NAMES] + list(COMBINED_DIMS):
-            name = group_name(along)
+        partitions = [(group_name(along), dims.all_groups(along))
+                      for along in [(name,) for name in DIM_NAMES] + list(COMBINED_DIMS)]
+        if dims.shard_group:
+            partitions += [(hybrid_group_name(dims, kind), dims.hybrid_groups(kind)) for kind in HYBRID_KINDS]
+        for name, partition in partitions:
             mine: tuple[int, ...] = ()
-            for members in map(tuple, dims.all_groups(along)):
+            for members in map(tuple, partition):
                 if len(members) > 1 and members not in handles:
                     handles[members] = dist.new_group(list(members), group_desc=name)
                 if rank in members:

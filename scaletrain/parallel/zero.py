@@ -4,7 +4,8 @@ Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models". Plain data parallelism keeps on each of the ``N`` ranks a
 whole copy of the parameters, the gradients and the optimizer state. All
 three are needed on every rank only one piece at a time, so ZeRO gives each
-rank ``1/N`` of them to own and gathers the rest when it is used:
+rank ``1/N`` of them to own and gathers the rest when it is used (``N``: the
+dp group, or with ``--shard-group`` a shard group of it: parallel/hybrid.py):
 
     stage 1 (P_os)     the optimizer state (and fp32 master weights) is sharded
     stage 2 (P_os+g)   and the reduced gradients
@@ -68,26 +69,22 @@ dtype, ``(N-1)/N`` of every collective's bytes leaving each rank:
 Gradient accumulation: stage 1 accumulates full gradients across
 micro-batches and reduces once per step, like DP; stages 2 and 3
 reduce-scatter after every micro-batch and add the result into the shard
-(holding full gradients until the step would undo the point of stage 2),
-so their gradient traffic grows with ``--grad-accum``. Under a pipeline
-(stages 1 and 2; parallel/pipeline/) the same holds per micro-batch of the
-schedule: stage 1 reduces once per step, stage 2 after each micro-batch's
-backward of a unit, M times per round, which is why pipelines usually pair
-with stage 1.
+(holding full gradients until the step would undo the point of stage 2), so
+their gradient traffic grows with ``--grad-accum``, and under a pipeline
+(parallel/pipeline/) with its M micro-batches per round, which is why
+pipelines usually pair with stage 1.
 
 Launch order. A unit's reduce-scatter starts when its last gradient has
-arrived, in whatever order units complete: a pipeline rank holding two
-chunks (interleaved schedules) completes the later chunk's units for two
-micro-batches before the earlier chunk's for one, and a split backward (zero
-bubble) completes the norms' gradients in B and the linear weights' in W.
-Every rank of the dp group runs the same program on same-shaped batches, so
-units complete, and collectives start, in the same order on all of them.
+arrived, in whatever order units complete (interleaved pipeline schedules
+complete the later chunk's units for two micro-batches before the earlier
+chunk's for one; zero bubble completes the norms' gradients in B, the linear
+weights' in W). Every rank of the dp group runs the same program on
+same-shaped batches, so collectives start in the same order on all of them.
 
-Tied weights across pipeline stages (the token embedding that the first and
-the last stage hold) each get a unit of their own (``own_units``): a unit's
-shard boundaries depend only on its size and N, so both holders' shards
-cover the same elements and their reduced gradients can be summed shard by
-shard (`gradient`) before the optimizer step.
+Tied weights across pipeline stages (the token embedding of the first and
+the last stage) get units of their own (``own_units``): shard boundaries
+depend only on a unit's size and N, so both holders' shards cover the same
+elements, and their gradients are summed shard by shard (`gradient`).
 """
 
 from __future__ import annotations
@@ -106,6 +103,7 @@ from scaletrain.dist.comm import Comm, Pending
 from scaletrain.dist.mesh import Group
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
+from scaletrain.parallel.hybrid import ShardCollectives
 
 STAGES = (1, 2, 3)
 # Reduce-scatters in flight at once (stages 2, 3): each holds a unit's
@@ -204,18 +202,21 @@ class ZeroDataParallel:
     gradient reduction, ``master_device`` where the fp32 masters and the
     optimizer live (the host, for ``--offload optimizer``). ``own_units``:
     parameters sharded in a unit of their own (stages 1, 2; module docstring).
-    Every rank must start from the same weights (`replicate`).
+    ``replica`` (hybrid sharding: ``group`` is a shard group) and ``quantize_weights``
+    (int8 gathers): parallel/hybrid.py. Every rank must start from the same weights.
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                  master_device: torch.device | str | None = None, bucket_mb: float = 25.0,
-                 own_units: Sequence[nn.Parameter] = ()):
+                 own_units: Sequence[nn.Parameter] = (), replica: Group | None = None,
+                 quantize_weights: str = "none"):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
-        if stage == 3 and own_units:
-            raise ValueError("ZeRO-3 units follow the model's layers; own_units is for stages 1 and 2")
+        if stage == 3 and own_units or stage < 3 and quantize_weights != "none":
+            raise ValueError("own_units are for stages 1 and 2 (ZeRO-3's follow the layers), int8 gathers for 3")
         self.model, self.comm, self.group, self.stage = model, comm, group, stage
+        self.collectives = ShardCollectives(comm, group, replica, quantize_weights)
         self.device = next(model.parameters()).device
         self.master_device = torch.device(master_device) if master_device is not None else self.device
         self._pinned = self.master_device.type == "cpu" and torch.cuda.is_available()
@@ -383,8 +384,7 @@ class ZeroDataParallel:
             if unit.master is not unit.shard:
                 unit.shard.copy_(unit.master, non_blocking=self._pinned)
         if self.stage < 3:
-            gathers = [self.comm.all_gather(unit.full, unit.shard, self.group, async_op=True)
-                       for unit in self.units]
+            gathers = [self.collectives.all_gather(unit.full, unit.shard) for unit in self.units]
             for pending in gathers:
                 pending.wait()
 
@@ -441,12 +441,12 @@ class ZeroDataParallel:
                 unit.slot(source, i).zero_()
         unit.arrived.clear()
         unit.staging = None
-        source.mul_(1.0 / self.group.size)
+        source.mul_(1.0 / self.collectives.averaged_over)
         # Stage 1 reduces in place into the rank's own slice; a step's first
         # reduction writes the shard, later micro-batches' are added to it.
         out = unit.grad if self.stage == 1 or not unit.reduced else torch.empty_like(unit.grad)
         unit.reduced = True
-        pending = self.comm.reduce_scatter(out, source, self.group, async_op=True)
+        pending = self.collectives.reduce_scatter(out, source)
         self._in_flight.append((unit, pending, out, source))
         if self.stage == 3:
             self._free(unit)  # its gradients are all in: backward needs it no more
@@ -520,7 +520,7 @@ class ZeroDataParallel:
     def _gather(self, unit: Unit, wait: bool = True) -> None:
         if not unit.gathered:
             unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-            unit.gathering = self.comm.all_gather(unit.full, unit.shard, self.group, async_op=True)
+            unit.gathering = self.collectives.all_gather(unit.full, unit.shard)
             unit.gathered = True
         if wait and unit.gathering is not None:
             unit.gathering.wait()

@@ -16,7 +16,7 @@ gradient buckets' (``--reduce-dtype``), AdamW:
 with the units cut as parallel/zero.py cuts them (gradient buckets of
 ``--bucket-mb``, the tied embedding alone under a pipeline; ZeRO-3: the
 blocks and a root unit of the rest) and ``N`` the ranks sharing the dense
-weights (dp x ep x cp). Every tensor the optimizer steps adds a 4-byte step
+weights (dp x ep x cp), or with ``--shard-group`` the ranks of a shard group. Every tensor the optimizer steps adds a 4-byte step
 counter. Adafactor keeps row and column sums of each matrix (and full
 statistics of vectors) instead of 8 bytes per element. This is the
 familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW

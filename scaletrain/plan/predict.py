@@ -25,7 +25,7 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     split = Split(tp=p.tp, ep=p.ep, pp=p.pp, virtual=virtual)
     x = activations.shape_of(gpt, t.micro_batch, p.tp, p.sp, p.cp, t.precision, t.param_dtype)
     groups = Groups.of(cfg, world)
-    shards = groups.sizes[groups.dense]
+    shards = groups.sizes[groups.zero_shard]
     host_is_device = cluster.device.name == "cpu"
     stages, traffics = [], []
     for pp_rank in range(p.pp):

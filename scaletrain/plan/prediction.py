@@ -48,4 +48,8 @@ class Prediction:
                   "precision": t.precision, "offload": t.offload}
         if p.pp > 1:
             layout.update(pp_schedule=p.pp_schedule, microbatches=micro, virtual_stages=virtual)
+        if p.shard_group:
+            layout.update(shard_group=p.shard_group)
+        if p.quantize_weights != "none":
+            layout.update(quantize_weights=p.quantize_weights)
         return layout

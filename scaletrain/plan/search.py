@@ -85,6 +85,8 @@ def layout_text(p: Prediction) -> str:
     parts = [f"dp{lay['dp']}", f"tp{lay['tp']}", f"pp{lay['pp']}"]
     parts += [f"{name}{lay[name]}" for name in ("cp", "ep") if lay[name] > 1]
     parts.append(f"zero{lay['zero']}")
+    parts += [f"shard{lay['shard_group']}"] if "shard_group" in lay else []
+    parts += [f"qw{lay['quantize_weights']}"] if "quantize_weights" in lay else []
     if lay["sp"]:
         parts.append("sp")
     parts += [f"recompute={lay['recompute']}", f"mb{lay['micro_batch']}"]

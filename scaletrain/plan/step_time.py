@@ -60,10 +60,8 @@ def bubble_share(schedule: str, pp: int, microbatches: int, virtual: int) -> flo
 
 
 def spans_nodes(dims: ParallelDims, group: str, gpus_per_node: int) -> bool:
-    """Whether the group (by ledger name, e.g. ``dp_cp``) of rank 0 has ranks on two nodes."""
-    if group == "world":
-        return dims.world_size > gpus_per_node
-    ranks = dims.group_ranks(tuple(group.split("_")), 0)
+    """Whether the group (by ledger name, e.g. ``dp_cp``, ``dp_shard``) of rank 0 has ranks on two nodes."""
+    ranks = dims.named_group_ranks(group, 0)
     return min(ranks) // gpus_per_node != max(ranks) // gpus_per_node
 
 
@@ -91,7 +89,7 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
     busy = compute + recompute
     bubble_s = busy * share / (1 - share)
     dims = cfg.parallel.mesh_dims(world)
-    data_groups = {groups.dense, groups.experts}
+    data_groups = {groups.dense, groups.experts, groups.zero_shard, groups.zero_replica} - {None}
     sizes = groups.sizes
     hidden_behind = {  # group -> seconds of compute its collectives can hide behind
         group: busy * (2 / 3) / (t.grad_accum * (micro if p.pp > 1 else 1)) for group in data_groups}

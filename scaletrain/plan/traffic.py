@@ -14,7 +14,12 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 ZeRO-2: the reduce-scatters every micro-batch; ZeRO-3, every
                 micro-batch: the root unit gathered once, every layer unit twice
                 (forward and backward), every unit reduce-scattered. The loss: a
-                4-byte average over the same group.
+                4-byte average over the same group. With ``--shard-group N`` all of
+                ZeRO's collectives run in the shard group (units padded to N), and
+                each reduce-scatter is followed by an all-reduce of the rank's shard
+                (``r`` x unit / N) over the replica group (parallel/hybrid.py); with
+                ``--quantize-weights int8`` ZeRO-3's gathers move N x
+                ``int8_shard_bytes(unit / N)``.
 tensor parallel per micro-batch and block: forward all-reduces of the attention and
                 MLP outputs (``e*b*s*h``), backward all-reduces of their inputs'
                 gradients (``4*b*s*h``, the fp32 norm outputs); the embedding's output
@@ -40,7 +45,7 @@ experts         per micro-batch and expert layer: an all-gather of the routing c
                 the router; the planner gives the mean over the ep ranks,
                 ``e*b*s*k*h`` each, which their ledgers' average equals. The routing
                 statistics are summed over the batch group once per step.
-gradient norm   4 bytes over each of tp, pp, ep (and the ZeRO group) that is larger
+gradient norm   4 bytes over each of tp, pp, ep (and the ZeRO shard group) that is larger
                 than one; the non-finite flag over the world (train/nonfinite.py).
 
 Evaluation, sampling and checkpoints are not part of a step and not counted.
@@ -53,9 +58,10 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config
 from scaletrain.dist.comm import FIELDS, wire_bytes_of
-from scaletrain.dist.mesh import group_name
+from scaletrain.dist.mesh import group_name, hybrid_group_name
 from scaletrain.models.gpt import GPTConfig
 from scaletrain.parallel.data import plan_buckets
+from scaletrain.parallel.hybrid import int8_shard_bytes
 from scaletrain.plan.activations import Shape
 from scaletrain.plan.inventory import RankWeights
 from scaletrain.plan.memory import dtype_bytes, zero_units
@@ -81,13 +87,16 @@ class Traffic:
 
 @dataclass(frozen=True)
 class Groups:
-    """Every group the trainer talks over: ``sizes`` by ledger name, and the names of
-    the three replica groups of train/replicas.py (dims of size one left out but dp)."""
+    """Every group the trainer talks over: ``sizes`` by ledger name, the names of
+    the three replica groups of train/replicas.py (dims of size one left out but dp),
+    and of the groups ZeRO shards over and replicates across (`hybrid.zero_groups`)."""
 
     sizes: dict[str, int]
     batch: str
     dense: str
     experts: str
+    zero_shard: str
+    zero_replica: str | None
 
     @classmethod
     def of(cls, cfg: Config, world: int) -> Groups:
@@ -99,7 +108,12 @@ class Groups:
             kept = tuple(d for d in along if d == "dp" or dims[d] > 1)
             names.append(group_name(kept))
             sizes[names[-1]] = math.prod(dims[d] for d in kept)
-        return cls(sizes, *names)
+        if not (p.zero and p.shard_group):
+            return cls(sizes, *names, zero_shard=names[1], zero_replica=None)
+        mesh = p.mesh_dims(world)
+        shard, replica = (hybrid_group_name(mesh, kind) for kind in ("shard", "replica"))
+        sizes[shard], sizes[replica] = p.shard_group, sizes[names[1]] // p.shard_group
+        return cls(sizes, *names, zero_shard=shard, zero_replica=replica)
 
 
 def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, x: Shape,
@@ -138,19 +152,19 @@ def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, 
             traffic.add("send", "pp", boundary, calls=k * sends)
             traffic.add("recv", "pp", boundary, calls=k * sends)
         for param in weights.tied:
-            shard = math.ceil(param.numel() / traffic.sizes[dense]) if p.zero else param.numel()
+            shard = math.ceil(param.numel() / traffic.sizes[groups.zero_shard]) if p.zero else param.numel()
             traffic.add("send", "pp", r * shard)
             traffic.add("recv", "pp", r * shard)
         traffic.add("broadcast", "pp", 4)
     if p.zero:
-        _zero(traffic, cfg, weights, dense, k, w, r)
+        _zero(traffic, cfg, weights, groups, k, w, r)
     else:
         mine = [q for q in weights.params if id(q) not in weights.experts]
         theirs = [q for q in weights.params if id(q) in weights.experts]
         for group, params in ((dense, mine), (experts_group, theirs)):
             for bucket in plan_buckets(params[::-1], int(p.bucket_mb * 2**20), compute_dtype(p.reduce_dtype)):
                 traffic.add("all_reduce", group, r * sum(q.numel() for q in bucket))
-    for group in ("tp", "pp", "ep", *([dense] if p.zero else [])):
+    for group in ("tp", "pp", "ep", *([groups.zero_shard] if p.zero else [])):
         traffic.add("all_reduce", group, 4)  # the gradient norm's sum of squares
     traffic.add("all_reduce", "world", 4)  # the non-finite flag
     traffic.add("all_reduce", dense, 4)  # the loss
@@ -200,18 +214,26 @@ def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: i
         traffic.add("all_reduce", "tp", w * param.numel(), calls=k)
 
 
-def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, group: str, k: int, w: int, r: int) -> None:
-    stage, n = cfg.parallel.zero, traffic.sizes[group]
-    units = zero_units(weights, stage, cfg.parallel.bucket_mb, cfg.parallel.reduce_dtype)
+def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, groups: Groups, k: int, w: int, r: int) -> None:
+    p = cfg.parallel
+    group, replica = groups.zero_shard, groups.zero_replica
+    stage, n = p.zero, traffic.sizes[group]
+    units = zero_units(weights, stage, p.bucket_mb, p.reduce_dtype)
     padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
     scatters = 1 if stage == 1 else k
     for size in padded:
         traffic.add("reduce_scatter", group, r * size, calls=scatters)
+        if replica:
+            traffic.add("all_reduce", replica, r * size // n, calls=scatters)
     if stage < 3:
         for size in padded:
             traffic.add("all_gather", group, w * size)
         return
+
+    def gathered(size: int) -> int:
+        return n * int8_shard_bytes(size // n) if p.quantize_weights == "int8" else w * size
+
     root, *layers = padded
-    traffic.add("all_gather", group, w * root, calls=k)
+    traffic.add("all_gather", group, gathered(root), calls=k)
     for size in layers:
-        traffic.add("all_gather", group, w * size, calls=2 * k)
+        traffic.add("all_gather", group, gathered(size), calls=2 * k)

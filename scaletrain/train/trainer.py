@@ -72,6 +72,7 @@ from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.context import ContextParallel, parallelize_context
 from scaletrain.parallel.data import DataParallel, JointDataParallel
 from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
+from scaletrain.parallel.hybrid import zero_groups
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
 from scaletrain.parallel.pipeline.runtime import timer
@@ -209,10 +210,12 @@ class Trainer:
         if p.zero:
             # A weight tied across stages is sharded alone, so its holders' shards line up.
             tied = [param for param, _ in self.pipeline.shared] if self.pipeline else []
-            self.zero = ZeroDataParallel(self.model, comm, self.replicas.dense, stage=p.zero,
+            shard, replica = zero_groups(mesh, self.replicas.dense)  # --shard-group: parallel/hybrid.py
+            self.zero = ZeroDataParallel(self.model, comm, shard, stage=p.zero,
                                          param_dtype=compute_dtype(t.param_dtype),
                                          reduce_dtype=compute_dtype(p.reduce_dtype),
-                                         master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied)
+                                         master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
+                                         replica=replica, quantize_weights=p.quantize_weights)
             groups = self.zero.optimizer_groups(groups)
         self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
         if not self.zero:
@@ -229,8 +232,7 @@ class Trainer:
         self.step_params = [p for group in groups for p in group["params"]]
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
-        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + \
-            ([self.replicas.dense] if self.zero else [])
+        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.on_nan = t.on_nan or ("skip" if t.precision == "fp16" else "stop")

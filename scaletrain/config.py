@@ -144,6 +144,9 @@ class ParallelConfig:
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
+    sync_every: int = _opt(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
+                              "and the dp replicas' parameters are averaged every N steps (1: plain data "
+                              "parallelism, gradients averaged every step)")
 
     def mesh_dims(self, world_size: int) -> ParallelDims:
         """The mesh these sizes make of ``world_size`` ranks (dp filled in), in ``mesh_order``."""
@@ -320,7 +323,7 @@ def load_run_config(run_dir: Path) -> Config:
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "vocab_size", "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank",
-             "moe_top_k", "moe_every")
+             "moe_top_k", "moe_every", "sync_every")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts")
@@ -378,6 +381,7 @@ def check_values(cfg: Config) -> None:
     if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)
+    _check_local_sgd(cfg)
     _check_context(cfg)
     _check_experts(cfg)
     peak = cfg.train.peak_tflops
@@ -387,6 +391,29 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_local_sgd(cfg: Config) -> None:
+    p, every = cfg.parallel, cfg.parallel.sync_every
+    if every == 1:
+        return
+    if p.zero:
+        raise UserError(f"--sync-every {every} keeps a whole model and optimizer on every rank, which --zero "
+                        f"{p.zero} shards over the same ranks; drop one of the two.")
+    if p.compress != "none":
+        raise UserError(f"--compress compresses the gradient all-reduce, which --sync-every {every} replaces "
+                        f"with a parameter average every {every} steps; drop one of the two.")
+    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1)):
+        if used:
+            raise UserError(f"--sync-every {every} averages whole replicas over plain data parallelism and does "
+                            f"not combine with {flag} in this version; drop one of the two.")
+    for flag, value in (("--checkpoint-every", cfg.run.checkpoint_every),
+                        ("--stop-at", cfg.run.stop_at if cfg.run.stop_at != cfg.train.steps else None)):
+        if value and value % every:
+            lower = value - value % every
+            raise UserError(f"{flag} {value} must be a multiple of --sync-every {every}, so that every "
+                            f"checkpoint holds averaged replicas; choose "
+                            f"{f'{lower} or ' if lower else ''}{lower + every}.")
 
 
 def _check_context(cfg: Config) -> None:

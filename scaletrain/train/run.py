@@ -56,6 +56,9 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
     """Fill in dp and check the layout against the world and the model."""
     p = cfg.parallel
     dims = p.mesh_dims(world_size)
+    if p.sync_every > 1 and dims.dp == 1:
+        raise UserError(f"--sync-every {p.sync_every} averages data-parallel replicas, but this layout has one "
+                        f"(dp 1); start more processes (--nproc) or drop --sync-every.")
     parse_policy(cfg.train.recompute)
     if cfg.train.fused == "triton":
         reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -63,6 +63,20 @@ CASES = [
          "--zero 3 does not combine with --allreduce ring"),
     case("zero-adafactor", ["--zero", "1", "--optimizer", "adafactor"],
          "--zero 1 does not combine with --optimizer adafactor"),
+    # local SGD
+    case("sync-every-zero", ["--sync-every", "0"], "--sync-every must be at least 1, not 0"),
+    case("sync-every-one-replica", ["--sync-every", "4"], "this layout has one (dp 1); start more processes"),
+    case("sync-every-with-zero", ["--nproc", "2", "--sync-every", "2", "--zero", "1"],
+         "which --zero 1 shards over the same ranks; drop one of the two"),
+    case("sync-every-with-compress", ["--nproc", "2", "--sync-every", "2", "--compress", "powersgd"],
+         "replaces with a parameter average every 2 steps; drop one of the two"),
+    case("sync-every-with-tp", ["--nproc", "4", "--tp", "2", "--sync-every", "2"],
+         "does not combine with --tp in this version"),
+    case("sync-every-checkpoint-every", ["--nproc", "2", "--sync-every", "2", "--checkpoint-every", "3"],
+         "--checkpoint-every 3 must be a multiple of --sync-every 2, so that every checkpoint holds averaged "
+         "replicas; choose 2 or 4"),
+    case("sync-every-stop-at", ["--nproc", "2", "--sync-every", "2", "--stop-at", "1"],
+         "--stop-at 1 must be a multiple of --sync-every 2"),
     # pipelines
     case("unknown-schedule", ["--nproc", "2", "--pp", "2", "--pp-schedule", "pipedream"],
          "invalid choice: 'pipedream' (choose from"),

@@ -130,6 +130,9 @@ class ParallelConfig:
                       "computed by ring attention")
     ep: int = _opt(1, "expert-parallel size: the experts of each mixture-of-experts block divided over "
                       "this many ranks, tokens sent to them by all-to-all")
+    backend: str | None = _opt(None, "the network: nccl (default with a GPU), gloo (default without), or "
+                                     "mpi4py, MPI on host buffers for a data-parallel job started by mpirun -n N "
+                                     "(pip install 'scaletrain[mpi]')", choices=("nccl", "gloo", "mpi4py"))
     timeout: float = _opt(600.0, "seconds a collective may wait for a rank before the job ends (a rank "
                                  "that died is noticed sooner)")
     bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
@@ -382,6 +385,7 @@ def check_values(cfg: Config) -> None:
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)
     _check_local_sgd(cfg)
+    _check_mpi(cfg)
     _check_context(cfg)
     _check_experts(cfg)
     peak = cfg.train.peak_tflops
@@ -414,6 +418,26 @@ def _check_local_sgd(cfg: Config) -> None:
             raise UserError(f"{flag} {value} must be a multiple of --sync-every {every}, so that every "
                             f"checkpoint holds averaged replicas; choose "
                             f"{f'{lower} or ' if lower else ''}{lower + every}.")
+
+
+def _check_mpi(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.backend != "mpi4py":
+        return
+    if p.nproc > 1:
+        raise UserError(f"--backend mpi4py takes its processes from mpirun; run mpirun -n {p.nproc} scaletrain "
+                        f"train ... without --nproc.")
+    # Without a torch process group the main rank writes checkpoints alone, which holds
+    # everything only when every rank holds the same whole model and optimizer.
+    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
+                       ("--zero", p.zero > 0), ("--sync-every", p.sync_every > 1)):
+        if used:
+            raise UserError(f"--backend mpi4py runs plain data parallelism, whose ranks all hold the same model "
+                            f"and optimizer, and does not combine with {flag} in this version; drop {flag} or "
+                            f"use --backend gloo.")
+    if p.reduce_dtype == "bf16":
+        raise UserError("--backend mpi4py reduces numpy buffers, and numpy has no bfloat16; use --reduce-dtype "
+                        "fp32 or --backend gloo.")
 
 
 def _check_context(cfg: Config) -> None:

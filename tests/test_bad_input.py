@@ -77,6 +77,17 @@ CASES = [
          "replicas; choose 2 or 4"),
     case("sync-every-stop-at", ["--nproc", "2", "--sync-every", "2", "--stop-at", "1"],
          "--stop-at 1 must be a multiple of --sync-every 2"),
+    # the mpi4py backend
+    case("mpi4py-with-nproc", ["--backend", "mpi4py", "--nproc", "2"],
+         "--backend mpi4py takes its processes from mpirun; run mpirun -n 2 scaletrain train ... without --nproc"),
+    case("mpi4py-with-tp", ["--backend", "mpi4py", "--tp", "2"],
+         "does not combine with --tp in this version; drop --tp or use --backend gloo"),
+    case("mpi4py-with-zero", ["--backend", "mpi4py", "--zero", "1"], "does not combine with --zero"),
+    case("mpi4py-with-local-sgd", ["--backend", "mpi4py", "--sync-every", "2"],
+         "does not combine with --sync-every"),
+    case("mpi4py-bf16-reduction", ["--backend", "mpi4py", "--precision", "bf16", "--param-dtype", "bf16",
+                                   "--reduce-dtype", "bf16"], "numpy has no bfloat16; use --reduce-dtype fp32"),
+    case("unknown-backend", ["--backend", "nvshmem"], "invalid choice: 'nvshmem' (choose from"),
     # pipelines
     case("unknown-schedule", ["--nproc", "2", "--pp", "2", "--pp-schedule", "pipedream"],
          "invalid choice: 'pipedream' (choose from"),

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import (
@@ -415,9 +416,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     team.barrier()
     strike("save-begin")
     materialize_optimizer_state(optimizer)
-    with _quiet():
-        dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
-                 storage_writer=FileSystemWriter(tmp, sync_files=True))
+    # DCP plans the ranks' writes over torch's process group. Without one (--backend
+    # mpi4py, whose ranks all hold the same whole replica: config.py) the main rank
+    # writes the checkpoint alone.
+    if team.is_main or dist.is_initialized():
+        with _quiet():
+            dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
+                     storage_writer=FileSystemWriter(tmp, sync_files=True))
     strike("save-written")
     team.barrier()
     hashed = team.gather(share(tmp, team.rank, team.size))

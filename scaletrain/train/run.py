@@ -20,11 +20,13 @@ import torch
 from scaletrain.compile import COMPILE_NOTE
 from scaletrain.config import Config, check_values, load_run_config
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
-from scaletrain.dist.comm import Comm, Ledger
+from scaletrain.dist.comm import Comm
 from scaletrain.dist.health import Health
 from scaletrain.dist.launch import (
     ProcessEnv,
     WorkerKilled,
+    check_backend,
+    connect,
     detect_environment,
     init_distributed,
     restart_attempt,
@@ -158,6 +160,7 @@ def launch(cfg: Config) -> RunSummary:
     cfg = as_finetune(cfg)
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
+    check_backend(cfg.parallel.backend, env)
     if env.rank == 0:
         print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
         print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
@@ -180,14 +183,13 @@ def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
 def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
     """One worker: join the group, (prepare if nobody did), train, report."""
     env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
-    health = Health(env, cfg.parallel.timeout) if runtime.backend else None
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
+    health = Health(env, cfg.parallel.timeout) if runtime.torch_group else None
     trainer: Trainer | None = None
     failed = False
     try:
         dims = cfg.parallel.mesh_dims(env.world_size)
-        mesh = Mesh.build(dims, env.rank, env.world_size)
-        comm = Comm(Ledger())
+        mesh, comm = connect(runtime, dims)
         world = mesh.group("world")
         # Rank 0 decides (prepares the run, if no launching process did) and all learn the verdict.
         outcome: tuple[Config, DataSpec | None] | str | None = None

@@ -152,3 +152,34 @@ def test_sync_every_4_moves_a_quarter_of_the_bytes_per_step(runs):
                          for name, ledgers in (("dp", dp), ("local", local))}
         assert model_traffic["local"] * N == model_traffic["dp"] == STEPS * seen["param_bytes"]
         assert local[N - 1]["all_reduce"]["dp"]["bytes"] == seen["param_bytes"] + 4
+
+
+def _replicas_after_each_step(rank: int, n: int, cfg: Config, spec) -> dict:
+    trainer = build_trainer(rank, n, cfg, spec)
+    weights, masters, losses, ops = [], [], [], set()
+    for step in range(cfg.train.steps):
+        before = trainer.comm.ledger.snapshot()
+        losses.append(trainer.train_step(step)["loss"])
+        ops.update(trainer.comm.ledger.since(before))
+        weights.append(_params(trainer))
+        masters.append(_flat(trainer.step_params))
+    return {"weights": weights, "masters": masters, "losses": losses, "ops": ops}
+
+
+@pytest.mark.slow
+def test_bf16_masters_averaged_by_the_ring(corpus, tmp_path):
+    """With --param-dtype bf16 the fp32 masters are what is averaged (and rounded into the bf16
+    model), here by the hand-written ring: identical replicas, masters and weights, after every
+    second step, different ones in between."""
+    cfg = Config().replace(name="gpt-tiny", data=str(corpus), seq_len=32, micro_batch=4, steps=4, warmup_steps=1,
+                           eval_every=0, eval_batches=1, sample_tokens=0, progress=False, nproc=2, dp=2,
+                           cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "run"), sync_every=2,
+                           allreduce="ring", precision="bf16", param_dtype="bf16")
+    zero, one = run_distributed(_replicas_after_each_step, 2, cfg, prepare_data(cfg, tmp_path / "cache"),
+                                timeout_s=240)
+    assert "send" in zero["ops"]
+    for step in range(4):
+        same = step % 2 == 1
+        for kind in ("weights", "masters"):
+            assert torch.equal(zero[kind][step], one[kind][step]) == same, (kind, step)
+    assert zero["losses"][-1] < zero["losses"][0]

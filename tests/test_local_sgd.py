@@ -15,9 +15,11 @@ import torch
 from scaletrain.config import Config
 from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
 from scaletrain.dist.launch import DistRuntime
+from scaletrain.errors import UserError
 from scaletrain.parallel.data import DataParallel
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.train.data_setup import prepare_data
+from scaletrain.train.run import check_optimizer_layout
 from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer
@@ -69,7 +71,7 @@ def _variants(rank: int, n: int, cfgs: dict[str, Config], spec) -> dict:
     mean = _params(trainers["apart"])
     trainers["apart"].comm.all_reduce(mean, trainers["apart"].replicas.dense, op="avg")
     seen["apart"]["mean"] = mean
-    trainers["local"]._save(STEPS)
+    seen["checkpoint"] = str(trainers["local"]._save(STEPS))
     resumed = build_trainer(rank, n, cfgs["local"].replace(resume=True), spec)
     seen["resumed"] = {"start": resumed.start_step, "params": _params(resumed), "moments": _moments(resumed)}
     seen["param_bytes"] = sum(p.numel() * p.element_size() for p in trainers["dp"].model.parameters())
@@ -139,6 +141,15 @@ def test_adamw_moments_stay_local_and_resume_per_rank(runs):
         assert resumed["start"] == STEPS
         assert torch.equal(resumed["moments"], seen["local"]["moments"])  # this rank's own, back
         assert torch.equal(resumed["params"], seen["local"]["params"][-1])
+
+
+def test_a_resume_keeps_to_the_per_rank_optimizer_state(runs):
+    """The checkpoint holds two ranks' own moments: resumed by local SGD over 2 ranks, nothing else."""
+    path = Path(runs[0]["checkpoint"])
+    check_optimizer_layout(path, Config().replace(sync_every=N, dp=2))
+    for changes in ({"sync_every": 1, "dp": 2}, {"sync_every": N, "dp": 4}):
+        with pytest.raises(UserError, match="resume with --sync-every above 1 over 2 data-parallel ranks"):
+            check_optimizer_layout(path, Config().replace(**changes))
 
 
 def test_sync_every_4_moves_a_quarter_of_the_bytes_per_step(runs):

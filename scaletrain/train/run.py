@@ -110,6 +110,7 @@ def check_run_folder(cfg: Config) -> None:
         if cfg.run.stop_at is not None and cfg.run.stop_at <= done:
             raise UserError(f"--stop-at {cfg.run.stop_at} is not after step {done}, where the run in {out} "
                             f"resumes; give a later step or leave --stop-at out.")
+        check_optimizer_layout(latest, cfg)
     elif out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
 
@@ -125,6 +126,23 @@ def check_resumable(cfg: Config, spec: DataSpec) -> None:
         model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
     ckpt.check_fits(latest, {key: tuple(t.shape) for key, t in model.state_dict().items()})
+
+
+def check_optimizer_layout(path: Path, cfg: Config) -> None:
+    """Local SGD saves each rank's own optimizer state (one row per rank), any other run one
+    state for all: a resume must keep to the kind, and to the number of rows."""
+    try:
+        saved = json.loads((path / ckpt.STATE_FILE).read_text()).get("optimizer_per_rank")
+    except (OSError, ValueError):
+        return  # a damaged checkpoint, which check_resumable's verification names
+    wanted = cfg.parallel.dp if cfg.parallel.sync_every > 1 else None
+    if saved == wanted:
+        return
+    if saved is None:
+        raise UserError(f"checkpoint {path} holds one optimizer state for every rank, but --sync-every "
+                        f"{cfg.parallel.sync_every} keeps one per rank; resume without --sync-every.")
+    raise UserError(f"checkpoint {path} holds the optimizer states of local SGD's {saved} ranks; resume with "
+                    f"--sync-every above 1 over {saved} data-parallel ranks.")
 
 
 def continue_after_restart(cfg: Config) -> Config:

@@ -487,6 +487,8 @@ class Trainer:
                          gather=lambda value: self.comm.all_gather_object(value, world))
         state = {"step": step, "world_size": self.runtime.env.world_size, "layout": self.mesh.dims.describe(),
                  "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
+        if self.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (run.py checks a resume)
+            state["optimizer_per_rank"] = self.replicas.dense.size
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters, state, team,
                                     zero=self.zero, tensor_parallel=self.tensor_parallel,
                                     own_optimizer=self._own_optimizer(),

@@ -37,7 +37,9 @@ def _params(trainer: Trainer) -> torch.Tensor:
 
 
 def _moments(trainer: Trainer) -> torch.Tensor:
-    return _flat(trainer.optimizer.state[p]["exp_avg"] for p in trainer.step_params)
+    """AdamW's state, every parameter's: both moments and the step count."""
+    return _flat(trainer.optimizer.state[p][key] for p in trainer.step_params
+                 for key in ("exp_avg", "exp_avg_sq", "step"))
 
 
 def _bytes(ledger: dict) -> int:

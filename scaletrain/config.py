@@ -139,6 +139,9 @@ class ParallelConfig:
                       "computed by ring attention")
     ep: int = _opt(1, "expert-parallel size: the experts of each mixture-of-experts block divided over "
                       "this many ranks, tokens sent to them by all-to-all")
+    backend: str | None = _opt(None, "the network: nccl (default with a GPU), gloo (default without), or "
+                                     "mpi4py, MPI on host buffers for a data-parallel job started by mpirun -n N "
+                                     "(pip install 'scaletrain[mpi]')", choices=("nccl", "gloo", "mpi4py"))
     timeout: float = _opt(600.0, "seconds a collective may wait for a rank before the job ends (a rank "
                                  "that died is noticed sooner)")
     bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
@@ -161,6 +164,9 @@ class ParallelConfig:
     quantize_weights: str = _opt("none", "ZeRO-3's weight all-gathers in int8 with an fp32 absmax scale per "
                                          "256-element block (ZeRO++ qwZ; forward and backward then run on "
                                          "those weights; needs --zero 3)", choices=("none", "int8"))
+    sync_every: int = _opt(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
+                              "and the dp replicas' parameters are averaged every N steps (1: plain data "
+                              "parallelism, gradients averaged every step)")
 
     def mesh_dims(self, world_size: int) -> ParallelDims:
         """The mesh these sizes make of ``world_size`` ranks (dp filled in), in ``mesh_order``."""
@@ -341,7 +347,8 @@ def load_run_config(run_dir: Path) -> Config:
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "shard_group", "vocab_size",
              "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank", "moe_top_k", "moe_every",
-             "log_every", "n_positions", "n_vocab")
+             "log_every", "n_positions", "n_vocab",
+             "sync_every")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts")
@@ -407,6 +414,8 @@ def check_values(cfg: Config) -> None:
     if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)
+    _check_local_sgd(cfg)
+    _check_mpi(cfg)
     _check_context(cfg)
     _check_experts(cfg)
     peak = cfg.train.peak_tflops
@@ -427,6 +436,49 @@ def _check_hybrid(p: ParallelConfig) -> None:
     if p.quantize_weights != "none" and p.zero != 3:
         raise UserError(f"--quantize-weights {p.quantize_weights} compresses ZeRO-3's parameter all-gathers, "
                         f"which only --zero 3 makes; use --zero 3 or drop --quantize-weights.")
+
+
+def _check_local_sgd(cfg: Config) -> None:
+    p, every = cfg.parallel, cfg.parallel.sync_every
+    if every == 1:
+        return
+    if p.zero:
+        raise UserError(f"--sync-every {every} keeps a whole model and optimizer on every rank, which --zero "
+                        f"{p.zero} shards over the same ranks; drop one of the two.")
+    if p.compress != "none":
+        raise UserError(f"--compress compresses the gradient all-reduce, which --sync-every {every} replaces "
+                        f"with a parameter average every {every} steps; drop one of the two.")
+    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1)):
+        if used:
+            raise UserError(f"--sync-every {every} averages whole replicas over plain data parallelism and does "
+                            f"not combine with {flag} in this version; drop one of the two.")
+    for flag, value in (("--checkpoint-every", cfg.run.checkpoint_every),
+                        ("--stop-at", cfg.run.stop_at if cfg.run.stop_at != cfg.train.steps else None)):
+        if value and value % every:
+            lower = value - value % every
+            raise UserError(f"{flag} {value} must be a multiple of --sync-every {every}, so that every "
+                            f"checkpoint holds averaged replicas; choose "
+                            f"{f'{lower} or ' if lower else ''}{lower + every}.")
+
+
+def _check_mpi(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.backend != "mpi4py":
+        return
+    if p.nproc > 1:
+        raise UserError(f"--backend mpi4py takes its processes from mpirun; run mpirun -n {p.nproc} scaletrain "
+                        f"train ... without --nproc.")
+    # Without a torch process group the main rank writes checkpoints alone, which holds
+    # everything only when every rank holds the same whole model and optimizer.
+    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
+                       ("--zero", p.zero > 0), ("--sync-every", p.sync_every > 1)):
+        if used:
+            raise UserError(f"--backend mpi4py runs plain data parallelism, whose ranks all hold the same model "
+                            f"and optimizer, and does not combine with {flag} in this version; drop {flag} or "
+                            f"use --backend gloo.")
+    if p.reduce_dtype == "bf16":
+        raise UserError("--backend mpi4py reduces numpy buffers, and numpy has no bfloat16; use --reduce-dtype "
+                        "fp32 or --backend gloo.")
 
 
 def _check_context(cfg: Config) -> None:

@@ -133,7 +133,7 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
         reference_cfg, _ = resolve_layout(
             layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, sp=False, pp=1, cp=1,
                                ep=1, zero=0, shard_group=None, quantize_weights="none", microbatches=None,
-                               virtual_stages=None, pp_schedule="1f1b",
+                               virtual_stages=None, pp_schedule="1f1b", sync_every=1,
                                micro_batch=cfg.train.micro_batch * dims.dp * dims.ep,
                                grad_accum=cfg.train.grad_accum * micro_batches), 1)
         runs = []

@@ -146,6 +146,9 @@ def test_backend_choice_is_checked():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--backend nccl needs a CUDA GPU"):
             init_distributed(detect_environment({}), timeout_s=5, backend="nccl")
+    # MPI's ranks come from mpirun; a torchrun job cannot use them (checked before importing MPI)
+    with pytest.raises(UserError, match="--backend mpi4py needs its processes started by mpirun, not torchrun"):
+        init_distributed(detect_environment(TORCHRUN), timeout_s=5, backend="mpi4py")
 
 
 def _sum_ranks(scale: int) -> tuple:

@@ -174,12 +174,11 @@ class Pending:
             self._finish = None
 
 
-def _reduce_op(op: str, tensor: torch.Tensor, allowed: Sequence[str]) -> dist.ReduceOp:
+def _check_reduction(op: str, tensor: torch.Tensor, allowed: Sequence[str]) -> None:
     if op not in allowed:
         raise ValueError(f"unknown reduction {op!r}; use one of {list(allowed)}")
     if op == "avg" and not tensor.is_floating_point():
         raise TypeError(f"avg needs a floating-point tensor, got {tensor.dtype}")
-    return _REDUCE_OPS[op]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -205,6 +204,9 @@ class Comm:
     """Collectives and point-to-point transfers over mesh `Group`s, recorded in `ledger`.
 
     Ranks given to an operation (src, dst, peers) are indices inside the group.
+    The public methods check their arguments and write the ledger; the
+    underscored ones below them move the bytes, here with torch.distributed
+    over the group's process group. `MpiComm` (dist/mpi.py) replaces only those.
     """
 
     def __init__(self, ledger: Ledger | None = None):
@@ -219,11 +221,11 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False) -> Pending | None:
         """Reduce `tensor` in place across the group with "sum", "avg", "max" or "min"."""
-        reduce_op = _reduce_op(op, tensor, tuple(_REDUCE_OPS))
+        _check_reduction(op, tensor, tuple(_REDUCE_OPS))
         if group.size == 1:
             return Pending() if async_op else None
         self.ledger.record("all_reduce", group, _nbytes(tensor))
-        work = dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=async_op)
+        work = self._all_reduce(tensor, op, group, async_op)
         return self._complete(work, async_op, (lambda: tensor.div_(group.size)) if op == "avg" else None)
 
     def broadcast(self, tensor: torch.Tensor, group: Group, src: int = 0) -> None:
@@ -231,7 +233,7 @@ class Comm:
         if group.size == 1:
             return
         self.ledger.record("broadcast", group, _nbytes(tensor))
-        dist.broadcast(tensor, src=group.ranks[src], group=group.handle)
+        self._broadcast(tensor, group, src)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -242,22 +244,20 @@ class Comm:
             output.view(-1).copy_(input.reshape(-1))
             return Pending() if async_op else None
         self.ledger.record("all_gather", group, _nbytes(output))
-        work = _all_gather_flat(output.view(-1), input.reshape(-1), group=group.handle, async_op=async_op)
+        work = self._all_gather(output.view(-1), input.reshape(-1), group, async_op)
         return self._complete(work, async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
     ) -> Pending | None:
         """Reduce `input` across the group ("sum" or "avg"); member i keeps the i-th slice in `output`."""
-        reduce_op = _reduce_op(op, input, ("sum", "avg"))
+        _check_reduction(op, input, ("sum", "avg"))
         _check_parts(input, output, group.size, "reduce_scatter")
         if group.size == 1:
             output.view(-1).copy_(input.reshape(-1))
             return Pending() if async_op else None
         self.ledger.record("reduce_scatter", group, _nbytes(input))
-        work = _reduce_scatter_flat(
-            output.view(-1), input.reshape(-1), op=reduce_op, group=group.handle, async_op=async_op
-        )
+        work = self._reduce_scatter(output.view(-1), input.reshape(-1), op, group, async_op)
         return self._complete(work, async_op, (lambda: output.div_(group.size)) if op == "avg" else None)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -287,20 +287,19 @@ class Comm:
             row_bytes = math.prod(input.shape[1:]) * input.element_size()
             wire_bytes = _nbytes(input) - input_splits[group.rank] * row_bytes
         self.ledger.record("all_to_all", group, _nbytes(input), wire_bytes)
-        dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                               group=group.handle)
+        self._all_to_all(output, input, group, output_splits, input_splits)
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
         """Send `tensor` to the group's member `dst`."""
-        peer = self._peer(group, dst)
+        self._check_peer(group, dst)
         self.ledger.record("send", group, _nbytes(tensor))
-        dist.send(tensor, dst=peer, group=group.handle)
+        self._send(tensor, group, dst)
 
     def recv(self, tensor: torch.Tensor, group: Group, src: int) -> None:
         """Receive into `tensor` from the group's member `src`."""
-        peer = self._peer(group, src)
+        self._check_peer(group, src)
         self.ledger.record("recv", group, _nbytes(tensor))
-        dist.recv(tensor, src=peer, group=group.handle)
+        self._recv(tensor, group, src)
 
     def batch_isend_irecv(self, ops: Sequence[tuple[str, torch.Tensor, int]], group: Group) -> Pending:
         """Start ("send" | "recv", tensor, peer index) transfers together; one handle waits for all.
@@ -309,36 +308,71 @@ class Comm:
         without deadlocking on who sends first. On NCCL, the first such batch
         in a group must include every member of it.
         """
-        p2p = []
-        for kind, tensor, peer in ops:
+        for kind, _, peer in ops:
             if kind not in ("send", "recv"):
                 raise ValueError(f"a transfer is 'send' or 'recv', not {kind!r}")
-            function = dist.isend if kind == "send" else dist.irecv
-            p2p.append(dist.P2POp(function, tensor, peer=self._peer(group, peer), group=group.handle))
+            self._check_peer(group, peer)
         for kind, tensor, _ in ops:
             self.ledger.record(kind, group, _nbytes(tensor))
-        return Pending(dist.batch_isend_irecv(p2p) if p2p else [])
+        return Pending(self._batch_isend_irecv(ops, group) if ops else [])
 
     def barrier(self, group: Group) -> None:
         """Wait until every member of the group gets here."""
         if group.size == 1:
             return
         self.ledger.record("barrier", group, 0)
-        dist.barrier(group=group.handle)
+        self._barrier(group)
 
     def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
         """Every member's picklable `obj`, in group order (for small metadata)."""
         if group.size == 1:
             return [obj]
-        gathered: list[Any] = [None] * group.size
-        dist.all_gather_object(gathered, obj, group=group.handle)
+        gathered = self._all_gather_object(obj, group)
         # torch pads every pickle to the largest before gathering.
         largest = max(len(pickle.dumps(item)) for item in gathered)
         self.ledger.record("all_gather_object", group, group.size * largest)
         return gathered
 
     @staticmethod
-    def _peer(group: Group, index: int) -> int:
+    def _check_peer(group: Group, index: int) -> None:
         if index == group.rank:
             raise ValueError(f"rank {group.ranks[index]} cannot send to or receive from itself")
-        return group.ranks[index]
+
+    # -- the transport: what moves the bytes, once the public method has checked and recorded --
+    # Peers and roots are indices inside the group; an asynchronous call returns handles with wait().
+    def _all_reduce(self, tensor: torch.Tensor, op: str, group: Group, async_op: bool) -> Any:
+        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.handle, async_op=async_op)
+
+    def _broadcast(self, tensor: torch.Tensor, group: Group, src: int) -> None:
+        dist.broadcast(tensor, src=group.ranks[src], group=group.handle)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool) -> Any:
+        return _all_gather_flat(output, input, group=group.handle, async_op=async_op)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, group: Group,
+                        async_op: bool) -> Any:
+        return _reduce_scatter_flat(output, input, op=_REDUCE_OPS[op], group=group.handle, async_op=async_op)
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                    output_splits: Sequence[int] | None, input_splits: Sequence[int] | None) -> None:
+        dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group.handle)
+
+    def _send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
+        dist.send(tensor, dst=group.ranks[dst], group=group.handle)
+
+    def _recv(self, tensor: torch.Tensor, group: Group, src: int) -> None:
+        dist.recv(tensor, src=group.ranks[src], group=group.handle)
+
+    def _batch_isend_irecv(self, ops: Sequence[tuple[str, torch.Tensor, int]], group: Group) -> list[Any]:
+        return dist.batch_isend_irecv([
+            dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer=group.ranks[peer],
+                       group=group.handle) for kind, tensor, peer in ops])
+
+    def _barrier(self, group: Group) -> None:
+        dist.barrier(group=group.handle)
+
+    def _all_gather_object(self, obj: Any, group: Group) -> list[Any]:
+        gathered: list[Any] = [None] * group.size
+        dist.all_gather_object(gathered, obj, group=group.handle)
+        return gathered

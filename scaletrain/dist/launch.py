@@ -17,6 +17,11 @@ read in this order, the first that applies wins:
 
 The process group's timeout is what turns a dead or stuck rank into an error
 on the others instead of a job that hangs forever.
+
+With ``--backend mpi4py`` (processes started by mpirun) no torch process group
+is made: MPI itself is the network, its communicators the mesh's groups and
+`MpiComm` the door to it (dist/mpi.py); `connect` hands out the mesh and the
+Comm of whichever network the runtime has.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from scaletrain.dist.comm import Comm, Ledger
+from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
 
 DEFAULT_ADDR = "127.0.0.1"
@@ -233,24 +240,45 @@ class DistRuntime:
     def is_main(self) -> bool:
         return self.env.rank == 0
 
+    @property
+    def torch_group(self) -> bool:
+        """Whether a torch.distributed process group (and its rendezvous store) exists."""
+        return self.backend in ("nccl", "gloo")
+
 
 def _choose_backend(backend: str | None) -> str:
     cuda = torch.cuda.is_available()
     if backend is None:
         return "nccl" if cuda else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise UserError(f"--backend {backend} is not supported; use nccl or gloo.")
+    if backend not in ("nccl", "gloo", "mpi4py"):
+        raise UserError(f"--backend {backend} is not supported; use nccl, gloo or mpi4py.")
     if backend == "nccl" and not cuda:
         raise UserError("--backend nccl needs a CUDA GPU, but none is visible; use --backend gloo.")
     return backend
 
 
+def check_backend(backend: str | None, env: ProcessEnv) -> str:
+    """The backend to use (default: nccl with a GPU, else gloo), checked against how the
+    processes were started: mpi4py needs MPI's own launcher and a world MPI agrees with."""
+    chosen = _choose_backend(backend)
+    if chosen == "mpi4py":
+        if env.source not in ("mpi", "single"):
+            raise UserError(f"--backend mpi4py needs its processes started by mpirun, not {env.source}; "
+                            f"run mpirun -n {env.world_size} scaletrain train ... or choose --backend gloo.")
+        from scaletrain.dist.mpi import import_mpi
+        world = import_mpi().COMM_WORLD
+        if (world.Get_rank(), world.Get_size()) != (env.rank, env.world_size):
+            raise UserError(f"MPI counts rank {world.Get_rank()} of {world.Get_size()} but the environment says "
+                            f"{env.rank} of {env.world_size}; launch with this MPI library's own mpirun.")
+    return chosen
+
+
 def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = None) -> DistRuntime:
     """Pick the backend and device, and join the process group when there is more than one process.
 
-    nccl computes on GPU local_rank; gloo computes on the CPU.
+    nccl computes on GPU local_rank; gloo and mpi4py compute on the CPU.
     """
-    chosen = _choose_backend(backend)
+    chosen = check_backend(backend, env)
     device = torch.device("cpu")
     if chosen == "nccl":
         if env.local_rank >= torch.cuda.device_count():
@@ -266,6 +294,8 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     if env.world_size == 1:
         return DistRuntime(env, None, device)
+    if chosen == "mpi4py":  # MPI started with the import in check_backend; no torch group
+        return DistRuntime(env, chosen, device)
     timeout = timedelta(seconds=timeout_s)
     if env.source == "torchrun":
         dist.init_process_group(chosen, store=_attempt_store(env, timeout), rank=env.rank,
@@ -297,11 +327,22 @@ def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:
     last transfers, without which teardown aborts at random on torch 2.13.
     A rank leaving because the job failed skips it: the ranks it would wait
     for may be dead or stuck."""
-    if runtime.backend is None:
+    if not runtime.torch_group:  # one process, or MPI, which mpi4py finalises at exit
         return
     if barrier:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def connect(runtime: DistRuntime, dims: ParallelDims) -> tuple[Mesh, Comm]:
+    """The mesh's groups and the Comm over them on the runtime's network: MPI communicators
+    and `MpiComm` with --backend mpi4py, else torch process groups and `Comm`."""
+    if runtime.backend == "mpi4py":
+        from scaletrain.dist.mpi import MpiComm, MpiGroups
+
+        comm = MpiComm(Ledger())
+        return Mesh.build(dims, runtime.env.rank, runtime.env.world_size, MpiGroups(comm.MPI)), comm
+    return Mesh.build(dims, runtime.env.rank, runtime.env.world_size), Comm(Ledger())
 
 
 def free_port(host: str = DEFAULT_ADDR) -> int:

@@ -281,7 +281,8 @@ class Group:
     """This process's view of one process group.
 
     `rank` is this process's index inside the group; `ranks` are global ranks.
-    `handle` is the torch ProcessGroup, or None for a group of one, which
+    `handle` is the torch ProcessGroup (or, with --backend mpi4py, the MPI
+    communicator), or None for a group of one, which
     needs no communication.
     """
 
@@ -295,12 +296,25 @@ class Group:
         return len(self.ranks)
 
 
+class TorchGroups:
+    """How `Mesh.build` makes groups by default: torch.distributed process groups.
+    (dist/mpi.py's `MpiGroups` makes MPI communicators the same way.)"""
+
+    @property
+    def world(self) -> Any:
+        return dist.group.WORLD
+
+    def new_group(self, members: tuple[int, ...], name: str) -> Any:
+        return dist.new_group(list(members), group_desc=name)
+
+
 class Mesh:
     """Every process group this rank belongs to, built once, up front.
 
     torch.distributed.new_group must be called by every rank, for every group,
     in the same order, even for groups the rank is not in; so all groups are
-    made eagerly in `build`, never on demand.
+    made eagerly in `build`, never on demand (MPI_Comm_create, behind
+    `MpiGroups`, has the same rule).
     """
 
     def __init__(self, dims: ParallelDims, rank: int, groups: dict[str, Group]):
@@ -310,14 +324,17 @@ class Mesh:
         self._groups = groups
 
     @classmethod
-    def build(cls, dims: ParallelDims, rank: int, world_size: int) -> Mesh:
+    def build(cls, dims: ParallelDims, rank: int, world_size: int, maker: Any = None) -> Mesh:
+        """The groups of ``dims`` for ``rank``, made by ``maker`` (default: `TorchGroups`)."""
         dims.validate(world_size)
-        if world_size > 1 and not dist.is_initialized():
-            raise RuntimeError(f"a mesh over {world_size} ranks needs init_distributed to have run first")
+        if maker is None:
+            if world_size > 1 and not dist.is_initialized():
+                raise RuntimeError(f"a mesh over {world_size} ranks needs init_distributed to have run first")
+            maker = TorchGroups()
         everyone = tuple(range(world_size))
-        # One torch group per distinct member set: a group along dp_cp with
+        # One group per distinct member set: a group along dp_cp with
         # cp == 1 is the dp group, and a group of all ranks is the world.
-        handles: dict[tuple[int, ...], Any] = {everyone: dist.group.WORLD if world_size > 1 else None}
+        handles: dict[tuple[int, ...], Any] = {everyone: maker.world if world_size > 1 else None}
         groups = {"world": Group("world", everyone, rank, handles[everyone])}
         partitions = [(group_name(along), dims.all_groups(along))
                       for along in [(name,) for name in DIM_NAMES] + list(COMBINED_DIMS)]
@@ -327,7 +344,7 @@ class Mesh:
             mine: tuple[int, ...] = ()
             for members in map(tuple, partition):
                 if len(members) > 1 and members not in handles:
-                    handles[members] = dist.new_group(list(members), group_desc=name)
+                    handles[members] = maker.new_group(members, name)
                 if rank in members:
                     mine = members
             groups[name] = Group(name, mine, mine.index(rank), handles.get(mine))

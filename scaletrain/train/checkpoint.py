@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import (
@@ -304,8 +305,19 @@ def _tensor_parallel_sharded(chunks: list[Chunk], split: Split, group: Group, li
     return _sharded_tensor(split.full_shape, like, placed)
 
 
+def _per_rank(value: Any, group: Group) -> Any:
+    """A tensor that every member of ``group`` holds its own of, as row ``group.rank`` of a
+    ``(group.size, *shape)`` tensor, each member writing and reading its row."""
+    if not torch.is_tensor(value):
+        return value
+    rows = [(rank, (index, *[0] * value.dim()), (1, *value.shape), value.unsqueeze(0) if index == group.rank
+             else None) for index, rank in enumerate(group.ranks)]
+    return _sharded_tensor((group.size, *value.shape), value, rows)
+
+
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None,
-                zero: ZeroDataParallel | None, tensor_parallel: TensorParallel | None) -> dict[str, Any]:
+                zero: ZeroDataParallel | None, tensor_parallel: TensorParallel | None,
+                own_optimizer: Group | None = None) -> dict[str, Any]:
     """Model weights and per-parameter optimizer state, both by parameter name.
 
     With master weights, the fp32 master stands in for its parameter, in both
@@ -316,7 +328,9 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
     layout's, and a load reads whatever chunks its own layout needs. Tensor
     parallel slices are described the same way, as chunks of the full tensors,
     and so are ZeRO shards of tp slices (each chunk placed twice over: within
-    the slice, then the slice within the weight).
+    the slice, then the slice within the weight). With ``own_optimizer`` (local SGD: the
+    dp group, whose ranks keep their own AdamW moments) every optimizer tensor gets a
+    leading dimension of one row per member.
     """
     if zero is not None:
         weights, optim = zero.flat_shards(optimizer)
@@ -349,8 +363,11 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
             return _sharded_tensor(tuple(value.shape), like, chunks)
         return _tensor_parallel_sharded(chunks, split, tensor_parallel.group, like)
 
+    def optimizer_value(name: str, value: Any) -> Any:
+        return whole(name, value) if own_optimizer is None else _per_rank(value, own_optimizer)
+
     return {"model": {name: whole(name, v) for name, v in weights.items()},
-            "optim": {name: {k: whole(name, v) for k, v in state.items()} for name, state in optim.items()}}
+            "optim": {name: {k: optimizer_value(name, v) for k, v in state.items()} for name, state in optim.items()}}
 
 
 @dataclass(frozen=True)
@@ -388,7 +405,8 @@ def prune(run_dir: Path, keep_last: int, strike: Callable[[str], None]) -> None:
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     masters: MasterWeights | None, trainer_state: dict[str, Any], team: Team = Team(), *,
                     zero: ZeroDataParallel | None = None, tensor_parallel: TensorParallel | None = None,
-                    keep_last: int = 0, strike: Callable[[str], None] = lambda point: None) -> Path:
+                    own_optimizer: Group | None = None, keep_last: int = 0,
+                    strike: Callable[[str], None] = lambda point: None) -> Path:
     """Write a checkpoint atomically (module docstring); ``strike`` is fault injection's hook (faults.py)."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
@@ -398,9 +416,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     team.barrier()
     strike("save-begin")
     materialize_optimizer_state(optimizer)
-    with _quiet():
-        dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel),
-                 storage_writer=FileSystemWriter(tmp, sync_files=True))
+    # DCP plans the ranks' writes over torch's process group. Without one (--backend
+    # mpi4py, whose ranks all hold the same whole replica: config.py) the main rank
+    # writes the checkpoint alone.
+    if team.is_main or dist.is_initialized():
+        with _quiet():
+            dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
+                     storage_writer=FileSystemWriter(tmp, sync_files=True))
     strike("save-written")
     team.barrier()
     hashed = team.gather(share(tmp, team.rank, team.size))
@@ -434,13 +456,14 @@ def failure_reason(exc: BaseException) -> str:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     masters: MasterWeights | None = None, zero: ZeroDataParallel | None = None,
-                    tensor_parallel: TensorParallel | None = None) -> dict[str, Any]:
+                    tensor_parallel: TensorParallel | None = None, own_optimizer: Group | None = None
+                    ) -> dict[str, Any]:
     """Fill model (and masters) and optimizer in place; return the trainer state."""
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         materialize_optimizer_state(optimizer)
         with _quiet():
-            dcp.load(_state_dict(model, optimizer, masters, zero, tensor_parallel),
+            dcp.load(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
                      storage_reader=SafeFileSystemReader(path))
         if masters:
             masters.copy_master_to_model()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from scaletrain.config import ParallelConfig
@@ -25,6 +26,7 @@ from scaletrain.dist.mesh import Group, Mesh
 from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, JointDataParallel, replicate, summer
 from scaletrain.parallel.experts import ExpertParallel
+from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.precision import compute_dtype
 
 
@@ -50,9 +52,14 @@ class Replicas:
         replicate(list(mine), comm, self.experts)
 
     def data_parallel(self, model: nn.Module, comm: Comm, p: ParallelConfig, seed: int,
-                      experts: ExpertParallel | None) -> DataParallel | JointDataParallel:
+                      experts: ExpertParallel | None, stepped: list[torch.Tensor], steps: int
+                      ) -> DataParallel | JointDataParallel | LocalSGD:
         """The gradient averaging: one `DataParallel` over ``dense``, or with expert
-        parallelism a second one for the experts over ``experts``."""
+        parallelism a second one for the experts over ``experts``; with ``--sync-every``
+        N > 1 none, the optimizer's tensors (``stepped``) averaged every N of the ``steps``."""
+        if p.sync_every > 1:
+            return LocalSGD(model, stepped, comm, self.dense, every=p.sync_every, last_step=steps,
+                            bucket_mb=p.bucket_mb, allreduce=p.allreduce)
         options = dict(bucket_mb=p.bucket_mb, reduce_dtype=compute_dtype(p.reduce_dtype), allreduce=p.allreduce)
         if not experts:
             return DataParallel(model, comm, self.dense, compressor=self._compressor(comm, p, seed), **options)

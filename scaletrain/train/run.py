@@ -20,11 +20,13 @@ import torch
 from scaletrain.compile import COMPILE_NOTE
 from scaletrain.config import Config, check_values, load_run_config
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
-from scaletrain.dist.comm import Comm, Ledger
+from scaletrain.dist.comm import Comm
 from scaletrain.dist.health import Health
 from scaletrain.dist.launch import (
     ProcessEnv,
     WorkerKilled,
+    check_backend,
+    connect,
     detect_environment,
     init_distributed,
     restart_attempt,
@@ -56,6 +58,9 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
     """Fill in dp and check the layout against the world and the model."""
     p = cfg.parallel
     dims = p.mesh_dims(world_size)
+    if p.sync_every > 1 and dims.dp == 1:
+        raise UserError(f"--sync-every {p.sync_every} averages data-parallel replicas, but this layout has one "
+                        f"(dp 1); start more processes (--nproc) or drop --sync-every.")
     parse_policy(cfg.train.recompute)
     if cfg.train.fused == "triton":
         reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -105,6 +110,7 @@ def check_run_folder(cfg: Config) -> None:
         if cfg.run.stop_at is not None and cfg.run.stop_at <= done:
             raise UserError(f"--stop-at {cfg.run.stop_at} is not after step {done}, where the run in {out} "
                             f"resumes; give a later step or leave --stop-at out.")
+        check_optimizer_layout(latest, cfg)
     elif out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
 
@@ -124,6 +130,23 @@ def check_resumable(cfg: Config, spec: DataSpec) -> None:
         if cfg.finetune.base:
             add_adapters(model, cfg.finetune)
     ckpt.check_fits(latest, {key: tuple(t.shape) for key, t in model.state_dict().items()})
+
+
+def check_optimizer_layout(path: Path, cfg: Config) -> None:
+    """Local SGD saves each rank's own optimizer state (one row per rank), any other run one
+    state for all: a resume must keep to the kind, and to the number of rows."""
+    try:
+        saved = json.loads((path / ckpt.STATE_FILE).read_text()).get("optimizer_per_rank")
+    except (OSError, ValueError):
+        return  # a damaged checkpoint, which check_resumable's verification names
+    wanted = cfg.parallel.dp if cfg.parallel.sync_every > 1 else None
+    if saved == wanted:
+        return
+    if saved is None:
+        raise UserError(f"checkpoint {path} holds one optimizer state for every rank, but --sync-every "
+                        f"{cfg.parallel.sync_every} keeps one per rank; resume without --sync-every.")
+    raise UserError(f"checkpoint {path} holds the optimizer states of local SGD's {saved} ranks; resume with "
+                    f"--sync-every above 1 over {saved} data-parallel ranks.")
 
 
 def continue_after_restart(cfg: Config) -> Config:
@@ -160,6 +183,7 @@ def launch(cfg: Config) -> RunSummary:
     env = detect_environment()
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
+    check_backend(cfg.parallel.backend, env)
     if env.rank == 0:
         print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
         print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
@@ -182,14 +206,13 @@ def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
 def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
     """One worker: join the group, (prepare if nobody did), train, report."""
     env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
-    health = Health(env, cfg.parallel.timeout) if runtime.backend else None
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
+    health = Health(env, cfg.parallel.timeout) if runtime.torch_group else None
     trainer: Trainer | None = None
     failed = False
     try:
         dims = cfg.parallel.mesh_dims(env.world_size)
-        mesh = Mesh.build(dims, env.rank, env.world_size)
-        comm = Comm(Ledger())
+        mesh, comm = connect(runtime, dims)
         world = mesh.group("world")
         # Rank 0 decides (prepares the run, if no launching process did) and all learn the verdict.
         outcome: tuple[Config, DataSpec | None] | str | None = None

@@ -24,7 +24,8 @@ different experts):
                                             one, gradient buckets start their all-reduce as
                                             they fill, overlapping the rest of backward)
     wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
-    shard of it (parallel/zero.py)
+    shard of it (parallel/zero.py); with --sync-every N > 1 keep the local gradient (local SGD
+    averages the parameters after every N-th optimizer step instead: parallel/local_sgd.py)
     with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
     average the loss; unscale (fp16); a loss or gradient that is inf or NaN on any rank (one
     flag over the world, train/nonfinite.py) makes every rank skip the step, or stop (--on-nan)
@@ -73,6 +74,7 @@ from scaletrain.parallel.context import ContextParallel, parallelize_context
 from scaletrain.parallel.data import DataParallel, JointDataParallel
 from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.hybrid import zero_groups
+from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
 from scaletrain.parallel.pipeline.runtime import timer
@@ -222,7 +224,10 @@ class Trainer:
             if t.param_dtype != "fp32" or master_device:
                 self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype), device=master_device)
                 groups = self.masters.master_groups(groups)
-            self.data_parallel = self.replicas.data_parallel(self.model, comm, p, t.seed, self.expert_parallel)
+            self.data_parallel = self.replicas.data_parallel(self.model, comm, p, t.seed, self.expert_parallel,
+                                                             [q for group in groups for q in group["params"]], t.steps)
+        # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
+        self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
         self.optimizer = build_optimizer(groups, t)
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device).
@@ -242,7 +247,7 @@ class Trainer:
         latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
         if latest:  # (none: a job restarted before its first checkpoint, run.py)
             state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.masters, self.zero,
-                                         self.tensor_parallel)
+                                         self.tensor_parallel, self._own_optimizer())
             self.start_step = state["step"]
             self.scaler.load_state_dict(state["scaler"])
         positions = cfg.data.seq_len if spec.kind == "text" else 1
@@ -412,7 +417,8 @@ class Trainer:
         self.faults.strike("optimizer", step + 1)
         self.scaler.step(self.optimizer, skip)
         self.scaler.update(skip)
-        if self.masters and not self.fused_working_copy:
+        averaged = self.local_sgd is not None and self.local_sgd.average_if_due(step + 1)
+        if self.masters and (averaged or not self.fused_working_copy):
             self.masters.copy_master_to_model()
         if self.zero:
             self.zero.publish()
@@ -500,14 +506,21 @@ class Trainer:
         return tokenizer.decode(generate(self, line_prompt(tokenizer, window[0]), self.cfg.run.sample_tokens).tolist())
 
     # -- the loop ------------------------------------------------------------
+    def _own_optimizer(self):
+        """The group whose ranks each keep their own optimizer state (local SGD's dp group), or None."""
+        return self.replicas.dense if self.local_sgd else None
+
     def _save(self, step: int) -> Path:
         world = self.mesh.group("world")
         team = ckpt.Team(world.rank, world.size, barrier=lambda: self.comm.barrier(world),
                          gather=lambda value: self.comm.all_gather_object(value, world))
         state = {"step": step, "world_size": self.runtime.env.world_size, "layout": self.mesh.dims.describe(),
                  "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
+        if self.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (run.py checks a resume)
+            state["optimizer_per_rank"] = self.replicas.dense.size
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.masters, state, team,
                                     zero=self.zero, tensor_parallel=self.tensor_parallel,
+                                    own_optimizer=self._own_optimizer(),
                                     keep_last=self.cfg.run.keep_last,
                                     strike=lambda point: self.faults.strike(point, step))
 

@@ -1,0 +1,120 @@
+"""--backend mpi4py under a real mpirun: `MpiComm` against gloo's `Comm` operation by operation
+(results and ledger), and a data-parallel training job against the same job on gloo (losses,
+gradient norms, final weights, ledger). Skipped, with the reason, where Open MPI's mpirun or
+mpi4py is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.dist import Comm, Mesh, ParallelDims
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.metrics import read_metrics
+from tests.conftest import run_cli
+from tests.distributed import run_distributed
+from tests.mpi_ops import exercise
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(
+    MPIRUN is None or find_spec("mpi4py") is None,
+    reason="needs Open MPI's mpirun and mpi4py: apt install openmpi-bin libopenmpi-dev; pip install '.[mpi]'")
+
+
+def _mpirun(n: int, *command: str) -> subprocess.CompletedProcess:
+    """``mpirun -n N python COMMAND`` with this checkout importable (root may run it: the flag says so)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x", "PYTHONPATH",
+                           sys.executable, *command], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _over_gloo(rank: int, n: int) -> dict:
+    comm = Comm()
+    results = exercise(comm, Mesh.build(ParallelDims(dp=n), rank, n).group("world"))
+    return {"results": results, "ledger": comm.ledger.to_json()}
+
+
+def test_mpi_comm_equals_gloo_operation_by_operation(tmp_path):
+    """Every Comm operation (all-reduce sum/avg/max/min, sync and async, broadcast, all-gather,
+    reduce-scatter, even and uneven all-to-all, send/recv, batched p2p, the ring, barrier, objects):
+    the same values, bit for bit, and the same ledger."""
+    gloo = run_distributed(_over_gloo, 2, timeout_s=120)
+    result = _mpirun(2, "-m", "tests.mpi_ops", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        mpi = torch.load(tmp_path / f"rank{rank}.pt")
+        assert mpi["comm"] == "MpiComm"
+        assert mpi["ledger"] == gloo[rank]["ledger"]
+        assert mpi["results"].keys() == gloo[rank]["results"].keys()
+        for name, want in gloo[rank]["results"].items():
+            got = mpi["results"][name]
+            assert torch.equal(got, want) if torch.is_tensor(want) else got == want, name
+
+
+def _tiny(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "gpt-tiny", "--data", str(corpus), "--seq-len", "32", "--micro-batch", "4",
+            "--steps", "3", "--warmup-steps", "1", "--eval-batches", "1", "--sample-tokens", "0",
+            "--no-progress", "--report-comm", "--out", str(out), "--cache-dir", str(out.parent / "cache"), *extra]
+
+
+def _run(out: Path) -> dict:
+    records = read_metrics(out / "metrics.jsonl")
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "params": ckpt.read_model_tensors(ckpt.latest_checkpoint(out)),
+            "ledger": json.loads((out / "comm.json").read_text())}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_mpirun_training_equals_gloo(corpus, tmp_path):
+    """mpirun -n 2 scaletrain train --backend mpi4py against --nproc 2 on gloo: per-step losses and
+    gradient norms and the final weights within 1e-5 (fp32), and the same ledger on every rank."""
+    mpi = _mpirun(2, "-m", "scaletrain", *_tiny(corpus, tmp_path / "mpi", "--backend", "mpi4py"))
+    assert mpi.returncode == 0, mpi.stderr[-3000:]
+    assert mpi.stdout.count("layout dp2 on 2 process(es)") == 1
+    gloo = run_cli(*_tiny(corpus, tmp_path / "gloo", "--nproc", "2"))
+    assert gloo.returncode == 0, gloo.stderr[-3000:]
+    over_mpi, over_gloo = _run(tmp_path / "mpi"), _run(tmp_path / "gloo")
+    assert len(over_mpi["losses"]) == 3 and over_gloo["losses"][0] != over_gloo["losses"][-1]
+    for key in ("losses", "norms"):
+        assert max(_rel(a, b) for a, b in zip(over_mpi[key], over_gloo[key], strict=True)) <= 1e-5, key
+    for name, want in over_gloo["params"].items():
+        assert (over_mpi["params"][name] - want).norm() <= 1e-5 * want.norm(), name
+    for rank, ledger in over_gloo["ledger"].items():
+        # the run's configuration goes round as an object once; it names the backend and folder
+        objects = [side["ledger"][rank].pop("all_gather_object") for side in (over_mpi, over_gloo)]
+        assert objects[0]["world"]["calls"] == objects[1]["world"]["calls"]
+        assert over_mpi["ledger"][rank] == ledger
+    assert over_mpi["ledger"]["1"]["all_reduce"]["dp"]["calls"] == 2 * 3  # the gradients and the loss, per step
+
+
+@pytest.mark.slow
+def test_mpirun_resumes_exactly_and_runs_the_ring_and_compression(corpus, tmp_path):
+    """The checkpoint the main rank writes alone under MPI resumes to the uninterrupted run; the
+    hand-written ring and PowerSGD run over MpiComm too."""
+    whole = _mpirun(2, "-m", "scaletrain", *_tiny(corpus, tmp_path / "whole", "--backend", "mpi4py"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = _mpirun(2, "-m", "scaletrain", *_tiny(corpus, tmp_path / "cut", "--backend", "mpi4py",
+                                                  "--stop-at", "2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _mpirun(2, "-m", "scaletrain", *_tiny(corpus, tmp_path / "cut", "--backend", "mpi4py",
+                                                    "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _run(tmp_path / "cut")["losses"] == _run(tmp_path / "whole")["losses"]
+    for extra, op in ((["--allreduce", "ring"], "send"), (["--compress", "powersgd"], "all_reduce")):
+        out = tmp_path / extra[1]
+        result = _mpirun(2, "-m", "scaletrain", *_tiny(corpus, out, "--backend", "mpi4py", *extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert op in _run(out)["ledger"]["0"]

@@ -89,6 +89,9 @@ class TrainConfig:
     offload: str = _opt("none", "'optimizer': fp32 master weights, optimizer state and step in host "
                                 "memory", choices=("none", "optimizer"))
     recompute: str = _opt("none", "activation checkpointing: none, full, selective, every:K, sqrt")
+    compress_activations: str = _opt("none", "store the activations saved for backward in bf16 or as int8 "
+                                             "blocks with absmax scales (ActNN), restored in backward",
+                                     choices=("none", "bf16", "int8"))
     fused: str = _opt("none", "Triton kernels: the fused AdamW (one launch updates every parameter) and the "
                               "chunked fused cross-entropy (needs a GPU, or TRITON_INTERPRET=1)",
                       choices=("none", "triton"))

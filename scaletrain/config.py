@@ -145,6 +145,9 @@ class ParallelConfig:
     compress: str = _opt("none", "gradient compression with error feedback: PowerSGD (low rank) or "
                                  "scaled sign (1 bit per element)", choices=("none", "powersgd", "sign"))
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
+    debug_dist: bool = _opt(False, "distributed debugging: torch's and NCCL's debug logs, a log file per rank "
+                                   "in RUN/logs, a check that every rank has the same configuration and "
+                                   "parameters, and a report of the rank a failed collective waits for")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
 

@@ -38,11 +38,13 @@ import math
 import pickle
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaletrain.dist.desync import Call, CollectiveTracker
 from scaletrain.dist.mesh import Group
 
 FIELDS = ("calls", "bytes", "wire_bytes")
@@ -161,13 +163,16 @@ class Pending:
     there, because the sum is not there to divide before.
     """
 
-    def __init__(self, works: Sequence[Any] = (), finish: Callable[[], Any] | None = None):
+    def __init__(self, works: Sequence[Any] = (), finish: Callable[[], Any] | None = None,
+                 blocked: Callable[[], AbstractContextManager] = nullcontext):
         self._works = list(works)
         self._finish = finish
+        self._blocked = blocked  # marks the wait for the desync record (Comm's tracker)
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        with self._blocked():
+            for work in self._works:
+                work.wait()
         self._works = []
         if self._finish is not None:
             self._finish()
@@ -205,13 +210,28 @@ class Comm:
     """Collectives and point-to-point transfers over mesh `Group`s, recorded in `ledger`.
 
     Ranks given to an operation (src, dst, peers) are indices inside the group.
+    With a `tracker` (``--debug-dist``), every call is also numbered per group
+    and every wait noted, for desync detection (dist/desync.py).
     """
 
-    def __init__(self, ledger: Ledger | None = None):
+    def __init__(self, ledger: Ledger | None = None, tracker: CollectiveTracker | None = None):
         self.ledger = ledger if ledger is not None else Ledger()
+        self.tracker = tracker
 
-    def _complete(self, work: Any, async_op: bool, after: Callable[[], Any] | None = None) -> Pending | None:
-        pending = Pending([work] if work is not None else [], after)
+    def _track(self, op: str, group: Group, transfer: bool = False) -> Call | None:
+        """This call of ``op`` on ``group`` in the desync record (a point-to-point ``transfer``
+        is noted but not numbered: the members of a group do not all take part in it)."""
+        if self.tracker is None:
+            return None
+        return self.tracker.transfer(op, group) if transfer else self.tracker.start(op, group)
+
+    def _blocked(self, call: Call | None) -> AbstractContextManager:
+        """Around the wait for ``call``: this rank is in it until it completes."""
+        return self.tracker.waiting(call) if call is not None else nullcontext()
+
+    def _complete(self, work: Any, async_op: bool, after: Callable[[], Any] | None = None,
+                  call: Call | None = None) -> Pending | None:
+        pending = Pending([work] if work is not None else [], after, lambda: self._blocked(call))
         if async_op:
             return pending
         pending.wait()
@@ -223,15 +243,18 @@ class Comm:
         if group.size == 1:
             return Pending() if async_op else None
         self.ledger.record("all_reduce", group, _nbytes(tensor))
-        work = dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=async_op)
-        return self._complete(work, async_op, (lambda: tensor.div_(group.size)) if op == "avg" else None)
+        call = self._track("all_reduce", group)
+        with self._blocked(None if async_op else call):
+            work = dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=async_op)
+        return self._complete(work, async_op, (lambda: tensor.div_(group.size)) if op == "avg" else None, call)
 
     def broadcast(self, tensor: torch.Tensor, group: Group, src: int = 0) -> None:
         """Copy `tensor` from the group's member `src` to every member."""
         if group.size == 1:
             return
         self.ledger.record("broadcast", group, _nbytes(tensor))
-        dist.broadcast(tensor, src=group.ranks[src], group=group.handle)
+        with self._blocked(self._track("broadcast", group)):
+            dist.broadcast(tensor, src=group.ranks[src], group=group.handle)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -242,8 +265,10 @@ class Comm:
             output.view(-1).copy_(input.reshape(-1))
             return Pending() if async_op else None
         self.ledger.record("all_gather", group, _nbytes(output))
-        work = _all_gather_flat(output.view(-1), input.reshape(-1), group=group.handle, async_op=async_op)
-        return self._complete(work, async_op)
+        call = self._track("all_gather", group)
+        with self._blocked(None if async_op else call):
+            work = _all_gather_flat(output.view(-1), input.reshape(-1), group=group.handle, async_op=async_op)
+        return self._complete(work, async_op, call=call)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
@@ -255,10 +280,12 @@ class Comm:
             output.view(-1).copy_(input.reshape(-1))
             return Pending() if async_op else None
         self.ledger.record("reduce_scatter", group, _nbytes(input))
-        work = _reduce_scatter_flat(
-            output.view(-1), input.reshape(-1), op=reduce_op, group=group.handle, async_op=async_op
-        )
-        return self._complete(work, async_op, (lambda: output.div_(group.size)) if op == "avg" else None)
+        call = self._track("reduce_scatter", group)
+        with self._blocked(None if async_op else call):
+            work = _reduce_scatter_flat(
+                output.view(-1), input.reshape(-1), op=reduce_op, group=group.handle, async_op=async_op
+            )
+        return self._complete(work, async_op, (lambda: output.div_(group.size)) if op == "avg" else None, call)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                    output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None) -> None:
@@ -287,20 +314,23 @@ class Comm:
             row_bytes = math.prod(input.shape[1:]) * input.element_size()
             wire_bytes = _nbytes(input) - input_splits[group.rank] * row_bytes
         self.ledger.record("all_to_all", group, _nbytes(input), wire_bytes)
-        dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                               group=group.handle)
+        with self._blocked(self._track("all_to_all", group)):
+            dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                                   group=group.handle)
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
         """Send `tensor` to the group's member `dst`."""
         peer = self._peer(group, dst)
         self.ledger.record("send", group, _nbytes(tensor))
-        dist.send(tensor, dst=peer, group=group.handle)
+        with self._blocked(self._track(f"send to rank {peer}", group, transfer=True)):
+            dist.send(tensor, dst=peer, group=group.handle)
 
     def recv(self, tensor: torch.Tensor, group: Group, src: int) -> None:
         """Receive into `tensor` from the group's member `src`."""
         peer = self._peer(group, src)
         self.ledger.record("recv", group, _nbytes(tensor))
-        dist.recv(tensor, src=peer, group=group.handle)
+        with self._blocked(self._track(f"recv from rank {peer}", group, transfer=True)):
+            dist.recv(tensor, src=peer, group=group.handle)
 
     def batch_isend_irecv(self, ops: Sequence[tuple[str, torch.Tensor, int]], group: Group) -> Pending:
         """Start ("send" | "recv", tensor, peer index) transfers together; one handle waits for all.
@@ -317,21 +347,25 @@ class Comm:
             p2p.append(dist.P2POp(function, tensor, peer=self._peer(group, peer), group=group.handle))
         for kind, tensor, _ in ops:
             self.ledger.record(kind, group, _nbytes(tensor))
-        return Pending(dist.batch_isend_irecv(p2p) if p2p else [])
+        peers = ",".join(str(group.ranks[peer]) for peer in sorted({peer for _, _, peer in ops}))
+        call = self._track(f"send/recv with rank(s) {peers}", group, transfer=True) if ops else None
+        return Pending(dist.batch_isend_irecv(p2p) if p2p else [], blocked=lambda: self._blocked(call))
 
     def barrier(self, group: Group) -> None:
         """Wait until every member of the group gets here."""
         if group.size == 1:
             return
         self.ledger.record("barrier", group, 0)
-        dist.barrier(group=group.handle)
+        with self._blocked(self._track("barrier", group)):
+            dist.barrier(group=group.handle)
 
     def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
         """Every member's picklable `obj`, in group order (for small metadata)."""
         if group.size == 1:
             return [obj]
         gathered: list[Any] = [None] * group.size
-        dist.all_gather_object(gathered, obj, group=group.handle)
+        with self._blocked(self._track("all_gather_object", group)):
+            dist.all_gather_object(gathered, obj, group=group.handle)
         # torch pads every pickle to the largest before gathering.
         largest = max(len(pickle.dumps(item)) for item in gathered)
         self.ledger.record("all_gather_object", group, group.size * largest)

@@ -389,7 +389,8 @@ class Trainer:
             self.zero.copy_grads_to_master()
         for name in self.faults.poisoned(step + 1):
             poison(self._named_step_tensors(), name)
-        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
+        if not self.faults.skips(step + 1):  # a desync on purpose (faults.py)
+            self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
         # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
         grads = [p.grad for p in self.step_params if p.grad is not None]
         overflow = self.scaler.unscale_(self.step_params).to(self.device)

@@ -26,6 +26,7 @@ from scaletrain.dist.debug import (
 from scaletrain.dist.desync import CollectiveTracker, explain_desync
 from scaletrain.dist.health import Health
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.faults import Faults, parse
 from scaletrain.train.run import explain_failure
 from tests.distributed import run_distributed
 
@@ -84,6 +85,10 @@ def test_explain_desync_names_the_rank_behind_and_where_it_is():
     other_op = _record({"n": 3, "op": "broadcast on world"}, [_call("broadcast", 3, "world")], [0, 1])
     assert "rank 0 waits in all_reduce on dp (call #3 of torch group 1 of ranks 0,1) while rank 1 waits in " \
            "broadcast on world (call #3 of torch group 1 of ranks 0,1)" in explain_desync({0: waiting, 1: other_op})
+    assert explain_desync({0: waiting, 1: other_op}).count(" while ") == 1  # the pair said once
+    passed = _record({"n": 4, "op": "all_gather_object on world"}, [], [0, 1])
+    assert "which rank 1 passed with other calls (it made 4 there, the last all_gather_object on world)" in \
+        explain_desync({0: waiting, 1: passed})
     together = _record({"n": 3, "op": "all_reduce on dp"}, [_call("all_reduce", 3)], [0, 1])
     assert explain_desync({0: waiting, 1: together}) is None  # both in it: not a desync (a slow link?)
     assert "rank 1 published no record" in explain_desync({0: waiting, 1: None})
@@ -169,3 +174,11 @@ def test_a_skipped_collective_is_named_end_to_end(corpus, tmp_path):
         assert header.startswith(f"# rank {rank} of 2, pid ")
         assert all(f"{key}={value}" in header for key, value in DEBUG_ENVIRONMENT.items())
         assert f"[Rank {rank}] Running collective: CollectiveFingerPrint" in log  # DETAIL's checker
+
+
+def test_the_skip_fault():
+    assert Faults(parse("skip rank=1 step=2"), rank=1, attempt=0).skips(2)
+    assert not Faults(parse("skip rank=1 step=2"), rank=0, attempt=0).skips(2)
+    assert not Faults(parse("skip rank=1 step=2"), rank=1, attempt=0).skips(3)
+    with pytest.raises(UserError, match="needs a kind among kill, hang, nan, skip"):
+        parse("skip rank=1 step=2 at=optimizer")

@@ -10,23 +10,28 @@ rank that went astray. With NCCL it is worse: the watchdog ends the process.
 
 So with ``--debug-dist`` every rank keeps a record of its collectives
 (`CollectiveTracker`, filled by dist/comm.py's `Comm`, the one door to the
-network): per group, how many it has called and the last one's name, and
-the call it is blocked in now, if any (a call that failed stays marked, since
-it never completed). dist/health.py's heartbeat thread publishes the record
-in the rendezvous store beside the heartbeat, and when a collective fails on
-a rank whose peers are all alive, `explain_desync` reads every rank's record
-and names, for each rank blocked in call #n of a group, the members that have
-not reached call #n of that group (they are behind, and where they are
-instead), or that are in a different collective at #n (a desync proper):
+network): per torch process group, how many calls it has made and the last
+one, and the call it is blocked in now, if any (a call that failed stays
+marked, since it never completed). dist/health.py's heartbeat thread
+publishes the record in the rendezvous store beside the heartbeat, and when
+a collective fails on a rank whose peers are all alive, `explain_desync`
+reads every rank's record and names, for each rank blocked in call #n of a
+group, the members that have not reached call #n there (they are behind;
+where they are instead), that wait in another collective as their #n (a
+desync proper), or that went past #n with other calls (the backend paired
+mismatched calls, which happens when two calls move the same bytes):
 
-    collective desync: rank 0 waits in all_reduce #3 on dp (ranks 0,1), which rank 1 has not reached
-    (it made 2 calls there and waits in all_reduce #4 on world (ranks 0,1))
+    collective desync: rank 0 waits in all_reduce on dp (call #3 of torch group 1 of ranks 0,1), which
+    rank 1 has not reached (it made 2 calls there and waits in all_reduce on world (call #3 of torch
+    group 2 of ranks 0,1))
 
-Calls are numbered per group from 1, counting only groups of two or more
-ranks (`Comm` skips the others); a group is named by its mesh name and its
-global ranks, since several groups share a name (one dp group per tp rank).
-The record costs a dictionary update per collective and one store write per
-heartbeat when it changed.
+Calls are numbered from 1 per torch group, the unit in which a backend
+matches calls, counting only groups of two or more ranks (`Comm` skips the
+others); the mesh name the caller used is given beside it. Point-to-point
+transfers are noted while waited in (``recv from rank 3``) but not
+numbered, since a group's members do not all take part. The record costs a
+dictionary update per collective and one store write per heartbeat that
+finds it changed.
 """
 
 from __future__ import annotations
@@ -147,7 +152,8 @@ def explain_desync(records: dict[int, dict[str, Any] | None], limit: int = 3) ->
                     findings.append(f"rank {rank} waits in {call}, which rank {member} has not reached (it made "
                                     f"{count['n']} calls there and {_where(other)})")
                 elif theirs is not None and theirs.op != call.op:
-                    findings.append(f"rank {rank} waits in {call} while rank {member} waits in {theirs}")
+                    if rank < member:  # said once per pair
+                        findings.append(f"rank {rank} waits in {call} while rank {member} waits in {theirs}")
                 elif count["n"] > call.seq or (theirs is None and not count["op"].startswith(f"{call.op} ")):
                     findings.append(f"rank {rank} waits in {call}, which rank {member} passed with other calls "
                                     f"(it made {count['n']} there, the last {count['op']})")

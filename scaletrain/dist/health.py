@@ -86,7 +86,10 @@ class Health:
 
     def desync(self) -> str | None:
         """Which ranks keep this rank's failed collective waiting and where they are (dist/desync.py),
-        from every rank's published record; None without records, or when nobody is behind."""
+        from every rank's published record; None without a record here, when this rank failed
+        outside a collective (its own error is the cause), or when nobody is behind."""
+        if self._tracker is None or not self._tracker.record()["waiting"]:
+            return None
         try:
             self._publish()  # this rank's latest: the call that failed
             keys = {r: self._key("collectives", r) for r in range(self.env.world_size)}

@@ -107,15 +107,18 @@ class SavedView(NamedTuple):
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 blocks [n_blocks, BLOCK], fp32 scales [n_blocks, 1]) of ``x`` flattened and zero-padded."""
     flat = x.detach().reshape(-1).float()
-    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays zero
-    return torch.round(blocks / scale).to(torch.int8), scale
+    if flat.numel() % BLOCK:
+        flat = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK))
+    blocks = flat.view(-1, BLOCK)
+    low, high = torch.aminmax(blocks, dim=1, keepdim=True)  # one pass, no |x| copy
+    scale = torch.maximum(-low, high).div_(127)
+    scale = torch.where(scale == 0, 1.0, scale)  # an all-zero block stays zero; a NaN stays NaN
+    return blocks.div(scale).round_().to(torch.int8), scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The flat tensor `quantize_int8` took, to its rounding, in ``dtype``."""
-    return (q.float() * scale).view(-1)[:numel].to(dtype)
+    return q.to(torch.float32).mul_(scale).view(-1)[:numel].to(dtype)
 
 
 def fills_its_storage(t: torch.Tensor) -> bool:

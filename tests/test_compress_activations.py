@@ -187,3 +187,10 @@ def test_trainer_first_loss_exact_then_close(tiny_cfg, tmp_path):
     assert int8[0] == plain[0]
     assert int8[1:] != plain[1:]
     assert max(abs(a - b) / b for a, b in zip(int8, plain, strict=True)) < 1e-2
+
+
+def test_int8_keeps_a_nan_visible():
+    x = torch.ones(2 * BLOCK)
+    x[3] = float("nan")
+    restored = dequantize_int8(*quantize_int8(x), x.numel(), x.dtype)
+    assert restored[:BLOCK].isnan().all() and torch.equal(restored[BLOCK:], x[BLOCK:])

@@ -31,7 +31,7 @@ from scaletrain.train.run import explain_failure
 from tests.distributed import run_distributed
 
 
-def _disagreeing_rank(rank: int, n: int) -> list[str]:
+def _disagreeing(rank: int, n: int) -> list[str]:
     """Rank 1 built another model, and was started with another micro-batch: both are named."""
     world = Group("world", tuple(range(n)), rank, dist.group.WORLD)
     comm = Comm()
@@ -52,16 +52,6 @@ def _disagreeing_rank(rank: int, n: int) -> list[str]:
         said.append(str(exc))
     check_same_config(comm, world, Config().replace(out=f"runs/{rank}").to_dict())
     return said
-
-
-def test_ranks_that_disagree_are_named():
-    for said in run_distributed(_disagreeing_rank, 2):
-        shapes, config = said
-        assert shapes == ("rank 1 holds other parameters than rank 0, which holds copies of the same weights: "
-                          "1.weight is float32 [4, 16] on rank 0 and float32 [5, 16] on rank 1; every rank must "
-                          "build the same model (the same code and configuration).")
-        assert config == ("rank 1 was started with another configuration than rank 0: --micro-batch is 8 there "
-                          "and 4 on rank 0; launch every rank with the same command and config file.")
 
 
 GROUP = "torch group 1 of ranks 0,1"
@@ -94,9 +84,11 @@ def test_explain_desync_names_the_rank_behind_and_where_it_is():
     assert "rank 1 published no record" in explain_desync({0: waiting, 1: None})
 
 
-def _skipping_rank(rank: int, n: int, store_port: int, run_dir: str) -> str:
-    """Rank 1 leaves out the second of three loss averages over a short-timeout group;
-    each rank returns the sentence its failure is reported with."""
+def _misbehaving_rank(rank: int, n: int, store_port: int, run_dir: str) -> tuple[list[str], str]:
+    """What `_disagreeing` reports, then: rank 1 leaves out the second of three loss averages
+    over a short-timeout group, and each rank returns the sentence its failure is reported with
+    (one set of processes for both, as processes are slow to start)."""
+    disagreements = _disagreeing(rank, n)
     store = dist.TCPStore("127.0.0.1", store_port, n, is_master=rank == 0)  # noqa: F841 (served while alive)
     health = Health(ProcessEnv(rank, n, rank, n, "127.0.0.1", store_port, "single"), timeout_s=2)
     tracker = CollectiveTracker()
@@ -110,15 +102,23 @@ def _skipping_rank(rank: int, n: int, store_port: int, run_dir: str) -> str:
                 comm.all_reduce(torch.ones(4), dp)  # the loss average
             comm.all_reduce(torch.zeros(1), world)  # the non-finite verdict
     except RuntimeError as exc:
-        return str(explain_failure(exc, health, step + 1, run_dir))
+        return disagreements, str(explain_failure(exc, health, step + 1, run_dir))
     finally:
         health.stop()
         dist.barrier()  # over the default group, whose timeout is long: rank 0 serves the store till here
-    return "no failure"
+    return disagreements, "no failure"
 
 
-def test_a_skipped_collective_is_named(tmp_path):
-    said = run_distributed(_skipping_rank, 2, free_port(), tmp_path, timeout_s=60)
+def test_ranks_that_disagree_or_skip_a_collective_are_named(tmp_path):
+    results = run_distributed(_misbehaving_rank, 2, free_port(), tmp_path, timeout_s=60)
+    for disagreements, _ in results:
+        shapes, config = disagreements
+        assert shapes == ("rank 1 holds other parameters than rank 0, which holds copies of the same weights: "
+                          "1.weight is float32 [4, 16] on rank 0 and float32 [5, 16] on rank 1; every rank must "
+                          "build the same model (the same code and configuration).")
+        assert config == ("rank 1 was started with another configuration than rank 0: --micro-batch is 8 there "
+                          "and 4 on rank 0; launch every rank with the same command and config file.")
+    said = [sentence for _, sentence in results]
     assert said[0].startswith("collective desync: rank 0 waits in all_reduce on dp (call #2 of torch group 1 of "
                               "ranks 0,1), which rank 1 has not reached (it made 1 calls there and waits in "
                               "all_reduce on world (call #2 of torch group 2 of ranks 0,1))")

@@ -17,8 +17,9 @@ from pathlib import Path
 # Before torch loads: its C++ side logs a warning with a stack trace for every
 # socket a dead peer closed (the rendezvous store, gloo), pages of them before
 # the one sentence that names the rank. Errors still show; a user's own
-# TORCH_CPP_LOG_LEVEL=WARNING brings the warnings back.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# TORCH_CPP_LOG_LEVEL=WARNING brings the warnings back. --debug-dist asks for
+# them all (dist/debug.py), and torch reads the level only when it loads.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if "--debug-dist" in sys.argv[1:] else "ERROR")
 
 from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402

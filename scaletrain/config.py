@@ -98,6 +98,9 @@ class TrainConfig:
     offload: str = _opt("none", "'optimizer': fp32 master weights, optimizer state and step in host "
                                 "memory", choices=("none", "optimizer"))
     recompute: str = _opt("none", "activation checkpointing: none, full, selective, every:K, sqrt")
+    compress_activations: str = _opt("none", "store the activations saved for backward in bf16 or as int8 "
+                                             "blocks with absmax scales (ActNN), restored in backward",
+                                     choices=("none", "bf16", "int8"))
     fused: str = _opt("none", "Triton kernels: the fused AdamW (one launch updates every parameter) and the "
                               "chunked fused cross-entropy (needs a GPU, or TRITON_INTERPRET=1)",
                       choices=("none", "triton"))
@@ -154,6 +157,9 @@ class ParallelConfig:
     compress: str = _opt("none", "gradient compression with error feedback: PowerSGD (low rank) or "
                                  "scaled sign (1 bit per element)", choices=("none", "powersgd", "sign"))
     powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
+    debug_dist: bool = _opt(False, "distributed debugging: torch's and NCCL's debug logs, a log file per rank "
+                                   "in RUN/logs, a check that every rank has the same configuration and "
+                                   "parameters, and a report of the rank a failed collective waits for")
     zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
                         "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
     shard_group: int | None = _opt(None, "hybrid sharding (HSDP, akin to ZeRO++ hpZ): ZeRO shards within "

@@ -13,6 +13,8 @@ Each fault (``;`` between them) is a kind, then where it strikes:
     hang    SIGSTOP this process: it keeps its sockets open and answers nothing
     nan     NaN into one gradient of this rank, after backward (``param=NAME``,
             default the first parameter holding a gradient)
+    skip    this rank leaves out the step's average of the loss, a collective
+            the other ranks then wait in: a desync (docs/debugging.md)
 
     rank=R      the global rank that fails (default 0)
     step=S      the optimizer step, counted from 1 as in metrics.jsonl; for a
@@ -39,7 +41,7 @@ from scaletrain.dist.launch import restart_attempt
 from scaletrain.errors import UserError
 
 VARIABLE = "SCALETRAIN_FAULT"
-KINDS = ("kill", "hang", "nan")
+KINDS = ("kill", "hang", "nan", "skip")
 # Where kill and hang can strike, in the order a step reaches them:
 POINTS = (
     "step",            # the start of the step
@@ -76,7 +78,7 @@ def parse(text: str) -> list[Fault]:
                                 f"param=; see docs/reliability.md.")
             fields[key] = value if key in ("at", "param") else _whole(value, item)
         fault = Fault(kind, **fields)  # type: ignore[arg-type]
-        if kind not in KINDS or fault.at not in POINTS or (kind == "nan" and fault.at != "step"):
+        if kind not in KINDS or fault.at not in POINTS or (kind in ("nan", "skip") and fault.at != "step"):
             raise UserError(f"{VARIABLE}: {item!r} needs a kind among {', '.join(KINDS)} and, for kill and "
                             f"hang, at= among {', '.join(POINTS)}.")
         faults.append(fault)
@@ -104,6 +106,10 @@ class Faults:
         for fault in self._mine:
             if fault.kind in ("kill", "hang") and fault.at == at and fault.step == step:
                 os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def skips(self, step: int) -> bool:
+        """Whether this rank leaves out the loss average of ``step``."""
+        return any(f.kind == "skip" and f.step == step for f in self._mine)
 
     def poisoned(self, step: int) -> list[str | None]:
         """The parameters whose gradient turns NaN at ``step`` (None: the first with one)."""

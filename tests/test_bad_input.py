@@ -179,6 +179,11 @@ CASES = [
     case("bias-with-tp", ["--nproc", "2", "--tp", "2", "--bias"], "this model has biases (--bias, as GPT-2 has)"),
     case("top-k-above-experts", ["--moe-experts", "2", "--moe-top-k", "3"], "choose at most 2"),
     case("recompute-policy", ["--recompute", "every:0"], "'every:0' is not valid; use one of"),
+    case("compress-activations-unknown", ["--compress-activations", "int4"], "invalid choice: 'int4' (choose from"),
+    case("compress-activations-toml", ["--config", "{tmp}/run.toml"], "config key 'compress_activations' must be one "
+         "of none, bf16, int8, not 'fp8'", {"run.toml": b'compress_activations = "fp8"\n'}),
+    case("debug-dist-toml", ["--config", "{tmp}/run.toml"], "config key 'debug_dist' must be bool, not 'yes'",
+         {"run.toml": b'[parallel]\ndebug_dist = "yes"\n'}),
     case("not-a-number", ["--steps", "ten"], "invalid int value: 'ten'"),
     # options that contradict each other
     case("on-nan-stop-fp16", ["--on-nan", "stop", "--precision", "fp16"],

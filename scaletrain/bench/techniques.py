@@ -13,6 +13,8 @@ What to expect, from the formulas in docs/techniques.md: full recompute cuts
 saved activations to the block inputs plus one block's at about 1/3 more
 compute; bf16 autocast roughly halves activation bytes; ``--param-dtype
 bf16`` halves the parameter bytes and adds 4 B/param of fp32 master;
+compressed activations (compress_activations.py) store the compressible
+saved bytes in half (bf16) or about a quarter (int8);
 Adafactor's state is a small fraction of AdamW's; offload moves optimizer
 bytes to the host (the same place, on a CPU-only machine).
 """
@@ -42,6 +44,9 @@ TECHNIQUES: dict[str, dict] = {
     "recompute-every2": {"recompute": "every:2"},
     "recompute-sqrt": {"recompute": "sqrt"},
     "recompute-selective": {"recompute": "selective"},
+    "activations-bf16": {"compress_activations": "bf16"},
+    "activations-int8": {"compress_activations": "int8"},
+    "recompute-full-int8": {"recompute": "full", "compress_activations": "int8"},
     "compile": {"compile": True},
     "adafactor": {"optimizer": "adafactor"},
     "offload": {"offload": "optimizer"},

@@ -38,11 +38,13 @@ import math
 import pickle
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaletrain.dist.desync import Call, CollectiveTracker
 from scaletrain.dist.mesh import Group
 
 FIELDS = ("calls", "bytes", "wire_bytes")
@@ -161,13 +163,16 @@ class Pending:
     there, because the sum is not there to divide before.
     """
 
-    def __init__(self, works: Sequence[Any] = (), finish: Callable[[], Any] | None = None):
+    def __init__(self, works: Sequence[Any] = (), finish: Callable[[], Any] | None = None,
+                 blocked: Callable[[], AbstractContextManager] = nullcontext):
         self._works = list(works)
         self._finish = finish
+        self._blocked = blocked  # marks the wait for the desync record (Comm's tracker)
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        with self._blocked():
+            for work in self._works:
+                work.wait()
         self._works = []
         if self._finish is not None:
             self._finish()
@@ -207,13 +212,28 @@ class Comm:
     The public methods check their arguments and write the ledger; the
     underscored ones below them move the bytes, here with torch.distributed
     over the group's process group. `MpiComm` (dist/mpi.py) replaces only those.
+    With a `tracker` (``--debug-dist``), every call is also numbered per group
+    and every wait noted, for desync detection (dist/desync.py).
     """
 
-    def __init__(self, ledger: Ledger | None = None):
+    def __init__(self, ledger: Ledger | None = None, tracker: CollectiveTracker | None = None):
         self.ledger = ledger if ledger is not None else Ledger()
+        self.tracker = tracker
 
-    def _complete(self, work: Any, async_op: bool, after: Callable[[], Any] | None = None) -> Pending | None:
-        pending = Pending([work] if work is not None else [], after)
+    def _track(self, op: str, group: Group, transfer: bool = False) -> Call | None:
+        """This call of ``op`` on ``group`` in the desync record (a point-to-point ``transfer``
+        is noted but not numbered: the members of a group do not all take part in it)."""
+        if self.tracker is None:
+            return None
+        return self.tracker.transfer(op, group) if transfer else self.tracker.start(op, group)
+
+    def _blocked(self, call: Call | None) -> AbstractContextManager:
+        """Around the wait for ``call``: this rank is in it until it completes."""
+        return self.tracker.waiting(call) if call is not None else nullcontext()
+
+    def _complete(self, work: Any, async_op: bool, after: Callable[[], Any] | None = None,
+                  call: Call | None = None) -> Pending | None:
+        pending = Pending([work] if work is not None else [], after, lambda: self._blocked(call))
         if async_op:
             return pending
         pending.wait()
@@ -225,15 +245,18 @@ class Comm:
         if group.size == 1:
             return Pending() if async_op else None
         self.ledger.record("all_reduce", group, _nbytes(tensor))
-        work = self._all_reduce(tensor, op, group, async_op)
-        return self._complete(work, async_op, (lambda: tensor.div_(group.size)) if op == "avg" else None)
+        call = self._track("all_reduce", group)
+        with self._blocked(None if async_op else call):
+            work = self._all_reduce(tensor, op, group, async_op)
+        return self._complete(work, async_op, (lambda: tensor.div_(group.size)) if op == "avg" else None, call)
 
     def broadcast(self, tensor: torch.Tensor, group: Group, src: int = 0) -> None:
         """Copy `tensor` from the group's member `src` to every member."""
         if group.size == 1:
             return
         self.ledger.record("broadcast", group, _nbytes(tensor))
-        self._broadcast(tensor, group, src)
+        with self._blocked(self._track("broadcast", group)):
+            self._broadcast(tensor, group, src)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -244,8 +267,10 @@ class Comm:
             output.view(-1).copy_(input.reshape(-1))
             return Pending() if async_op else None
         self.ledger.record("all_gather", group, _nbytes(output))
-        work = self._all_gather(output.view(-1), input.reshape(-1), group, async_op)
-        return self._complete(work, async_op)
+        call = self._track("all_gather", group)
+        with self._blocked(None if async_op else call):
+            work = self._all_gather(output.view(-1), input.reshape(-1), group, async_op)
+        return self._complete(work, async_op, call=call)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
@@ -257,8 +282,10 @@ class Comm:
             output.view(-1).copy_(input.reshape(-1))
             return Pending() if async_op else None
         self.ledger.record("reduce_scatter", group, _nbytes(input))
-        work = self._reduce_scatter(output.view(-1), input.reshape(-1), op, group, async_op)
-        return self._complete(work, async_op, (lambda: output.div_(group.size)) if op == "avg" else None)
+        call = self._track("reduce_scatter", group)
+        with self._blocked(None if async_op else call):
+            work = self._reduce_scatter(output.view(-1), input.reshape(-1), op, group, async_op)
+        return self._complete(work, async_op, (lambda: output.div_(group.size)) if op == "avg" else None, call)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                    output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None) -> None:
@@ -287,19 +314,22 @@ class Comm:
             row_bytes = math.prod(input.shape[1:]) * input.element_size()
             wire_bytes = _nbytes(input) - input_splits[group.rank] * row_bytes
         self.ledger.record("all_to_all", group, _nbytes(input), wire_bytes)
-        self._all_to_all(output, input, group, output_splits, input_splits)
+        with self._blocked(self._track("all_to_all", group)):
+            self._all_to_all(output, input, group, output_splits, input_splits)
 
     def send(self, tensor: torch.Tensor, group: Group, dst: int) -> None:
         """Send `tensor` to the group's member `dst`."""
         self._check_peer(group, dst)
         self.ledger.record("send", group, _nbytes(tensor))
-        self._send(tensor, group, dst)
+        with self._blocked(self._track(f"send to rank {group.ranks[dst]}", group, transfer=True)):
+            self._send(tensor, group, dst)
 
     def recv(self, tensor: torch.Tensor, group: Group, src: int) -> None:
         """Receive into `tensor` from the group's member `src`."""
         self._check_peer(group, src)
         self.ledger.record("recv", group, _nbytes(tensor))
-        self._recv(tensor, group, src)
+        with self._blocked(self._track(f"recv from rank {group.ranks[src]}", group, transfer=True)):
+            self._recv(tensor, group, src)
 
     def batch_isend_irecv(self, ops: Sequence[tuple[str, torch.Tensor, int]], group: Group) -> Pending:
         """Start ("send" | "recv", tensor, peer index) transfers together; one handle waits for all.
@@ -314,20 +344,24 @@ class Comm:
             self._check_peer(group, peer)
         for kind, tensor, _ in ops:
             self.ledger.record(kind, group, _nbytes(tensor))
-        return Pending(self._batch_isend_irecv(ops, group) if ops else [])
+        peers = ",".join(str(group.ranks[peer]) for peer in sorted({peer for _, _, peer in ops}))
+        call = self._track(f"send/recv with rank(s) {peers}", group, transfer=True) if ops else None
+        return Pending(self._batch_isend_irecv(ops, group) if ops else [], blocked=lambda: self._blocked(call))
 
     def barrier(self, group: Group) -> None:
         """Wait until every member of the group gets here."""
         if group.size == 1:
             return
         self.ledger.record("barrier", group, 0)
-        self._barrier(group)
+        with self._blocked(self._track("barrier", group)):
+            self._barrier(group)
 
     def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
         """Every member's picklable `obj`, in group order (for small metadata)."""
         if group.size == 1:
             return [obj]
-        gathered = self._all_gather_object(obj, group)
+        with self._blocked(self._track("all_gather_object", group)):
+            gathered = self._all_gather_object(obj, group)
         # torch pads every pickle to the largest before gathering.
         largest = max(len(pickle.dumps(item)) for item in gathered)
         self.ledger.record("all_gather_object", group, group.size * largest)

@@ -14,18 +14,25 @@ that saw it calls `diagnose`: a rank that wrote a reason is named with it,
 else the ranks whose counter stood still for three intervals, and that
 left no word, are the ones that died or hang.
 
+With ``--debug-dist`` the same thread publishes the rank's record of its
+collectives (dist/desync.py) whenever it changed, and `desync` reads every
+rank's to say, when a collective failed and nobody died, which rank keeps it
+waiting and where that rank is instead.
+
 Keys live under ``scaletrain/health/<attempt>/``, the restart count of the
 launch, because the agent's store keeps the keys of earlier attempts.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from scaletrain.dist.desync import CollectiveTracker, explain_desync
 from scaletrain.dist.launch import ProcessEnv, restart_attempt
 
 # Store operations on an unreachable store fail with one of these.
@@ -48,6 +55,8 @@ class Health:
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                     timeout=timedelta(seconds=max(5.0, 2 * self.interval)))
         self._stop = threading.Event()
+        self._tracker: CollectiveTracker | None = None
+        self._published = -1  # the tracker version last written
         self._thread = threading.Thread(target=self._beat, name="scaletrain-heartbeat", daemon=True)
         self._thread.start()
 
@@ -59,9 +68,36 @@ class Health:
         while not self._stop.is_set():
             try:
                 self._store.add(beat, 1)
+                self._publish()
             except STORE_ERRORS:
                 return  # the store is gone with its host; diagnose() will say so
             self._stop.wait(self.interval)
+
+    def track(self, tracker: CollectiveTracker) -> None:
+        """Publish ``tracker``'s record of this rank's collectives with every heartbeat that finds it changed."""
+        self._tracker = tracker
+
+    def _publish(self) -> None:
+        tracker = self._tracker
+        if tracker is not None and tracker.version != self._published:
+            version = tracker.version
+            self._store.set(self._key("collectives", self.env.rank), json.dumps(tracker.record()))
+            self._published = version
+
+    def desync(self) -> str | None:
+        """Which ranks keep this rank's failed collective waiting and where they are (dist/desync.py),
+        from every rank's published record; None without a record here, when this rank failed
+        outside a collective (its own error is the cause), or when nobody is behind."""
+        if self._tracker is None or not self._tracker.record()["waiting"]:
+            return None
+        try:
+            self._publish()  # this rank's latest: the call that failed
+            keys = {r: self._key("collectives", r) for r in range(self.env.world_size)}
+            records = {r: json.loads(self._store.get(key)) if self._store.check([key]) else None
+                       for r, key in keys.items()}
+        except STORE_ERRORS:
+            return None
+        return explain_desync(records)
 
     def failed(self, reason: str) -> None:
         """This rank fails in its own code, for ``reason``: the others will name it with that."""

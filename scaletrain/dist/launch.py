@@ -47,6 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scaletrain.dist.comm import Comm, Ledger
+from scaletrain.dist.desync import CollectiveTracker
 from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
 
@@ -334,15 +335,17 @@ def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def connect(runtime: DistRuntime, dims: ParallelDims) -> tuple[Mesh, Comm]:
+def connect(runtime: DistRuntime, dims: ParallelDims,
+            tracker: CollectiveTracker | None = None) -> tuple[Mesh, Comm]:
     """The mesh's groups and the Comm over them on the runtime's network: MPI communicators
-    and `MpiComm` with --backend mpi4py, else torch process groups and `Comm`."""
+    and `MpiComm` with --backend mpi4py, else torch process groups and `Comm`; with a
+    ``tracker`` (--debug-dist) every collective is numbered for the desync detector."""
     if runtime.backend == "mpi4py":
         from scaletrain.dist.mpi import MpiComm, MpiGroups
 
-        comm = MpiComm(Ledger())
+        comm = MpiComm(Ledger(), tracker)
         return Mesh.build(dims, runtime.env.rank, runtime.env.world_size, MpiGroups(comm.MPI)), comm
-    return Mesh.build(dims, runtime.env.rank, runtime.env.world_size), Comm(Ledger())
+    return Mesh.build(dims, runtime.env.rank, runtime.env.world_size), Comm(Ledger(), tracker)
 
 
 def free_port(host: str = DEFAULT_ADDR) -> int:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from scaletrain.dist.comm import Comm, Ledger
+from scaletrain.dist.desync import CollectiveTracker
 from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
 
@@ -97,8 +98,8 @@ class _Handle:
 class MpiComm(Comm):
     """`Comm` with MPI underneath (module docstring); each group's handle is its communicator."""
 
-    def __init__(self, ledger: Ledger | None = None):
-        super().__init__(ledger)
+    def __init__(self, ledger: Ledger | None = None, tracker: CollectiveTracker | None = None):
+        super().__init__(ledger, tracker)
         self.MPI = import_mpi()
         serialized = self.MPI.Query_thread() >= self.MPI.THREAD_SERIALIZED
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpi") if serialized else None

@@ -62,6 +62,12 @@ cheap elementwise results instead of saving them), so for a compiled model
 the figure is an upper bound; the compiled code itself runs from the next
 micro-batch on.
 
+Compressed activations (``--compress-activations``, compress_activations.py):
+the compression hooks sit above the meter's and hand the meter what they keep
+(the bf16 copy, or the int8 blocks and their scales), so the meter counts the
+compressed bytes, which is what stays allocated; the full-precision tensor is
+a temporary of the forward from then on, like any other.
+
 Limits: calls that bypass torch's function API inside a checkpointed region
 (a custom ``autograd.Function`` saving with ``ctx.save_for_backward``) are not
 seen there; outside such regions the meter's base hooks see them. Gradients
@@ -235,6 +241,12 @@ def _identity(x):
     return x
 
 
+def _passes_saves_down(pack) -> bool:
+    """Whether ``pack`` belongs to hooks that hand what they keep to the hooks beneath them
+    (compress_activations.py): the meter's own hooks then see the kept bytes and need no chaining."""
+    return getattr(getattr(pack, "__self__", None), "passes_saves_down", False)
+
+
 class _ChainSavedTensorHooks(TorchFunctionMode):
     """Puts the meter in front of whatever saved-tensor hooks are innermost.
 
@@ -251,7 +263,7 @@ class _ChainSavedTensorHooks(TorchFunctionMode):
         kwargs = kwargs or {}
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooks_disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None
-        if top is None or top[0] == self.meter._pack or hooks_disabled:
+        if top is None or top[0] == self.meter._pack or hooks_disabled or _passes_saves_down(top[0]):
             return func(*args, **kwargs)
         inner_pack, inner_unpack = top
 

@@ -21,6 +21,8 @@ from scaletrain.compile import COMPILE_NOTE
 from scaletrain.config import Config, check_values, load_run_config
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.dist.comm import Comm
+from scaletrain.dist.debug import RankLog, check_same_config, check_same_parameters, debug_environment
+from scaletrain.dist.desync import CollectiveTracker
 from scaletrain.dist.health import Health
 from scaletrain.dist.launch import (
     ProcessEnv,
@@ -184,6 +186,8 @@ def launch(cfg: Config) -> RunSummary:
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     check_backend(cfg.parallel.backend, env)
+    if cfg.parallel.debug_dist:
+        debug_environment()  # before any process group; workers spawned below inherit it
     if env.rank == 0:
         print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
         print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
@@ -206,14 +210,28 @@ def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
 def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
     """One worker: join the group, (prepare if nobody did), train, report."""
     env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
+    debug = cfg.parallel.debug_dist
+    # --debug-dist: a log per rank, from the start where the launching process made the run folder.
+    rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0) \
+        if debug and spec is not None else None
+    try:
+        runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
+    except BaseException:
+        if rank_log:
+            rank_log.close()
+        raise
     health = Health(env, cfg.parallel.timeout) if runtime.torch_group else None
     trainer: Trainer | None = None
     failed = False
     try:
         dims = cfg.parallel.mesh_dims(env.world_size)
-        mesh, comm = connect(runtime, dims)
+        tracker = CollectiveTracker() if debug else None  # the desync detector's record
+        mesh, comm = connect(runtime, dims, tracker)
+        if health and tracker:
+            health.track(tracker)
         world = mesh.group("world")
+        if debug:  # every rank started alike, before rank 0 writes anything
+            check_same_config(comm, world, cfg.to_dict())
         # Rank 0 decides (prepares the run, if no launching process did) and all learn the verdict.
         outcome: tuple[Config, DataSpec | None] | str | None = None
         if runtime.is_main:
@@ -226,7 +244,11 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if isinstance(outcome, str):
             raise UserError(outcome)
         cfg, spec = outcome
+        if debug and rank_log is None:
+            rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
+        if debug:
+            check_same_parameters(comm, world, trainer.replicas.dense.ranks, trainer.model)
         if trainer.start_step and runtime.is_main:
             print(f"resumed from checkpoint step_{trainer.start_step:06d}")
         if trainer.pipeline and runtime.is_main:
@@ -256,18 +278,21 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if health:
             health.stop()
         shutdown(runtime, barrier=not failed)
+        if rank_log:
+            rank_log.close()
 
 
 def explain_failure(exc: Exception, health: Health | None, step: int | None, run_dir: Path) -> Exception:
     """What this rank's failure is reported as. Its own (a sentence, or a bug with
     its traceback): as it is, after telling the others. A collective that failed
-    because another rank did: a `JobFailed` naming that rank (dist/health.py)."""
+    because another rank did: a `JobFailed` naming that rank (dist/health.py), or, with
+    --debug-dist, the rank it waits for and where that rank is (dist/desync.py)."""
     if health is None:
         return exc
     if isinstance(exc, (UserError, JobFailed)):
         health.failed(str(exc))
         return exc
-    culprit = health.diagnose()
+    culprit = health.diagnose() or health.desync()
     if culprit is None:
         health.failed(f"{type(exc).__name__}: {ckpt.failure_reason(exc)}")
         return exc

@@ -50,7 +50,7 @@ step number to continue exactly as if it had never stopped.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +60,7 @@ from torch import nn
 from tqdm import tqdm
 
 from scaletrain.compile import compile_blocks
+from scaletrain.compress_activations import ActivationCompression
 from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
@@ -201,6 +202,7 @@ class Trainer:
                 apply_recompute(self.model, t.recompute, blocks)
             if t.compile:
                 compile_blocks(self.model, blocks)
+        self.compression = ActivationCompression(t.compress_activations)  # entered around each forward
         self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
         master_device = "cpu" if t.offload == "optimizer" else None
         # fp32 masters for bf16 working weights, or in host memory with --offload
@@ -334,14 +336,25 @@ class Trainer:
                 routing.add(self.moe_layers, aux)
         return loss_sum, routing
 
+    @contextmanager
+    def _forward_context(self):
+        """What a forward runs under: autocast, and the compression of the tensors it saves."""
+        with autocast(self.cfg.train.precision, self.device), self.compression:
+            yield
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of one micro-batch (forward included)."""
-        with autocast(self.cfg.train.precision, self.device):
+        with self._forward_context():
             if self.fused_head_loss:
                 from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
                 return fused_linear_cross_entropy(self.model(x, logits=False), self.model.head.weight, y)
             logits = self.model(x)
-        return self.loss_fn(logits, y)
+        return self._loss_of(logits, y)
+
+    def _loss_of(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of given logits, the tensors it saves compressed too (the log-probabilities: b x s x V)."""
+        with self.compression:
+            return self.loss_fn(logits, y)
 
     def _pipeline_forward_backward(self, step: int, record: bool) -> torch.Tensor:
         """``--grad-accum`` rounds of the pipeline schedule over the step's
@@ -359,9 +372,9 @@ class Trainer:
                 with self._meter_first_micro_batch(round_):
                     loss, spans = self.pipeline.train_round(
                         lambda m, r=round_: self._micro_batch(step, r * self.micro_batches + m),
-                        loss_fn=self.loss_fn, divisor=t.grad_accum * self.micro_batches,
+                        loss_fn=self._loss_of, divisor=t.grad_accum * self.micro_batches,
                         backward_scale=self.scaler.scale,
-                        forward_context=lambda: autocast(t.precision, self.device), clock=clock)
+                        forward_context=self._forward_context, clock=clock)
                 loss_sum += loss
                 if clock:
                     self.timeline = spans
@@ -397,7 +410,8 @@ class Trainer:
             self.zero.copy_grads_to_master()
         for name in self.faults.poisoned(step + 1):
             poison(self._named_step_tensors(), name)
-        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
+        if not self.faults.skips(step + 1):  # a desync on purpose (faults.py)
+            self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
         # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
         grads = [p.grad for p in self.step_params if p.grad is not None]
         overflow = self.scaler.unscale_(self.step_params).to(self.device)

@@ -1,7 +1,7 @@
 """--backend mpi4py under a real mpirun: `MpiComm` against gloo's `Comm` operation by operation
-(results and ledger), and a data-parallel training job against the same job on gloo (losses,
-gradient norms, final weights, ledger). Skipped, with the reason, where Open MPI's mpirun or
-mpi4py is missing."""
+(results and ledger; every CI run), and a data-parallel training job against the same job on gloo
+(losses, gradient norms, final weights, ledger; with the slow tests). Skipped, with the reason,
+where Open MPI's mpirun or mpi4py is missing."""
 
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+@pytest.mark.slow  # two jobs of three interpreters each: about 45 s on two shared cores
 def test_mpirun_training_equals_gloo(corpus, tmp_path):
     """mpirun -n 2 scaletrain train --backend mpi4py against --nproc 2 on gloo: per-step losses and
     gradient norms and the final weights within 1e-5 (fp32), and the same ledger on every rank."""

@@ -73,7 +73,7 @@ def _variants(rank: int, n: int, cfgs: dict[str, Config], spec) -> dict:
     mean = _params(trainers["apart"])
     trainers["apart"].comm.all_reduce(mean, trainers["apart"].replicas.dense, op="avg")
     seen["apart"]["mean"] = mean
-    seen["checkpoint"] = str(trainers["local"]._save(STEPS))
+    seen["checkpoint"] = str(trainers["local"].save(STEPS))
     resumed = build_trainer(rank, n, cfgs["local"].replace(resume=True), spec)
     seen["resumed"] = {"start": resumed.start_step, "params": _params(resumed), "moments": _moments(resumed)}
     seen["param_bytes"] = sum(p.numel() * p.element_size() for p in trainers["dp"].model.parameters())

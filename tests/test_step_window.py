@@ -12,6 +12,7 @@ import torch
 from scaletrain.errors import JobFailed
 from scaletrain.faults import Faults, parse
 from scaletrain.train.data_setup import prepare_data
+from scaletrain.train.loop import fit
 from tests.trainers import build_trainer
 
 # The ways Python code reads a tensor's value on the host (on a GPU, each waits for the device).
@@ -25,7 +26,7 @@ def _trainer(cfg, device: str = "cpu"):
 
 
 def _records(cfg) -> list[dict]:
-    _trainer(cfg).fit()
+    fit(_trainer(cfg))
     return [json.loads(line) for line in (Path(cfg.run.out) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -45,7 +46,7 @@ def test_windows_record_every_step_with_the_numbers_read_at_once(tiny_cfg, tmp_p
 def _reads_during_a_step(cfg, monkeypatch) -> int:
     """How often scaletrain's own code reads a tensor's value during one optimizer step."""
     trainer = _trainer(cfg)
-    trainer._step(0, record=False)  # the first step builds state lazily; count a later one
+    trainer.queue_step(0, record=False)  # the first step builds state lazily; count a later one
     count = 0
 
     def counting(name):
@@ -60,7 +61,7 @@ def _reads_during_a_step(cfg, monkeypatch) -> int:
 
     for name in _READS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
-    trainer._step(1, record=False)
+    trainer.queue_step(1, record=False)
     monkeypatch.undo()
     return count
 
@@ -77,7 +78,7 @@ def test_a_non_finite_step_stops_the_run_at_its_window_before_any_checkpoint(tin
     trainer = _trainer(cfg)
     trainer.faults = Faults(parse("nan rank=0 step=3"), 0, attempt=0)
     with pytest.raises(JobFailed) as stop:
-        trainer.fit()
+        fit(trainer)
     assert "step 3 is not finite" in str(stop.value)
     assert "read at step 4 with --log-every 4" in str(stop.value)
     assert "resume from step_000002" in str(stop.value)
@@ -90,10 +91,10 @@ def test_a_non_finite_step_stops_the_run_at_its_window_before_any_checkpoint(tin
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: host syncs exist only there")
 def test_a_deferred_step_makes_no_cuda_host_sync(tiny_cfg):
     trainer = _trainer(tiny_cfg.replace(log_every=4, precision="bf16"), "cuda")
-    trainer._step(0, record=False)
+    trainer.queue_step(0, record=False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call now raises
     try:
-        trainer._step(1, record=False)
+        trainer.queue_step(1, record=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")

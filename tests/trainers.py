@@ -27,5 +27,5 @@ def train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[fl
     for step in range(trainer.start_step, cfg.train.steps):
         losses.append(trainer.train_step(step)["loss"])
         if step + 1 == save_at:
-            trainer._save(step + 1)
+            trainer.save(step + 1)
     return losses

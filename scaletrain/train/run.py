@@ -46,7 +46,8 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, check_folder_creatable, prepare_data, save_run_tokenizer
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
-from scaletrain.train.trainer import RunSummary, Trainer
+from scaletrain.train.loop import RunSummary, fit
+from scaletrain.train.trainer import Trainer
 
 
 def world_size_for(cfg: Config, env: ProcessEnv) -> int:
@@ -255,7 +256,7 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             schedule = trainer.pipeline.schedule
             print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
                   f"{schedule.virtual_stages} stage(s) per rank\n{trainer.pipeline.layout}\n")
-        summary = trainer.fit()
+        summary = fit(trainer)
         if cfg.finetune.lora_rank and runtime.is_main:
             save_adapters(trainer.model, Path(cfg.run.out) / ADAPTER_FILE,
                           {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),

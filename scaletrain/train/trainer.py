@@ -1,4 +1,4 @@
-"""The training loop, the same for every layout.
+"""The training step, the same for every layout (train/loop.py runs the steps).
 
 One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
 sequences (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
@@ -51,13 +51,11 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from scaletrain.compile import compile_blocks
 from scaletrain.compress_activations import ActivationCompression
@@ -94,28 +92,13 @@ from scaletrain.train.memory import (
     optimizer_state,
 )
 from scaletrain.train.metrics import (
-    MetricsWriter,
-    drop_records_after,
-    mfu,
     peak_tflops,
-    step_memory_bytes,
 )
 from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
 from scaletrain.train.replicas import Replicas
 from scaletrain.train.routing import RoutingStats
 from scaletrain.train.sampling import generate, line_prompt
 from scaletrain.train.step_window import PendingStep, StepWindow
-
-
-@dataclass
-class RunSummary:
-    run_dir: Path
-    steps_done: int
-    final_loss: float
-    val_loss: float | None
-    checkpoint: Path | None
-    sample: str | None
-    unigram_entropy: float | None
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -383,13 +366,13 @@ class Trainer:
     def train_step(self, step: int, record: bool = False) -> dict[str, float]:
         """One optimizer step, its numbers read at once (``fit`` reads them a window at a time)."""
         window = StepWindow(1, self.tokens_per_step)
-        window.add(self._step(step, record))
+        window.add(self.queue_step(step, record))
         (read,) = window.read()
         if read.nonfinite:
-            raise self._late_stop(read.record)
+            raise self.late_stop(read.record)
         return read.record
 
-    def _step(self, step: int, record: bool) -> PendingStep:
+    def queue_step(self, step: int, record: bool) -> PendingStep:
         """One optimizer step; its loss, gradient norm and (with ``--log-every`` K > 1) its
         non-finite flag left on the device (train/step_window.py)."""
         t = self.cfg.train
@@ -468,7 +451,7 @@ class Trainer:
         latest = ckpt.latest_checkpoint(self.run_dir)
         return stop_report(step, loss, culprits, latest.name if latest else None)
 
-    def _late_stop(self, record: dict) -> Exception:
+    def late_stop(self, record: dict) -> Exception:
         latest = ckpt.latest_checkpoint(self.run_dir)
         return late_stop_report(record["step"], record["loss"], self.step, self.cfg.run.log_every,
                                 latest.name if latest else None)
@@ -524,7 +507,7 @@ class Trainer:
         """The group whose ranks each keep their own optimizer state (local SGD's dp group), or None."""
         return self.replicas.dense if self.local_sgd else None
 
-    def _save(self, step: int) -> Path:
+    def save(self, step: int) -> Path:
         world = self.mesh.group("world")
         team = ckpt.Team(world.rank, world.size, barrier=lambda: self.comm.barrier(world),
                          gather=lambda value: self.comm.all_gather_object(value, world))
@@ -537,49 +520,3 @@ class Trainer:
                                     own_optimizer=self._own_optimizer(),
                                     keep_last=self.cfg.run.keep_last,
                                     strike=lambda point: self.faults.strike(point, step))
-
-    def fit(self) -> RunSummary:
-        cfg = self.cfg
-        end = cfg.run.stop_at or cfg.train.steps
-        writer = None
-        if self.is_main:
-            drop_records_after(self.run_dir / "metrics.jsonl", self.start_step)
-            writer = MetricsWriter(self.run_dir, append=cfg.run.resume)
-        bar = tqdm(total=cfg.train.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
-                   disable=not (self.is_main and cfg.run.progress))
-        record: dict = {}
-        val_loss, saved = None, None
-        window = StepWindow(cfg.run.log_every, self.tokens_per_step)
-        for step in range(self.start_step, end):
-            self.step = done = step + 1
-            window.open_if_empty()
-            window.add(self._step(step, record=done == end))
-            evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
-            saving = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end
-            if not (window.due(done) or evaluating or saving):
-                continue
-            read = window.read()
-            memory = step_memory_bytes(self.device)
-            if evaluating and not any(r.nonfinite for r in read):
-                val_loss = read[-1].record["val_loss"] = self.evaluate()
-            for record, nonfinite in ((r.record, r.nonfinite) for r in read):
-                if nonfinite:  # the steps before it are recorded, as a stop at once would have
-                    raise self._late_stop(record)
-                record.update(mfu=mfu(record["tokens_per_s"], self.flops_per_token, self.peak,
-                                      self.runtime.env.world_size), mem_bytes=memory)
-                if writer:
-                    writer.write(record)
-            bar.update(len(read))
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-            if saving:
-                saved = self._save(done)
-        bar.close()
-        if writer:
-            writer.close()
-        # Every rank of the main rank's model replica (its tp and pp ranks, and the ep ranks holding
-        # the other experts) computes the sample with it; cp's first rank alone runs whole sequences.
-        in_first_replica = all(self.mesh.coords[dim] == 0 for dim in ("dp", "cp"))
-        sample = self.sample() if in_first_replica and end == cfg.train.steps else None
-        return RunSummary(run_dir=self.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
-                          val_loss=val_loss, checkpoint=saved, sample=sample if self.is_main else None,
-                          unigram_entropy=self.spec.unigram_entropy)

@@ -1,0 +1,81 @@
+"""The run loop: a ``Trainer``'s steps from where the run stands to its end.
+
+Each step is queued on the device (``Trainer.queue_step``) and its numbers
+are read a window of ``--log-every`` steps at a time (train/step_window.py);
+an evaluation or a checkpoint ends a window early, so each sees its own
+step's weights and a non-finite step is found before either. The records go
+to ``metrics.jsonl`` and TensorBoard, one per step; the run ends with a
+sample of text from the main rank's replica.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from scaletrain.train.metrics import MetricsWriter, drop_records_after, mfu, step_memory_bytes
+from scaletrain.train.step_window import StepWindow
+from scaletrain.train.trainer import Trainer
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps_done: int
+    final_loss: float
+    val_loss: float | None
+    checkpoint: Path | None
+    sample: str | None
+    unigram_entropy: float | None
+
+
+def fit(trainer: Trainer) -> RunSummary:
+    """Train from ``trainer.start_step`` to the run's end: steps, their records read a window at a
+    time, evaluations, checkpoints, and the closing sample."""
+    cfg = trainer.cfg
+    end = cfg.run.stop_at or cfg.train.steps
+    writer = None
+    if trainer.is_main:
+        drop_records_after(trainer.run_dir / "metrics.jsonl", trainer.start_step)
+        writer = MetricsWriter(trainer.run_dir, append=cfg.run.resume)
+    bar = tqdm(total=cfg.train.steps, initial=trainer.start_step, unit="step", dynamic_ncols=True,
+               disable=not (trainer.is_main and cfg.run.progress))
+    record: dict = {}
+    val_loss, saved = None, None
+    window = StepWindow(cfg.run.log_every, trainer.tokens_per_step)
+    for step in range(trainer.start_step, end):
+        trainer.step = done = step + 1
+        window.open_if_empty()
+        window.add(trainer.queue_step(step, record=done == end))
+        evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
+        saving = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end
+        if not (window.due(done) or evaluating or saving):
+            continue
+        read = window.read()
+        memory = step_memory_bytes(trainer.device)
+        if evaluating and not any(r.nonfinite for r in read):
+            val_loss = read[-1].record["val_loss"] = trainer.evaluate()
+        for record, nonfinite in ((r.record, r.nonfinite) for r in read):
+            if nonfinite:  # the steps before it are recorded, as a stop at once would have
+                raise trainer.late_stop(record)
+            record.update(mfu=mfu(record["tokens_per_s"], trainer.flops_per_token, trainer.peak,
+                                  trainer.runtime.env.world_size), mem_bytes=memory)
+            if writer:
+                writer.write(record)
+        bar.update(len(read))
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        if saving:
+            saved = trainer.save(done)
+    bar.close()
+    if writer:
+        writer.close()
+    # Every rank of the main rank's model replica (its tp and pp ranks, and the ep ranks holding
+    # the other experts) computes the sample with it; cp's first rank alone runs whole sequences.
+    in_first_replica = all(trainer.mesh.coords[dim] == 0 for dim in ("dp", "cp"))
+    sample = trainer.sample() if in_first_replica and end == cfg.train.steps else None
+    return RunSummary(run_dir=trainer.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
+                      val_loss=val_loss, checkpoint=saved, sample=sample if trainer.is_main else None,
+                      unigram_entropy=trainer.spec.unigram_entropy)

@@ -19,7 +19,9 @@ from pathlib import Path
 # the one sentence that names the rank. Errors still show; a user's own
 # TORCH_CPP_LOG_LEVEL=WARNING brings the warnings back. --debug-dist asks for
 # them all (dist/debug.py), and torch reads the level only when it loads.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if "--debug-dist" in sys.argv[1:] else "ERROR")
+if "--debug-dist" in sys.argv[1:]:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "INFO"
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402

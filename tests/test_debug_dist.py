@@ -38,13 +38,13 @@ def _disagreeing(rank: int, n: int) -> list[str]:
     said = []
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 5 if rank == 1 else 4))
-    check_same_parameters(comm, world, tuple(range(n)), nn.Linear(8, 8))  # agreeing: silent
+    check_same_parameters(comm, world, tuple(range(n)), nn.Linear(8, 8).named_parameters())  # alike
     try:
-        check_same_parameters(comm, world, tuple(range(n)), model)
+        check_same_parameters(comm, world, tuple(range(n)), model.named_parameters())
     except JobFailed as exc:
         said.append(str(exc))
     # Replicas are compared only with their own copies: rank 1 alone holds its kind here.
-    check_same_parameters(comm, world, (rank,), model)
+    check_same_parameters(comm, world, (rank,), model.named_parameters())
     cfg = Config().replace(micro_batch=8 if rank == 1 else 4, out=f"runs/{rank}")  # --out may differ
     try:
         check_same_config(comm, world, cfg.to_dict())

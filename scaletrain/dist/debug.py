@@ -25,7 +25,8 @@ Four aids, all off by default (each costs time or disk):
    configuration equals rank 0's (`check_same_config`, before rank 0 writes
    anything), and the ranks that hold copies of the same weights hold
    parameters of the same names, shapes and dtypes (`check_same_parameters`,
-   once the model is built and split). A digest per rank crosses the network
+   once the model is built and split: the dense weights over dp x ep x cp,
+   the experts, which ep ranks hold different ones of, over dp x cp). A digest per rank crosses the network
    (through dist/comm.py, in the ledger); only when two differ do the full
    descriptions follow, to name the rank and the field or parameter.
 4. The desync detector (dist/desync.py): every collective numbered per group
@@ -42,12 +43,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch import nn
 
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
@@ -160,16 +161,18 @@ def check_same_config(comm: Comm, world: Group, config: dict[str, dict[str, Any]
                             f"same command and config file.")
 
 
-def parameter_listing(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of every parameter, in the model's order."""
-    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+def parameter_listing(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every named parameter, in order."""
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in named]
 
 
-def check_same_parameters(comm: Comm, world: Group, replicas: Sequence[int], model: nn.Module) -> None:
+def check_same_parameters(comm: Comm, world: Group, replicas: Sequence[int],
+                          named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """The ranks of each set of ``replicas`` (global ranks holding copies of the same weights:
-    this rank's is given) have parameters of the same names, shapes and dtypes, or a `JobFailed`
-    names a rank that differs from the first of its set and the first parameter that differs."""
-    listing = parameter_listing(model)
+    this rank's is given) hold ``named`` parameters of the same names, shapes and dtypes, or a
+    `JobFailed` names a rank that differs from the first of its set and the first parameter that
+    differs."""
+    listing = parameter_listing(named)
     summaries = comm.all_gather_object((tuple(replicas), _digest(listing)), world)
     reference = {ranks: digest for ranks, digest in reversed(summaries)}  # each set's first rank's
     strays = [rank for rank, (ranks, digest) in enumerate(summaries) if digest != reference[ranks]]

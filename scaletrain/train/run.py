@@ -248,8 +248,11 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if debug and rank_log is None:
             rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
-        if debug:
-            check_same_parameters(comm, world, trainer.replicas.dense.ranks, trainer.model)
+        if debug:  # the copies of each weight alike: dense ones over dense, experts over experts
+            experts = trainer.expert_parallel.expert_params if trainer.expert_parallel else {}
+            for group, mine in ((trainer.replicas.dense, False), (trainer.replicas.experts, True)):
+                check_same_parameters(comm, world, group.ranks,
+                                      [(n, p) for n, p in trainer.model.named_parameters() if (p in experts) == mine])
         if trainer.start_step and runtime.is_main:
             print(f"resumed from checkpoint step_{trainer.start_step:06d}")
         if trainer.pipeline and runtime.is_main:

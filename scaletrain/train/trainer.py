@@ -37,6 +37,10 @@ different experts):
 Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
 per step makes the update equal to one step on the whole global batch: the
 equivalence every parallel layout is tested against.
+PipeDream-2BW (``--pp-schedule pipedream-2bw``) is the one exception, by
+design: its update lags one step, each step applying the previous step's
+gradient (parallel/pipeline/two_bw.py), and it is tested against one device
+running the same rule.
 
 Everything random is a pure function of the step: micro-batch ``m`` of step
 ``t`` on rank ``r`` of the dp x ep group holds global samples
@@ -76,7 +80,8 @@ from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
 from scaletrain.parallel.pipeline.runtime import timer
-from scaletrain.parallel.pipeline.schedules import Span
+from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Span
+from scaletrain.parallel.pipeline.two_bw import DelayedGradient, WeightVersions
 from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
@@ -227,6 +232,11 @@ class Trainer:
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [p for group in groups for p in group["params"]]
+        # PipeDream-2BW's 1-stale update: what makes the optimizer step on the previous step's gradient.
+        self.delayed: WeightVersions | DelayedGradient | None = None
+        if p.pp_schedule == PIPEDREAM_2BW:
+            self.delayed = self.pipeline.versions if self.pipeline else \
+                DelayedGradient([q for q in self.model.parameters() if q.requires_grad])
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + \
@@ -368,6 +378,8 @@ class Trainer:
         else:
             loss_sum, routing = self._forward_backward(step)
         self.data_parallel.finish_gradient_sync()
+        if self.delayed and not self.delayed.exchange(self.data_parallel.gradient):
+            return self._before_first_update(loss_sum)
         if self.pipeline:
             self.pipeline.sum_shared_gradients(self.data_parallel.gradient)
         if self.masters:
@@ -411,6 +423,12 @@ class Trainer:
         if t.precision == "fp16":
             record.update(loss_scale=self.scaler.scale_value)
         return record
+
+    def _before_first_update(self, loss_sum: torch.Tensor) -> dict[str, float | None]:
+        """PipeDream-2BW's first step: no gradient is complete yet, so no update (W(1) = W(0))."""
+        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
+        self.data_parallel.zero_grad()
+        return {"loss": loss_sum.item(), "grad_norm": None, "lr": None, "skipped_steps": self.scaler.skipped_steps}
 
     def _named_step_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the optimizer steps, by parameter name: ZeRO's pieces, the masters, or the weights."""

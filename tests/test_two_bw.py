@@ -135,6 +135,7 @@ def _train_both(rank: int, n: int, cfg, spec) -> dict:
         if trainer.pipeline.versions:
             trainer.pipeline.versions.trace = []
         out[schedule] = [trainer.train_step(step) for step in range(cfg.train.steps)]
+        out[f"{schedule} params bytes"] = trainer._bytes_ledger()["params"]
     versions = trainer.pipeline.versions
     newest = versions.buffers[max(versions.buffers)]
     return {**out, "trace": versions.trace, "kept": sorted(versions.buffers),
@@ -155,8 +156,8 @@ def test_each_micro_batch_runs_forward_and_backward_on_one_version_and_two_are_k
     """On both stages, the forward and the backward of every micro-batch record the version
     micro // M and the very same weights (a fingerprint of their values). Versions 0 and 1 are
     equal (W(1) = W(0)); each later one differs from the one before. A rank keeps exactly two
-    versions, its parameters (what the optimizer and a checkpoint see) living in the newest; the
-    first step has no gradient to apply."""
+    versions, its parameters (what the optimizer and a checkpoint see) living in the newest: the
+    memory ledger counts twice 1F1B's weights. The first step has no gradient to apply."""
     m = 4
     for rank, result in enumerate(trained):
         seen = {(kind, micro): (version, fingerprint) for kind, micro, _, version, fingerprint in result["trace"]}
@@ -169,6 +170,7 @@ def test_each_micro_batch_runs_forward_and_backward_on_one_version_and_two_are_k
         assert by_version[0] == by_version[1]
         assert all(by_version[v] != by_version[v + 1] for v in range(1, TRAINED - 1))
         assert result["kept"] == [TRAINED - 1, TRAINED] and result["params_in_newest"]
+        assert result["pipedream-2bw params bytes"] == 2 * result["1f1b params bytes"]  # the memory ledger's
         norms = [record["grad_norm"] for record in result["pipedream-2bw"]]
         assert norms[0] is None and None not in norms[1:]
 

@@ -37,10 +37,8 @@ different experts):
 Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
 per step makes the update equal to one step on the whole global batch: the
 equivalence every parallel layout is tested against.
-PipeDream-2BW (``--pp-schedule pipedream-2bw``) is the one exception, by
-design: its update lags one step, each step applying the previous step's
-gradient (parallel/pipeline/two_bw.py), and it is tested against one device
-running the same rule.
+PipeDream-2BW is the exception by design: each step applies the previous
+step's gradient (parallel/pipeline/two_bw.py), as one device then does too.
 
 Everything random is a pure function of the step: micro-batch ``m`` of step
 ``t`` on rank ``r`` of the dp x ep group holds global samples
@@ -80,8 +78,8 @@ from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
 from scaletrain.parallel.pipeline.runtime import timer
-from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Span
-from scaletrain.parallel.pipeline.two_bw import DelayedGradient, WeightVersions
+from scaletrain.parallel.pipeline.schedules import Span
+from scaletrain.parallel.pipeline.two_bw import delayed_update
 from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
@@ -232,11 +230,7 @@ class Trainer:
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [p for group in groups for p in group["params"]]
-        # PipeDream-2BW's 1-stale update: what makes the optimizer step on the previous step's gradient.
-        self.delayed: WeightVersions | DelayedGradient | None = None
-        if p.pp_schedule == PIPEDREAM_2BW:
-            self.delayed = self.pipeline.versions if self.pipeline else \
-                DelayedGradient([q for q in self.model.parameters() if q.requires_grad])
+        self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + \
@@ -447,7 +441,8 @@ class Trainer:
             tensors = self.zero.memory_tensors()
             tensors["optimizer"] += optimizer_state(self.optimizer)
             return bytes_by_entry(tensors)
-        return model_bytes(self.model, self.optimizer, self.masters, self.data_parallel.gradient_buffers())
+        return model_bytes(self.model, self.optimizer, self.masters, self.data_parallel.gradient_buffers(),
+                           held=self.delayed.memory_tensors() if self.delayed else None)
 
     def _meter_first_micro_batch(self, micro: int):
         """With --report-memory, measure saved activations of the run's first

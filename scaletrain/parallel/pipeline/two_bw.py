@@ -47,11 +47,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from scaletrain.parallel.pipeline.schedules import Action
+from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Action
+
+if TYPE_CHECKING:  # parallel.py imports this module
+    from scaletrain.parallel.pipeline.parallel import PipelineParallel
 
 
 class WeightVersions:
@@ -139,6 +143,11 @@ class WeightVersions:
         ready, self.handed_off = self.handed_off is not None, None
         return ready
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Both versions (the newest is the parameters' own storage) and their gradients, for the memory ledger."""
+        weights = [w for version in self.buffers.values() for w in version]
+        return {"params": weights, "grads": [w.grad for w in weights if w.grad is not None]}
+
 
 def _fingerprint(weights: list[torch.Tensor]) -> float:
     """A number that changes when any weight does (each tensor weighted by its position)."""
@@ -168,3 +177,16 @@ class DelayedGradient:
             else:
                 grad.copy_(old)
         return True
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The gradient kept for the next step, for the memory ledger."""
+        return {"grads": [g for g in self.kept or () if g is not None]}
+
+
+def delayed_update(schedule: str, model: nn.Module,
+                   pipeline: PipelineParallel | None) -> WeightVersions | DelayedGradient | None:
+    """What makes a step's update the 1-stale one under PipeDream-2BW: the ``pipeline``'s weight
+    versions, or without a pipeline a `DelayedGradient` of the model's trainable weights."""
+    if schedule != PIPEDREAM_2BW:
+        return None
+    return pipeline.versions if pipeline else DelayedGradient([p for p in model.parameters() if p.requires_grad])

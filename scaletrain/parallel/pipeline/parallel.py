@@ -112,7 +112,9 @@ class PipelineParallel:
         """Forward and backward of the schedule's micro-batches; ``batch(m)`` is
         micro-batch m's (input, target), read once. Returns the sum of the micro-batches'
         ``loss / divisor`` on the last stage (zero elsewhere) and, with
-        ``clock``, the spans of this rank's computations."""
+        ``clock``, the spans of this rank's computations. PipeDream-2BW: one step
+        of the never-drained pipeline, whose backwards trail its forwards
+        (schedules.two_bw_step), the previous version's gradient handed over."""
         read: dict[int, Batch] = {}
 
         def micro(m: int) -> Batch:  # the first stage wants the input, the last the target

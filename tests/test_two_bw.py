@@ -205,8 +205,14 @@ def test_2bw_equals_one_device_running_the_same_1_stale_update(tiny_cfg, n, chan
 
 
 @pytest.mark.slow
-def test_2bw_with_data_parallel_replicas(tiny_cfg):
-    """Two replicas of a two-stage 2BW pipeline: each version's gradient averaged over dp."""
-    report = run_parity(tiny_cfg.replace(nproc=4, pp=2, dp=2, micro_batch=2, pp_schedule="pipedream-2bw",
-                                         steps=STEPS), tolerance=1e-5)
+@pytest.mark.parametrize("changes", [
+    dict(nproc=4, dp=2, micro_batch=2), dict(nproc=4, tp=2, sp=True), dict(nproc=4, cp=2), dict(nproc=2, compile=True),
+], ids=["dp2", "tp2-sp", "cp2", "compile"])
+def test_2bw_composes(tiny_cfg, changes):
+    """Two stages of 2BW with two data-parallel replicas (each version's gradient averaged over
+    dp), tensor and sequence parallelism, ring attention, or compiled blocks (which see each
+    version's weights: a compiled block that kept the parameters would mix two versions'
+    gradients and fail)."""
+    report = run_parity(tiny_cfg.replace(pp=2, pp_schedule="pipedream-2bw", steps=STEPS, **changes),
+                        tolerance=1e-5)
     assert report.passed, report.to_json()

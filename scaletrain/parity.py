@@ -16,7 +16,9 @@ and norm differences and the parameter difference are within the tolerance (1e-5
 another order differ by a few ulps per step, and a wrong gradient shows up as
 1e-3 or more within a step or two). Parameters come from the final
 checkpoints, read into full tensors whatever layout wrote them, so the same
-check serves every strategy.
+check serves every strategy. PipeDream-2BW's update lags a step by design, so
+its layouts are compared with one device applying the same 1-stale update
+(parallel/pipeline/two_bw.py), not the synchronous one.
 
 Why the whole parameter vector and not each tensor: Adam divides every
 gradient element by its own running magnitude, so an element whose true

@@ -23,6 +23,7 @@ from scaletrain.parallel.pipeline.two_bw import DelayedGradient
 from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
+from tests.test_pipeline import _tied_weight_after_training
 from tests.trainers import build_trainer
 
 SIZES = [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]
@@ -216,3 +217,14 @@ def test_2bw_composes(tiny_cfg, changes):
     report = run_parity(tiny_cfg.replace(pp=2, pp_schedule="pipedream-2bw", steps=STEPS, **changes),
                         tolerance=1e-5)
     assert report.passed, report.to_json()
+
+
+@pytest.mark.slow
+def test_bf16_working_weights_keep_the_tied_copies_one_weight(tiny_cfg):
+    """bf16 weights with fp32 masters: after three steps (two updates) the first stage's embedding
+    and the last stage's head are still bitwise equal."""
+    cfg = tiny_cfg.replace(nproc=2, pp=2, pp_schedule="pipedream-2bw", steps=3, precision="bf16",
+                           param_dtype="bf16")
+    spec = prepare_data(cfg, Path(cfg.data.cache_dir))
+    first, last = run_distributed(_tied_weight_after_training, 2, cfg, spec, timeout_s=120)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, last)

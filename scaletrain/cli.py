@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_train_flags(bench)
 
-    from scaletrain.parallel.pipeline.schedules import SCHEDULES
+    from scaletrain.parallel.pipeline.schedules import ALL_SCHEDULES, SCHEDULES
 
     # No defaults here: with --measured, a flag left out takes the run's value.
     schedule = commands.add_parser(
@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "drawn beside the plan.")
     schedule.add_argument("--pp", type=int, metavar="N", help="pipeline ranks [4]")
     schedule.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step [8]")
-    schedule.add_argument("--pp-schedule", choices=SCHEDULES, help="the schedule [1f1b]")
+    schedule.add_argument("--pp-schedule", choices=ALL_SCHEDULES,
+                          help="the schedule (pipedream-2bw: one step of its steady state) [1f1b]")
     schedule.add_argument("--virtual-stages", type=int, metavar="V",
                           help="chunks per rank [2 for interleaved, else 1]")
     schedule.add_argument("--png", metavar="FILE", help="also draw a Gantt chart into this PNG")
@@ -284,7 +285,7 @@ def _schedule(args: argparse.Namespace) -> int:
     result = timeline.load(args.pp_schedule, args.pp, args.microbatches, args.virtual_stages,
                            None if args.measured is None else Path(args.measured))
     if args.png:
-        timeline.draw_png(Path(args.png), result.panels())
+        timeline.draw_png(Path(args.png), result.panels(), timeline.Pale.of(result.schedule))
     if args.json:
         print(json.dumps(result.to_json()))
     else:  # colour and the terminal's width only for a person watching, never in pipes or files

@@ -130,7 +130,9 @@ class ParallelConfig:
                       "--virtual-stages) per rank, micro-batches flowing through them")
     microbatches: int | None = _opt(None, "micro-batches of --micro-batch sequences per pipeline round "
                                           "(default: 2 x --pp with --pp, else 1); a step runs --grad-accum rounds")
-    pp_schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    pp_schedule: str = _opt("1f1b", "pipeline schedule (pipedream-2bw: no flush, two weight versions, each "
+                                    "step applying the previous step's gradient; with --pp 1, the same rule "
+                                    "on one device)", choices=schedules.ALL_SCHEDULES)
     virtual_stages: int | None = _opt(None, "stages per rank for --pp-schedule interleaved (default: 2 "
                                             "for interleaved, else 1)")
     pp_balance: str = _opt("params", "cut stages for equal parameter counts, or equal measured forward and "
@@ -422,6 +424,7 @@ def check_values(cfg: Config) -> None:
     _check_pipeline(cfg.parallel)
     _check_local_sgd(cfg)
     _check_mpi(cfg)
+    _check_two_bw(cfg)
     _check_context(cfg)
     _check_experts(cfg)
     peak = cfg.train.peak_tflops
@@ -535,6 +538,26 @@ def _check_experts(cfg: Config) -> None:
             raise UserError(f"{flag} does not combine with "
                             f"{'--moe-experts' if flag == '--pp' else '--ep'} in this version; drop one "
                             f"of the two.")
+
+
+def _check_two_bw(cfg: Config) -> None:
+    """What PipeDream-2BW's lagging update and never-drained pipeline cannot go with."""
+    t, p, r = cfg.train, cfg.parallel, cfg.run
+    if p.pp_schedule != schedules.PIPEDREAM_2BW:
+        return
+    for flag, used, why in (
+            ("--grad-accum", t.grad_accum > 1 and p.pp > 1, "a weight version's gradient is that of its "
+             "--microbatches micro-batches; give --microbatches M x A instead"),
+            ("--zero", p.zero > 0, "ZeRO steps flat shards of the weights, where 2BW keeps two versions of "
+             "whole ones; use --zero 0"),
+            ("--precision fp16", t.precision == "fp16", "the loss scale could change between the steps over "
+             "which a version's gradient accumulates; use bf16 or fp32"),
+            ("--checkpoint-every, --resume, --stop-at or --max-restarts",
+             bool(r.checkpoint_every or r.resume or r.stop_at or p.max_restarts),
+             "between steps the older weight version and its micro-batches are still in flight, so the run "
+             "saves only at its end; drop them")):
+        if used:
+            raise UserError(f"--pp-schedule pipedream-2bw does not combine with {flag}: {why}.")
 
 
 def _check_pipeline(p: ParallelConfig) -> None:

@@ -16,7 +16,9 @@ and norm differences and the parameter difference are within the tolerance (1e-5
 another order differ by a few ulps per step, and a wrong gradient shows up as
 1e-3 or more within a step or two). Parameters come from the final
 checkpoints, read into full tensors whatever layout wrote them, so the same
-check serves every strategy.
+check serves every strategy. PipeDream-2BW's update lags a step by design, so
+its layouts are compared with one device applying the same 1-stale update
+(parallel/pipeline/two_bw.py), not the synchronous one.
 
 Why the whole parameter vector and not each tensor: Adam divides every
 gradient element by its own running magnitude, so an element whose true
@@ -43,6 +45,7 @@ from scaletrain.config import Config, check_values
 from scaletrain.dist.launch import detect_environment
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
+from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import execute, prepare_run, resolve_layout, world_size_for
@@ -54,8 +57,8 @@ class ParityReport:
     tolerance: float
     reference_losses: list[float]
     layout_losses: list[float]
-    reference_grad_norms: list[float] = field(default_factory=list)
-    layout_grad_norms: list[float] = field(default_factory=list)
+    reference_grad_norms: list[float | None] = field(default_factory=list)
+    layout_grad_norms: list[float | None] = field(default_factory=list)
     param_rel_diffs: dict[str, float] = field(default_factory=dict)
     param_rel_diff: float = 0.0
 
@@ -69,7 +72,9 @@ class ParityReport:
 
     @property
     def grad_norm_rel_diffs(self) -> list[float]:
-        return [abs(a - b) / abs(b) for a, b in zip(self.layout_grad_norms, self.reference_grad_norms)]
+        """Per step; a step that updates nothing (PipeDream-2BW's first) has no norm on either side."""
+        return [0.0 if a is None and b is None else math.inf if a is None or b is None else abs(a - b) / abs(b)
+                for a, b in zip(self.layout_grad_norms, self.reference_grad_norms)]
 
     @property
     def max_grad_norm_rel_diff(self) -> float:
@@ -130,10 +135,12 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
         micro_batches, _ = cfg.parallel.pipeline_sizes()
         # One device sees the whole global batch: each micro-batch dp x ep times larger (the
         # ranks reading different samples), and the pipeline's micro-batches as accumulation steps.
+        # PipeDream-2BW's reference keeps its name: with --pp 1 it runs the same 1-stale rule on one device.
+        delayed = cfg.parallel.pp_schedule == PIPEDREAM_2BW
         reference_cfg, _ = resolve_layout(
             layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, sp=False, pp=1, cp=1,
                                ep=1, zero=0, shard_group=None, quantize_weights="none", microbatches=None,
-                               virtual_stages=None, pp_schedule="1f1b", sync_every=1,
+                               virtual_stages=None, pp_schedule=PIPEDREAM_2BW if delayed else "1f1b", sync_every=1,
                                micro_batch=cfg.train.micro_batch * dims.dp * dims.ep,
                                grad_accum=cfg.train.grad_accum * micro_batches), 1)
         runs = []
@@ -157,6 +164,8 @@ def _describe(cfg: Config, dims) -> str:
         micro, virtual = cfg.parallel.pipeline_sizes()
         text += f" {cfg.parallel.pp_schedule}, {micro} micro-batches" + (f", {virtual} stages per rank"
                                                                           if virtual > 1 else "")
+    if cfg.parallel.pp_schedule == PIPEDREAM_2BW:
+        text += " (its 1-stale update, run the same way on one device)"
     return text
 
 

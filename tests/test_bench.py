@@ -158,3 +158,19 @@ def test_bench_pp_races_torch_pipelining_on_equal_work(corpus, tmp_path):
         assert peer["final_loss"] == pytest.approx(ours["final_loss"], rel=1e-6)
         assert ours["losses"] == pytest.approx(reference, rel=1e-6)
     assert report["max_loss_rel_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_bench_pp_races_our_2bw_beside_our_1f1b(corpus, tmp_path):
+    """With --pp-schedule pipedream-2bw our 2BW joins the race, timed against our 1F1B; its first
+    loss is 1F1B's (the same weights), the next differs (no update yet, by design)."""
+    result = run_cli("bench", "pp", "--json", "--nproc", "2", "--pp", "2", "--pp-schedule", "pipedream-2bw",
+                     "--model", "gpt-tiny", "--data", str(corpus), "--seq-len", "32", "--micro-batch", "4",
+                     "--steps", "3", "--warmup", "1", "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["schedules"]) == {"gpipe", "1f1b", "pipedream-2bw"}
+    row, one_f_one_b = report["schedules"]["pipedream-2bw"], report["schedules"]["1f1b"]["ours"]
+    assert row["ratio_to_1f1b"] == pytest.approx(row["ours"]["median_s"] / one_f_one_b["median_s"])
+    assert row["ours"]["losses"][0] == one_f_one_b["losses"][0] and row["ours"]["losses"][1] != one_f_one_b["losses"][1]
+    assert report["max_loss_rel_diff"] <= 1e-6  # ours against torch, 2BW left out

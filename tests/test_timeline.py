@@ -52,6 +52,21 @@ def test_zero_bubble_draws_weight_gradients_and_interleaved_marks_chunks():
     assert "lower case: the rank's odd chunks" in interleaved
 
 
+def test_pipedream_2bw_draws_a_steady_step_its_older_version_in_upper_case(capsys):
+    """Step 1 of N=4, M=8: micro-batches 8-15 forwarded on version 1 (odd: lower case), each rank's
+    first N-r-1 backwards finishing version 0's micro-batches 5-7; the fill is the only idle time."""
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--pp-schedule", "pipedream-2bw"]) == 0
+    out = capsys.readouterr().out
+    rows = [row.split("|")[1].replace(".", " ").split() for row in _rows(out)]
+    for r, blocks in enumerate(rows):
+        lag = 3 - r
+        assert blocks[:2] == ["f8", f"B{8 - lag}" if lag else "b8"]
+        assert sorted(blocks) == sorted([f"f{i}" for i in range(8, 16)] + [f"B{i}" for i in range(8 - lag, 8)]
+                                        + [f"b{i}" for i in range(8, 16 - lag)])
+    assert "bubble: planned 0.1111 (formula (N-1)/(3M+N-1) = 0.1111)" in out
+    assert "peak live activations per rank: 4, 3, 2, 1" in out
+
+
 def test_colour_only_on_request():
     spans = simulate(build("zb-h1", 2, 2))
     assert "\x1b[" not in timeline.draw_text(spans)
@@ -104,7 +119,7 @@ def run_dir(tmp_path):
 
 def test_measured_run_gives_its_bubble_and_two_panels(run_dir, tmp_path, capsys, monkeypatch):
     drawn = []
-    monkeypatch.setattr(timeline, "draw_png", lambda path, panels: drawn.append(panels))
+    monkeypatch.setattr(timeline, "draw_png", lambda path, panels, pale: drawn.append(panels))
     assert main(["schedule", "--measured", str(run_dir), "--png", str(tmp_path / "t.png")]) == 0
     out = capsys.readouterr().out
     assert ("bubble: planned 0.3333 (formula (N-1)/(M+N-1) = 0.3333), measured 0.3500 "
@@ -154,6 +169,7 @@ def test_flags_that_disagree_with_the_run_are_refused(capsys, run_dir, args, phr
     (["--pp-schedule", "interleaved", "--pp", "4", "--microbatches", "6"], "divisible by 4, not 6"),
     (["--pp", "0"], "must be at least 1"),
     (["--virtual-stages", "2"], "needs --pp-schedule interleaved"),
+    (["--pp-schedule", "pipedream-2bw", "--pp", "4", "--microbatches", "2"], "choose --microbatches 4 or more, not 2"),
 ])
 def test_bad_sizes_exit_2(capsys, args, phrase):
     _exit_2_one_line(capsys, args, phrase)

@@ -80,7 +80,13 @@ upstream stage never receives its output's gradient: its backward fails
 rank waits until ``--timeout``. The examples here require grad when they
 are floating point (the ids do not).
 
-Not read: ``--pp-schedule`` (both schedules are raced), ``--pp-balance``
+With ``--pp-schedule pipedream-2bw`` a fifth contender joins the race: ours
+under PipeDream-2BW (docs/pipeline-parallel.md), which torch has no peer for.
+Its row gives its time against our 1F1B's; its losses differ from the
+others' by design (each step applies the previous step's gradient, the
+first step none).
+
+Not read: ``--pp-schedule`` otherwise (both schedules are raced), ``--pp-balance``
 (cut by parameter count), ``--virtual-stages`` (one stage per rank) and
 ``--precision`` (fp32). ``--microbatches`` and ``--grad-accum`` are.
 
@@ -136,6 +142,7 @@ from scaletrain.parallel.pipeline.partition import (
     keep_stages,
     parameter_costs,
 )
+from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.trainer import loss_fn
 
@@ -211,10 +218,16 @@ def _ours(model: GPT, schedule: str, comm: Comm, mesh: Mesh, cfg: Config, sample
         loss, _ = pipeline.train_round(lambda m: batches[m], loss_fn=loss_fn, divisor=divisor)
         return loss.item()
 
+    applies = [True]  # PipeDream-2BW's first step has no gradient to apply: nothing to sum, clip or step
+
+    def sum_tied() -> None:
+        applies[0] = pipeline.versions is None or pipeline.versions.exchange(lambda p: p.grad)
+        if applies[0]:
+            pipeline.sum_shared_gradients(lambda p: p.grad)
+
     optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
-    return Contender(f"{OURS} ({schedule})", OURS, schedule, model, optimizer, round_,
-                     lambda: pipeline.sum_shared_gradients(lambda p: p.grad),
-                     lambda: pipeline.clip_grad_norm_(params, _max_norm(cfg)))
+    return Contender(f"{OURS} ({schedule})", OURS, schedule, model, optimizer, round_, sum_tied,
+                     lambda: applies[0] and pipeline.clip_grad_norm_(params, _max_norm(cfg)))
 
 
 class StageModule(nn.Module):
@@ -314,6 +327,8 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         for schedule in SCHEDULES:
             contenders += [_ours(fresh_model(), schedule, comm, mesh, cfg, sample, device, ranges),
                            _peer(fresh_model(), schedule, pp, cfg, ranges, device)]
+        if cfg.parallel.pp_schedule == PIPEDREAM_2BW:
+            contenders.append(_ours(fresh_model(), PIPEDREAM_2BW, comm, mesh, cfg, sample, device, ranges))
 
         def train_step(c: Contender, batches: Batches, step: int) -> float:
             torch.manual_seed(cfg.train.seed + step)  # the same dropout draws for all, with --dropout
@@ -328,14 +343,18 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
 
 def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float], losses: dict[str, list[float]],
             ranges: list[range], warmup: int, device: torch.device) -> dict:
-    schedules = {}
+    schedules, rows = {}, {c.name: {"name": c.impl, "schedule": c.schedule, "median_s": medians[c.name],
+                                    "final_loss": losses[c.name][-1], "losses": losses[c.name]}
+                           for c in contenders}
     for schedule in SCHEDULES:
-        ours, peer = ({"name": c.impl, "schedule": schedule, "median_s": medians[c.name],
-                       "final_loss": losses[c.name][-1], "losses": losses[c.name]}
-                      for c in contenders if c.schedule == schedule)
+        ours, peer = (rows[c.name] for c in contenders if c.schedule == schedule)
         peer["max_loss_rel_diff_to_ours"] = largest_relative_gap(peer["losses"], ours["losses"])
         schedules[schedule] = {"ours": ours, "peer": peer, "ratio": ours["median_s"] / peer["median_s"],
                                "max_loss_rel_diff": peer["max_loss_rel_diff_to_ours"]}
+    for c in contenders:
+        if c.schedule == PIPEDREAM_2BW:  # no peer: against our 1F1B
+            schedules[c.schedule] = {"ours": rows[c.name],
+                                     "ratio_to_1f1b": rows[c.name]["median_s"] / schedules["1f1b"]["ours"]["median_s"]}
     t, n = cfg.train, len(ranges)
     micro, _ = cfg.parallel.pipeline_sizes()
     top = schedules["1f1b"]
@@ -355,7 +374,7 @@ def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float],
         "ours": top["ours"],
         "peer": top["peer"],
         "ratio": top["ratio"],
-        "max_loss_rel_diff": max(row["max_loss_rel_diff"] for row in schedules.values()),
+        "max_loss_rel_diff": max(row["max_loss_rel_diff"] for row in schedules.values() if "peer" in row),
         "schedules": schedules,
     }
 
@@ -369,7 +388,11 @@ def format_table(result: dict) -> str:
              f"{'loss diff':>11}"
     rows = [f"{name:<10}{row['ours']['median_s']:>9.4f}{row['peer']['median_s']:>9.4f}{row['ratio']:>14.3f}"
             f"{row['ours']['final_loss']:>11.4f}{row['peer']['final_loss']:>12.4f}{row['max_loss_rel_diff']:>11.1e}"
-            for name, row in result["schedules"].items()]
+            for name, row in result["schedules"].items() if "peer" in row]
+    two_bw = result["schedules"].get(PIPEDREAM_2BW)
+    if two_bw:
+        rows.append(f"{'2bw':<10}{two_bw['ours']['median_s']:>9.4f}{'-':>9}{'-':>14}"
+                    f"{two_bw['ours']['final_loss']:>11.4f}{'-':>12}{'-':>11}   {two_bw['ratio_to_1f1b']:.3f} x our 1f1b")
     return "\n".join([title, "; ".join(s["stages"]), header, *rows,
                       (f"ours: {result['ours']['name']}; torch: {result['peer']['name']} (PipelineStage, "
                        f"ScheduleGPipe / Schedule1F1B). step s: median over the timed steps of the slowest "

@@ -131,21 +131,26 @@ def bytes_by_entry(tensors: dict[str, list[torch.Tensor]]) -> dict:
 
 
 def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights | None = None,
-                grad_buffers: Iterable[torch.Tensor] = ()) -> dict:
+                grad_buffers: Iterable[torch.Tensor] = (), held: dict[str, list[torch.Tensor]] | None = None) -> dict:
     """Bytes of parameters, gradients and optimizer state of a replicated model,
     in total and per device.
 
     ``optimizer`` is any object with a ``.state`` of (nested) tensors; None
     counts no optimizer state. ``masters`` adds the fp32 master weights and
     their gradients; ``grad_buffers`` the data-parallel gradient buckets
-    (which the gradients are views of, or which hold them in another dtype).
-    (A ZeRO-sharded model lists its own tensors: parallel/zero.py.)
+    (which the gradients are views of, or which hold them in another dtype);
+    ``held`` more "params" and "grads" (PipeDream-2BW's second weight
+    version and its gradient). (A ZeRO-sharded model lists its own tensors:
+    parallel/zero.py.)
     """
     params = list(model.parameters())
     master_params = masters.master_params if masters else []
+    held = held or {}
     return bytes_by_entry({
-        "params": [*params, *model.buffers()],  # buffers: a 4-bit base's codes and scales (finetune/nf4.py)
-        "grads": [*(p.grad for p in (*params, *master_params) if p.grad is not None), *grad_buffers],
+        # buffers: a 4-bit base's codes and scales (finetune/nf4.py)
+        "params": [*params, *model.buffers(), *held.get("params", ())],
+        "grads": [*(p.grad for p in (*params, *master_params) if p.grad is not None), *grad_buffers,
+                  *held.get("grads", ())],
         "optimizer": [*master_params, *optimizer_state(optimizer)],
     })
 

@@ -38,6 +38,8 @@ different experts):
 Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
 per step makes the update equal to one step on the whole global batch: the
 equivalence every parallel layout is tested against.
+PipeDream-2BW is the exception by design: each step applies the previous
+step's gradient (parallel/pipeline/two_bw.py), as one device then does too.
 
 Everything random is a pure function of the step: micro-batch ``m`` of step
 ``t`` on rank ``r`` of the dp x ep group holds global samples
@@ -78,6 +80,7 @@ from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import GPT_STAGES
 from scaletrain.parallel.pipeline.runtime import timer
 from scaletrain.parallel.pipeline.schedules import Span
+from scaletrain.parallel.pipeline.two_bw import delayed_update
 from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import DynamicLossScaler, autocast, compute_dtype
@@ -220,6 +223,7 @@ class Trainer:
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [p for group in groups for p in group["params"]]
+        self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
@@ -385,6 +389,8 @@ class Trainer:
         else:
             loss_sum, routing = self._forward_backward(step)
         self.data_parallel.finish_gradient_sync()
+        if self.delayed and not self.delayed.exchange(self.data_parallel.gradient):
+            return self._before_first_update(step, loss_sum)
         if self.pipeline:
             self.pipeline.sum_shared_gradients(self.data_parallel.gradient)
         if self.masters:
@@ -439,6 +445,13 @@ class Trainer:
         where nothing this step does depends on it (train/step_window.py)."""
         return self.cfg.run.log_every > 1 and self.on_nan == "stop" and not self.scaler.enabled
 
+    def _before_first_update(self, step: int, loss_sum: torch.Tensor) -> PendingStep:
+        """PipeDream-2BW's first step: no gradient is complete yet, so no update (W(1) = W(0))."""
+        self.comm.all_reduce(loss_sum, self.replicas.dense, op="avg")
+        self.data_parallel.zero_grad()
+        return PendingStep(step + 1, {"grad_norm": None, "lr": None, "skipped_steps": self.scaler.skipped_steps},
+                           {"loss": loss_sum})
+
     def _named_step_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the optimizer steps, by parameter name: ZeRO's pieces, the masters, or the weights."""
         if self.zero:
@@ -461,7 +474,8 @@ class Trainer:
             tensors = self.zero.memory_tensors()
             tensors["optimizer"] += optimizer_state(self.optimizer)
             return bytes_by_entry(tensors)
-        return model_bytes(self.model, self.optimizer, self.masters, self.data_parallel.gradient_buffers())
+        return model_bytes(self.model, self.optimizer, self.masters, self.data_parallel.gradient_buffers(),
+                           held=self.delayed.memory_tensors() if self.delayed else None)
 
     def _meter_first_micro_batch(self, micro: int):
         """With --report-memory, measure saved activations of the run's first

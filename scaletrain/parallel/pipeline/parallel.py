@@ -9,7 +9,9 @@ micro-batches through a schedule, and keep the cut model equal to the whole.
 
 The pieces: partition.py (where the cuts go, what each rank keeps),
 schedules.py (the order of the work, as data), runtime.py (executing it),
-weight_grad.py (B and W apart, for ZB-H1).
+weight_grad.py (B and W apart, for ZB-H1), two_bw.py (PipeDream-2BW's weight
+versions: there a round is one step of a pipeline that never drains, and
+the gradient it hands the optimizer is the previous version's).
 
 Evaluation and generation run the same stages forward only. Generation
 passes one growing sequence through the stages per new token; the last stage
@@ -38,7 +40,8 @@ from scaletrain.parallel.pipeline.partition import (
     time_costs,
 )
 from scaletrain.parallel.pipeline.runtime import PipelineRuntime
-from scaletrain.parallel.pipeline.schedules import Schedule, Span, build, forward_only
+from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Schedule, Span, build, forward_only, two_bw_step
+from scaletrain.parallel.pipeline.two_bw import WeightVersions
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -69,6 +72,10 @@ class PipelineParallel:
         if self.store:
             make_deferrable(model, self.store)
         self.runtime = PipelineRuntime(self.stages, comm, group, self.store)
+        self.versions = WeightVersions(model, micro_batches) if schedule == PIPEDREAM_2BW else None
+        self.rounds = 0  # rounds run so far: PipeDream-2BW's step, which numbers its micro-batches
+        # PipeDream-2BW's rounds leave micro-batches in flight, kept apart from evaluation's.
+        self.training = PipelineRuntime(self.stages, comm, group) if self.versions else self.runtime
         params = dict(model.named_parameters())
         # Tied weights on this rank, with every pp rank holding a copy (ascending).
         self.shared = [(params[name], sorted({self.schedule.rank_of(s) for s in stages}))
@@ -105,7 +112,9 @@ class PipelineParallel:
         """Forward and backward of the schedule's micro-batches; ``batch(m)`` is
         micro-batch m's (input, target), read once. Returns the sum of the micro-batches'
         ``loss / divisor`` on the last stage (zero elsewhere) and, with
-        ``clock``, the spans of this rank's computations."""
+        ``clock``, the spans of this rank's computations. PipeDream-2BW: one step
+        of the never-drained pipeline, whose backwards trail its forwards
+        (schedules.two_bw_step), the previous version's gradient handed over."""
         read: dict[int, Batch] = {}
 
         def micro(m: int) -> Batch:  # the first stage wants the input, the last the target
@@ -114,10 +123,18 @@ class PipelineParallel:
             return read[m]
 
         x0, _ = micro(0)
-        losses, spans = self.runtime.run(
-            self.schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m)[0],
-            loss=lambda m, logits: loss_fn(logits, micro(m)[1]) / divisor, backward_scale=backward_scale,
-            forward_context=forward_context, clock=clock)
+        schedule, first = self.schedule, 0
+        if self.versions:  # this step's micro-batches are numbered from rounds x M on
+            schedule, first = two_bw_step(self.group.size, self.schedule.micro_batches, self.rounds), \
+                self.rounds * self.schedule.micro_batches
+            self.versions.begin(self.rounds)
+        losses, spans = self.training.run(
+            schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m - first)[0],
+            loss=lambda m, logits: loss_fn(logits, micro(m - first)[1]) / divisor, backward_scale=backward_scale,
+            forward_context=forward_context, clock=clock, versions=self.versions)
+        if self.versions:
+            self.versions.advance()
+        self.rounds += 1
         total = torch.zeros((), device=x0.device)
         for m in sorted(losses):
             total += losses[m]

@@ -28,6 +28,10 @@ ever exchanged.
 The loss is averaged over micro-batches exactly as on one device: each
 micro-batch's mean loss is divided by the number of micro-batches in the step
 before its backward, so the gradients add up to the gradient of the mean.
+
+PipeDream-2BW (two_bw.py): every F and BW runs on its micro-batch's weight
+version, and a round ends with micro-batches in flight (their stage inputs,
+outputs and one received gradient), which the next round's backwards finish.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from scaletrain.dist.comm import Comm, Pending
 from scaletrain.dist.mesh import Group
 from scaletrain.parallel.pipeline.partition import Stage
 from scaletrain.parallel.pipeline.schedules import Action, Schedule, Span
+from scaletrain.parallel.pipeline.two_bw import WeightVersions
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore
 
 
@@ -60,11 +65,13 @@ class PipelineRuntime:
             inputs: Callable[[int], torch.Tensor], loss: Callable[[int, torch.Tensor], torch.Tensor] | None,
             backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
             forward_context: Callable[[], AbstractContextManager] = nullcontext,
-            clock: Callable[[], float] | None = None) -> tuple[dict[int, torch.Tensor], list[Span]]:
+            clock: Callable[[], float] | None = None,
+            versions: WeightVersions | None = None) -> tuple[dict[int, torch.Tensor], list[Span]]:
         """Execute this rank's list of ``schedule``. ``inputs(m)`` is micro-batch
         m's input to the first stage, ``loss(m, output)`` its loss on the last
         (None: forward only, the outputs are returned), ``boundary(m)`` the
-        (shape, dtype, device) of its activations between stages. Returns the last stage's
+        (shape, dtype, device) of its activations between stages; ``versions``:
+        PipeDream-2BW's weights. Returns the last stage's
         per-micro-batch losses (or outputs), detached, and with ``clock`` the
         computations' spans in its time."""
         training = loss is not None and torch.is_grad_enabled()
@@ -75,20 +82,21 @@ class PipelineRuntime:
                 self._transfer(step, boundary, training)
                 continue
             start = clock() if clock else 0.0
-            if step.kind == "F":
-                result = self._forward(step, inputs, loss, forward_context, training)
-                if result is not None:
-                    results[step.micro] = result
-            elif step.kind in ("BW", "B"):
-                self._backward(step, backward_scale, deferred=step.kind == "B")
-            else:
-                self.store.flush((step.micro, step.stage))
+            with versions.computing(step) if versions else nullcontext():
+                if step.kind == "F":
+                    result = self._forward(step, inputs, loss, forward_context, training)
+                    if result is not None:
+                        results[step.micro] = result
+                elif step.kind in ("BW", "B"):
+                    self._backward(step, backward_scale, deferred=step.kind == "B")
+                else:
+                    self.store.flush((step.micro, step.stage))
             if clock:
                 spans.append(Span(step, start, clock()))
         for pending, _ in self._sending:
             pending.wait()
         self._sending.clear()
-        if self._inputs or self._outputs or self._received:
+        if versions is None and (self._inputs or self._outputs or self._received):
             raise RuntimeError(f"schedule {schedule.name} left tensors behind on rank {self.group.rank}")
         return results, spans
 

@@ -53,7 +53,10 @@ output yet (waiting for sends too costs ZB-H1 its advantage). `simulate`
 executes the lists with exactly these semantics and fails if ranks could
 wait on each other in a cycle; per pair of ranks, the receives are posted in
 the order the sends are (backends that match messages in order, NCCL's,
-need this).
+need this). One exception, PipeDream-2BW's: the gradient that a rank's
+first backward of a step needs comes from the next rank's last backward of
+the step before; it is received at the end of that step, so that no message
+is in flight across the step's collectives.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# The schedules that flush the pipeline every step (the planner models these), and the one that does not.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PIPEDREAM_2BW = "pipedream-2bw"
+ALL_SCHEDULES = (*SCHEDULES, PIPEDREAM_2BW)
 COMPUTE = ("F", "BW", "B", "W")
 TRANSFERS = ("send_act", "recv_act", "send_grad", "recv_grad")
 # Cost of each computation on one chunk, in units of a chunk's forward: equal F, B and W costs.
@@ -196,22 +202,37 @@ def _zb_h1(n: int, m: int, r: int) -> list[Action]:
     return order + [Action("W", i, r) for i in pending_w]
 
 
+def _two_bw(n: int, m: int, r: int, step: int) -> list[Action]:
+    """PipeDream-2BW's step ``step`` on rank r: the forwards of that version's
+    micro-batches (numbered across steps), each followed by the backward of
+    the micro-batch ``N-r-1`` earlier (none before micro-batch 0: the first
+    step is 1F1B's warm-up)."""
+    lag = n - r - 1
+    order = []
+    for i in range(step * m, (step + 1) * m):
+        order.append(Action("F", i, r))
+        if i >= lag:
+            order.append(Action("BW", i - lag, r))
+    return order
+
+
 def compute_orders(name: str, n: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Each rank's computations, in order, for schedule ``name``."""
+    """Each rank's computations, in order, for schedule ``name`` (PipeDream-2BW: its steady state)."""
     check(name, n, m, v)
     builders: dict[str, Callable[[int], list[Action]]] = {
         "gpipe": lambda r: _gpipe(n, m, r),
         "1f1b": lambda r: _one_f_one_b(n, m, r),
         "interleaved": lambda r: _interleaved(n, m, v, r),
         "zb-h1": lambda r: _zb_h1(n, m, r),
+        PIPEDREAM_2BW: lambda r: _two_bw(n, m, r, 1),
     }
     return [builders[name](r) for r in range(n)]
 
 
 def check(name: str, n: int, m: int, v: int) -> None:
     """The (N, M, V) a schedule accepts; ValueError in the user's words otherwise."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if n < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline sizes must be at least 1, got pp {n}, microbatches {m}, "
                          f"virtual stages {v}")
@@ -223,6 +244,10 @@ def check(name: str, n: int, m: int, v: int) -> None:
     if name == "interleaved" and m % n:
         raise ValueError(f"the interleaved schedule sends micro-batches in groups of --pp {n}; "
                          f"choose --microbatches divisible by {n}, not {m}")
+    if name == PIPEDREAM_2BW and m < n:
+        raise ValueError(f"pipedream-2bw makes a weight version every --microbatches micro-batches and keeps "
+                         f"two; with fewer than --pp {n} a third would still be in flight: choose --microbatches "
+                         f"{n} or more, not {m}")
 
 
 # -- communication ---------------------------------------------------------------
@@ -246,9 +271,29 @@ def _with_transfers(orders: list[list[Action]], n: int, stages: int) -> tuple[tu
 
 
 def build(name: str, n: int, m: int, v: int = 1) -> Schedule:
-    """The schedule ``name`` for N ranks, M micro-batches and V chunks per rank."""
+    """The schedule ``name`` for N ranks, M micro-batches and V chunks per rank
+    (PipeDream-2BW: one step of its steady state, `two_bw_step` 1)."""
+    if name == PIPEDREAM_2BW:
+        check(name, n, m, v)
+        return two_bw_step(n, m, 1)
     orders = compute_orders(name, n, m, v)
     return Schedule(name, n, m, v, _with_transfers(orders, n, n * v))
+
+
+def two_bw_step(n: int, m: int, step: int) -> Schedule:
+    """PipeDream-2BW's step ``step`` (0: the warm-up), transfers placed by the
+    rule, except the gradient that the next step's first backward needs when
+    this step produces it: received at this step's end (the module docstring)."""
+
+    def produced_in(recv: Action) -> int:  # the step of the backward that sends this gradient
+        return (recv.micro + n - recv.stage - 1) // m
+
+    this, following = (_with_transfers([_two_bw(n, m, r, s) for r in range(n)], n, n) for s in (step, step + 1))
+    actions = tuple(
+        tuple(a for a in mine if a.kind != "recv_grad" or produced_in(a) == step)
+        + tuple(a for a in ahead if a.kind == "recv_grad" and produced_in(a) == step)
+        for mine, ahead in zip(this, following))
+    return Schedule(PIPEDREAM_2BW, n, m, 1, actions)
 
 
 def forward_only(n: int, m: int, v: int = 1) -> Schedule:
@@ -260,8 +305,11 @@ def forward_only(n: int, m: int, v: int = 1) -> Schedule:
 # -- properties, for the tests, the drawing and the planner ---------------------
 def live_activations(order: list[Action]) -> int:
     """The most chunk-activations a rank holds at once: a micro-batch's from
-    its F until its backward is complete (BW, or W when backward is split)."""
-    live = peak = 0
+    its F until its backward is complete (BW, or W when backward is split);
+    a backward without its F in ``order`` (PipeDream-2BW) finishes a
+    micro-batch held since the step before."""
+    forwarded = {(a.micro, a.stage) for a in order if a.kind == "F"}
+    live = peak = sum(a.kind in ("BW", "W") and (a.micro, a.stage) not in forwarded for a in order)
     for a in order:
         if a.kind == "F":
             live += 1
@@ -275,7 +323,8 @@ def bubble_formula(name: str, n: int, m: int, v: int = 1, costs: dict[str, float
     """The idle share of a step the papers give, for uniform stages."""
     f, b, w = costs["F"], costs["B"], costs["W"]
     busy = m * v * (f + b + w)
-    idle = (n - 1) * ((f + b - w) if name == "zb-h1" else (f + b + w))
+    # Per rank: 1F1B's fill and drain; ZB-H1 fills the drain with W's; 2BW has no drain, only the fill.
+    idle = (n - 1) * {"zb-h1": f + b - w, PIPEDREAM_2BW: f}.get(name, f + b + w)
     return idle / (busy + idle)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline.schedules import (
     COMPUTE,
+    PIPEDREAM_2BW,
     Action,
     Schedule,
     Span,
@@ -46,7 +47,7 @@ DEFAULT_WIDTH = 125
 _ANSI = {"F": ("44;97", "104;30"), "B": ("42;30", "102;30"), "W": ("43;30", "103;30")}
 _PNG_COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
 _FORMULAS = {"gpipe": "(N-1)/(M+N-1)", "1f1b": "(N-1)/(M+N-1)", "interleaved": "(N-1)/(VM+N-1)",
-             "zb-h1": "(N-1)/(3M+N-1)"}
+             "zb-h1": "(N-1)/(3M+N-1)", PIPEDREAM_2BW: "(N-1)/(3M+N-1)"}
 _NO_RECORD = "train with --pp 2 or more to record one."
 
 
@@ -59,23 +60,44 @@ def _kind(action: Action) -> str:
     return "B" if action.kind == "BW" else action.kind
 
 
-def _chunk(action: Action, ranks: int) -> int:
-    return action.stage // ranks
+@dataclass(frozen=True)
+class Pale:
+    """Which blocks are drawn pale (lower case, lighter colours): a rank's odd
+    chunks, or with ``micro_batches`` (PipeDream-2BW) the odd weight versions."""
+
+    ranks: int
+    micro_batches: int | None = None
+
+    def __call__(self, action: Action) -> int:
+        return (action.micro // self.micro_batches if self.micro_batches else action.stage // self.ranks) % 2
+
+    @property
+    def meaning(self) -> str:
+        return "odd weight versions" if self.micro_batches else "odd chunks"
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> "Pale":
+        return cls(schedule.ranks, schedule.micro_batches if schedule.name == PIPEDREAM_2BW else None)
 
 
-def _label(action: Action, ranks: int) -> str:
+def _label(action: Action, pale: Pale) -> str:
     letter = _kind(action)
-    return f"{letter.lower() if _chunk(action, ranks) % 2 else letter}{action.micro}"
+    return f"{letter.lower() if pale(action) else letter}{action.micro}"
 
 
 def legend(schedule: Schedule) -> str:
     backward = "B input gradient, W weight gradients" if schedule.split_backward \
         else "B backward (input and weight gradients)"
     chunks = "; lower case: the rank's odd chunks (stage = chunk x N + rank)" if schedule.virtual_stages > 1 else ""
+    if schedule.name == PIPEDREAM_2BW:
+        m = schedule.micro_batches
+        chunks = (f"; micro-batches numbered across steps: this step forwards {m}-{2 * m - 1} on weight version 1 "
+                  f"(lower case: the odd versions) while each rank's first backwards finish version 0's on its "
+                  f"stashed weights")
     return f"F forward, {backward}, each followed by its micro-batch where there is room{chunks}; '.' idle"
 
 
-def _cells_per_unit(spans: list[list[Span]], columns: int) -> tuple[float, bool]:
+def _cells_per_unit(spans: list[list[Span]], columns: int, pale: Pale) -> tuple[float, bool]:
     """Characters per time unit: enough for the shortest block to show its label
     and a space, at most what fits in ``columns``; and whether every block has
     room for its label. A whole number of characters for the shortest block when
@@ -84,7 +106,7 @@ def _cells_per_unit(spans: list[list[Span]], columns: int) -> tuple[float, bool]
     flat = [s for rank in spans for s in rank]
     total = extent(spans)[1]
     shortest = min((s.end - s.start for s in flat if s.end > s.start), default=total)
-    label = max(len(_label(s.action, len(spans))) for s in flat)
+    label = max(len(_label(s.action, pale)) for s in flat)
     cells = min(label + 1, columns * shortest / total)
     return (math.floor(cells) if cells >= 1 else cells) / shortest, cells >= label
 
@@ -101,14 +123,15 @@ def _paint(cells: list[str], kinds: list[str | None]) -> str:
 
 
 def draw_text(spans: list[list[Span]], *, colour: bool = False, width: int | None = None,
-              unit: str = "unit", title: str = "timeline") -> str:
+              unit: str = "unit", title: str = "timeline", pale: Pale | None = None) -> str:
     """A line ``title, 1 unit = k characters:``, then one row per rank, ``width``
     characters at most (blocks narrower than one character still take one).
     When the labels do not fit, every block is its letter repeated: a number
-    on some blocks only would read as noise."""
+    on some blocks only would read as noise. ``pale``: by default, the odd chunks."""
     ranks = len(spans)
+    pale = pale or Pale(ranks)
     frame = f"rank {ranks - 1} |"
-    scale, labelled = _cells_per_unit(spans, (width or DEFAULT_WIDTH) - len(frame) - 1)
+    scale, labelled = _cells_per_unit(spans, (width or DEFAULT_WIDTH) - len(frame) - 1, pale)
     t0, total = extent(spans)
     length = round(total * scale)
     per = f"1 {unit} = {scale:.3g} characters" if scale >= 1 else f"1 character = {1 / scale:.3g} {unit}"
@@ -118,40 +141,41 @@ def draw_text(spans: list[list[Span]], *, colour: bool = False, width: int | Non
         for s in rank:
             a = min(round((s.start - t0) * scale), length - 1)
             b = max(round((s.end - t0) * scale), a + 1)
-            label = _label(s.action, ranks)
+            label = _label(s.action, pale)
             cells[a:b] = label.ljust(b - a)[: b - a] if labelled else label[0] * (b - a)
-            kinds[a:b] = [_ANSI[_kind(s.action)][_chunk(s.action, ranks) % 2]] * (b - a)
+            kinds[a:b] = [_ANSI[_kind(s.action)][pale(s.action)]] * (b - a)
         row = _paint(cells, kinds) if colour else "".join(cells)
         lines.append(f"rank {r:>{len(str(ranks - 1))}} |{row}|")
     return "\n".join(lines)
 
 
-def _shade(kind: str, chunk: int) -> tuple[float, ...]:
-    """The kind's colour, paler on odd chunks (as the terminal drawing's lower case)."""
+def _shade(kind: str, pale: int) -> tuple[float, ...]:
+    """The kind's colour, paler on pale blocks (as the terminal drawing's lower case)."""
     from matplotlib.colors import to_rgb
 
-    mix = 0.45 if chunk % 2 else 0.0
+    mix = 0.45 if pale else 0.0
     return tuple(c + (1 - c) * mix for c in to_rgb(_PNG_COLOURS[kind]))
 
 
-def _gantt(axes, spans: list[list[Span]], inches: float) -> None:
+def _gantt(axes, spans: list[list[Span]], inches: float, pale: Pale) -> None:
     ranks = len(spans)
     t0, total = extent(spans)
     for r, rank in enumerate(spans):
         axes.broken_barh([(s.start - t0, s.end - s.start) for s in rank], (r - 0.4, 0.8),
-                         facecolors=[_shade(_kind(s.action), _chunk(s.action, ranks)) for s in rank],
+                         facecolors=[_shade(_kind(s.action), pale(s.action)) for s in rank],
                          edgecolor="white", linewidth=0.5)
         for s in rank:  # the micro-batch number, where it fits (a digit is ~0.6 font sizes wide)
             if (s.end - s.start) / total * inches * 72 >= len(str(s.action.micro)) * 7 * 0.6 + 2:
                 axes.text((s.start + s.end) / 2 - t0, r, str(s.action.micro), ha="center", va="center",
-                          fontsize=7, color="black" if _chunk(s.action, ranks) % 2 else "white")
+                          fontsize=7, color="black" if pale(s.action) else "white")
     axes.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     axes.set_ylim(ranks - 0.5, -0.5)  # rank 0 on top
     axes.set_xlim(0, total)
 
 
-def draw_png(path: Path, panels: list[tuple[str, list[list[Span]], str]]) -> None:
-    """A Gantt chart per (title, spans, x label), stacked, written as a PNG."""
+def draw_png(path: Path, panels: list[tuple[str, list[list[Span]], str]], pale: Pale | None = None) -> None:
+    """A Gantt chart per (title, spans, x label), stacked, written as a PNG; ``pale``
+    as in `draw_text`."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write files only
@@ -163,11 +187,12 @@ def draw_png(path: Path, panels: list[tuple[str, list[list[Span]], str]]) -> Non
     figure, axes = plt.subplots(len(panels), 1, squeeze=False,
                                 figsize=(inches, len(panels) * (0.4 * ranks + 1.4)))
     for ax, (title, spans, xlabel) in zip(axes[:, 0], panels):
-        _gantt(ax, spans, inches * 0.85)
+        shading = pale or Pale(len(spans))
+        _gantt(ax, spans, inches * 0.85, shading)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
-        shown = {(_kind(s.action), _chunk(s.action, len(spans)) % 2) for rank in spans for s in rank}
-        ax.legend(handles=[Patch(color=_shade(k, odd), label=f"{k}, odd chunks" if odd else k)
+        shown = {(_kind(s.action), shading(s.action)) for rank in spans for s in rank}
+        ax.legend(handles=[Patch(color=_shade(k, odd), label=f"{k}, {shading.meaning}" if odd else k)
                            for odd in (0, 1) for k in "FBW" if (k, odd) in shown],
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     figure.tight_layout()
@@ -258,11 +283,12 @@ class Timeline:
         """The drawings, the legend, the bubble line and the peak activations."""
         summary = self.to_json()
         chunk = "chunk " if self.schedule.virtual_stages > 1 else ""
+        pale = Pale.of(self.schedule)
         parts = [draw_text(self.planned, colour=colour, width=width, unit=f"{chunk}forward",
-                           title=f"{self.heading}, planned")]
+                           title=f"{self.heading}, planned", pale=pale)]
         if self.measured is not None:
             parts.append(draw_text(_scaled(self.measured, 1e3), colour=colour, width=width, unit="ms",
-                                   title=f"measured at step {self.step}"))
+                                   title=f"measured at step {self.step}", pale=pale))
         line = (f"bubble: planned {summary['bubble_planned']:.4f} (formula {formula_text(self.schedule.name)} "
                 f"= {summary['bubble_formula']:.4f})")
         if self.measured is not None:

@@ -75,7 +75,7 @@ class PipelineParallel:
         self.versions = WeightVersions(model, micro_batches) if schedule == PIPEDREAM_2BW else None
         self.rounds = 0  # rounds run so far: PipeDream-2BW's step, which numbers its micro-batches
         # PipeDream-2BW's rounds leave micro-batches in flight, kept apart from evaluation's.
-        self.training = PipelineRuntime(self.stages, comm, group) if self.versions else self.runtime
+        self.training_runtime = PipelineRuntime(self.stages, comm, group) if self.versions else self.runtime
         params = dict(model.named_parameters())
         # Tied weights on this rank, with every pp rank holding a copy (ascending).
         self.shared = [(params[name], sorted({self.schedule.rank_of(s) for s in stages}))
@@ -128,7 +128,7 @@ class PipelineParallel:
             schedule, first = two_bw_step(self.group.size, self.schedule.micro_batches, self.rounds), \
                 self.rounds * self.schedule.micro_batches
             self.versions.begin(self.rounds)
-        losses, spans = self.training.run(
+        losses, spans = self.training_runtime.run(
             schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m - first)[0],
             loss=lambda m, logits: loss_fn(logits, micro(m - first)[1]) / divisor, backward_scale=backward_scale,
             forward_context=forward_context, clock=clock, versions=self.versions)

@@ -139,7 +139,8 @@ class WeightVersions:
         self.buffers[step + 1] = following
 
     def exchange(self, grad_of: Callable[[nn.Parameter], torch.Tensor | None]) -> bool:
-        """Whether the parameters hold a gradient for this step's update (the first step's do not)."""
+        """Whether the parameters hold a gradient for this step's update (the first step's do not);
+        it went in during the round, so ``grad_of`` (`DelayedGradient`'s) is not needed here."""
         ready, self.handed_off = self.handed_off is not None, None
         return ready
 

@@ -173,6 +173,7 @@ def _train(build, steps: int = 100) -> float:
     return F.cross_entropy(logits.flatten(0, 1), y[:, _PERIOD:].flatten()).item()
 
 
+@pytest.mark.slow  # 25 s of training
 def test_trains_a_gpt_about_as_well_as_adamw():
     adamw = _train(lambda m: build_adamw(m, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0))
     adafactor = _train(lambda m: build_adafactor(m, lr=1e-2, weight_decay=0.0))

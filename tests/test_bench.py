@@ -55,6 +55,7 @@ def test_bench_techniques_shows_each_technique_where_it_acts(corpus, tmp_path):
     assert ours["offload"]["final_loss"] == pytest.approx(base["final_loss"], rel=1e-6)
 
 
+@pytest.mark.slow  # 30 s: each mistake starts a process
 def test_bench_input_mistakes_are_one_sentence(corpus, tmp_path):
     for args, phrase in ((["bench", "warp"], "invalid choice: 'warp'"),
                          (["bench", "techniques", "--techniques", "nope"], "no technique named nope"),

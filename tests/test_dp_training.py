@@ -17,7 +17,8 @@ from tests.distributed import run_distributed
 
 
 @pytest.mark.parametrize("n, model, accum", [
-    (2, "gpt-tiny", 1), (2, "gpt-tiny", 2), (4, "gpt-tiny", 2), (2, "mlp", 2), (4, "mlp", 1),
+    (2, "gpt-tiny", 1), (2, "gpt-tiny", 2), (4, "gpt-tiny", 2), (2, "mlp", 2),
+    pytest.param(4, "mlp", 1, marks=pytest.mark.slow),
 ])
 def test_dp_reproduces_single_device_training(tiny_cfg, n, model, accum):
     """scaletrain parity --nproc N --dp N: per-step losses and final weights within 1e-5 (fp32)."""

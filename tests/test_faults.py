@@ -103,6 +103,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records]
 
 
+@pytest.mark.slow  # torchrun restarts; test_max_restarts covers the same resume under --nproc
 def test_torchrun_restarts_the_job_and_it_resumes_exactly(corpus, tmp_path):
     """Rank 1 is killed in step 5 of the first attempt; torchrun restarts both workers,
     which continue from step_000004 and log what an uninterrupted run logs."""

@@ -27,7 +27,7 @@ def _losses(cfg: Config, fused: str) -> list[float]:
 
 @pytest.mark.parametrize("changes,rel", [
     ({}, 1e-6),                                                # fused head+loss, fused AdamW
-    ({"nproc": 2, "pp": 2}, 1e-6),                             # the kernel on the last stage's logits
+    pytest.param({"nproc": 2, "pp": 2}, 1e-6, marks=pytest.mark.slow),  # the kernel on the last stage's logits
     ({"precision": "bf16", "param_dtype": "bf16"}, 1e-4),      # AdamW writes the bf16 working copies
 ], ids=["plain", "pp2", "bf16-masters"])
 def test_fused_kernels_train_as_the_unfused_run(tiny_cfg, changes, rel):

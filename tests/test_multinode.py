@@ -18,6 +18,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
+
 from scaletrain.dist import free_port
 from scaletrain.dist.mesh import ParallelDims
 
@@ -100,6 +102,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records]
 
 
+@pytest.mark.slow  # 30 s; test_launch checks the environment torchrun gives each node
 def test_two_torchrun_agents_on_loopback_train_the_one_node_job(corpus, tmp_path):
     run = tmp_path / "two-nodes" / "run"
     port = free_port()

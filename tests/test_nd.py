@@ -38,7 +38,7 @@ EIGHT = {
     "pp2-tp4-accum-recompute": dict(pp=2, tp=4, grad_accum=2, recompute="full"),
 }
 # Representative ones CI runs; the rest under `pytest -m slow`.
-EIGHT_IN_CI = {"dp2-pp2-tp2-zb-h1-sp-zero2", "pp2-tp4-accum-recompute"}
+EIGHT_IN_CI = {"dp2-pp2-tp2-zb-h1-sp-zero2"}
 
 FOUR = {
     "pp2-tp2-sp-interleaved": dict(pp=2, tp=2, sp=True, pp_schedule="interleaved", n_layers=4),

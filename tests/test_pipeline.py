@@ -255,6 +255,7 @@ def _activation_peak(cfg: Config, schedule: str, m: int) -> int:
     return json.loads((run / "memory.json").read_text())["0"]["activations_peak"]
 
 
+@pytest.mark.slow  # 27 s
 def test_1f1b_keeps_n_micro_batches_alive_where_gpipe_keeps_m(tiny_cfg):
     """The memory ledger of the first stage, M = 8, N = 2: GPipe's peak is 8 micro-batches'
     saved activations, 1F1B's 2 (and ZB-H1's too), measured against a round of one."""

@@ -23,7 +23,8 @@ if "--debug-dist" in sys.argv[1:]:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "INFO"
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from scaletrain.config import Config, add_config_flags, check_values, load_run_config, resolve  # noqa: E402
+from scaletrain.config import Config, add_config_flags, load_run_config, resolve  # noqa: E402
+from scaletrain.config_checks import check_values  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device  # noqa: E402
 

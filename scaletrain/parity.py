@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import Config, check_values
+from scaletrain.config import Config
+from scaletrain.config_checks import check_values
 from scaletrain.dist.launch import detect_environment
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune

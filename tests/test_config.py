@@ -2,7 +2,8 @@
 import pytest
 
 from scaletrain.cli import build_parser
-from scaletrain.config import Config, check_values, load_run_config, load_toml, resolve
+from scaletrain.config import Config, load_run_config, load_toml, resolve
+from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 
 

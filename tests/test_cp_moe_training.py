@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.config import check_values
+from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data

@@ -16,7 +16,8 @@ import types
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.config import Config, check_values
+from scaletrain.config import Config
+from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.models import gpt_config
 from scaletrain.plan.hardware import DEVICES, Cluster

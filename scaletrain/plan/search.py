@@ -23,7 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from scaletrain.config import Config, check_values
+from scaletrain.config import Config
+from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.plan.hardware import Cluster

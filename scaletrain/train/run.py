@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.compile import COMPILE_NOTE
-from scaletrain.config import Config, check_values, load_run_config
+from scaletrain.config import Config, load_run_config
+from scaletrain.config_checks import check_values
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.debug import RankLog, check_same_config, check_same_parameters, debug_environment

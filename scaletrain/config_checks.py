@@ -1,0 +1,237 @@
+"""The settings that contradict each other, or the world they run in: each
+refused in one sentence that says what to change, before any work starts.
+
+`check_values` needs no model and no processes, so the launching process
+runs it first; the mesh's own sizes are checked where the mesh is built
+(dist/mesh.py).
+"""
+
+from __future__ import annotations
+
+from scaletrain.config import Config, ParallelConfig
+from scaletrain.errors import UserError
+from scaletrain.parallel.pipeline import schedules
+
+_POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
+             "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "shard_group", "vocab_size",
+             "mlp_hidden", "n_layers", "n_heads", "d_model", "dp", "powersgd_rank", "moe_top_k", "moe_every",
+             "log_every", "n_positions", "n_vocab",
+             "sync_every")
+_NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
+                 "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
+                 "max_restarts")
+_ABOVE_ZERO = ("lr", "timeout", "bucket_mb", "norm_eps")
+
+
+def check_values(cfg: Config) -> None:
+    """Range checks that need no model or world: one sentence per mistake."""
+    flat = cfg.flat()
+    for name in _POSITIVE:
+        if flat[name] is not None and flat[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {flat[name]}.")
+    for name in _NON_NEGATIVE:
+        if flat[name] < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, not {flat[name]}.")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise UserError(f"--val-fraction must be between 0 and 1, not {cfg.data.val_fraction}.")
+    if not 0 <= cfg.model.dropout < 1:
+        raise UserError(f"--dropout must be in [0, 1), not {cfg.model.dropout}.")
+    for name in _ABOVE_ZERO:
+        if flat[name] <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, not {flat[name]}.")
+    positions = cfg.model.n_positions
+    if positions is not None and cfg.data.seq_len > positions:
+        raise UserError(f"--seq-len {cfg.data.seq_len} is longer than the model's {positions} positions "
+                        f"(--n-positions); choose a --seq-len of at most {positions}.")
+    if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
+        raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
+    if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
+        raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
+                        f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
+    if cfg.parallel.reduce_dtype == "bf16" and cfg.train.param_dtype != "bf16":
+        raise UserError("--reduce-dtype bf16 reduces bf16 gradients, which only --param-dtype bf16 "
+                        "produces; add it, or keep --reduce-dtype fp32.")
+    if cfg.parallel.zero:
+        for flag, used in (("--allreduce ring", cfg.parallel.allreduce != "backend"),
+                           ("--compress", cfg.parallel.compress != "none"),
+                           ("--optimizer adafactor", cfg.train.optimizer != "adamw")):
+            if used:
+                raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
+                                f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
+    _check_hybrid(cfg.parallel)
+    tp = cfg.parallel.tp
+    if cfg.model.bias and tp > 1:
+        raise UserError(f"--tp {tp} splits bias-free linear layers only, and this model has biases (--bias, "
+                        f"as GPT-2 has); use --tp 1.")
+    if cfg.parallel.sp and tp < 2:
+        raise UserError(f"--sp splits the sequence over the tp group, which needs --tp 2 or more, "
+                        f"not --tp {tp}; add --tp or drop --sp.")
+    if tp > 1:
+        if cfg.parallel.sp and cfg.data.seq_len % tp:
+            raise UserError(f"--sp splits each sequence of --seq-len {cfg.data.seq_len} over --tp {tp} "
+                            f"ranks; choose a --seq-len divisible by {tp}.")
+        if cfg.train.optimizer != "adamw":
+            raise UserError(f"--tp {tp} does not combine with --optimizer adafactor: Adafactor factors the "
+                            f"second moment of whole weight matrices; drop one of the two.")
+    if cfg.train.on_nan == "stop" and cfg.train.precision == "fp16":
+        raise UserError("--on-nan stop contradicts --precision fp16, whose loss scaling finds its scale by "
+                        "skipping the steps that overflow; use --on-nan skip or another precision.")
+    if cfg.parallel.max_restarts and cfg.parallel.nproc < 2:
+        raise UserError("--max-restarts restarts the workers that --nproc spawns; add --nproc, or under "
+                        "torchrun give torchrun its own --max-restarts.")
+    if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
+        raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
+    _check_pipeline(cfg.parallel)
+    _check_local_sgd(cfg)
+    _check_mpi(cfg)
+    _check_two_bw(cfg)
+    _check_context(cfg)
+    _check_experts(cfg)
+    peak = cfg.train.peak_tflops
+    if peak is not None and peak != "measure":
+        try:
+            if float(peak) <= 0:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_hybrid(p: ParallelConfig) -> None:
+    """--shard-group and --quantize-weights (parallel/hybrid.py); the divisibility of the
+    dp group is checked with the mesh (dist/mesh.py)."""
+    if p.shard_group is not None and not p.zero:
+        raise UserError(f"--shard-group {p.shard_group} shards ZeRO's state within groups of ranks, which "
+                        f"needs --zero 1, 2 or 3; add --zero or drop --shard-group.")
+    if p.quantize_weights != "none" and p.zero != 3:
+        raise UserError(f"--quantize-weights {p.quantize_weights} compresses ZeRO-3's parameter all-gathers, "
+                        f"which only --zero 3 makes; use --zero 3 or drop --quantize-weights.")
+
+
+def _check_local_sgd(cfg: Config) -> None:
+    p, every = cfg.parallel, cfg.parallel.sync_every
+    if every == 1:
+        return
+    if p.zero:
+        raise UserError(f"--sync-every {every} keeps a whole model and optimizer on every rank, which --zero "
+                        f"{p.zero} shards over the same ranks; drop one of the two.")
+    if p.compress != "none":
+        raise UserError(f"--compress compresses the gradient all-reduce, which --sync-every {every} replaces "
+                        f"with a parameter average every {every} steps; drop one of the two.")
+    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1)):
+        if used:
+            raise UserError(f"--sync-every {every} averages whole replicas over plain data parallelism and does "
+                            f"not combine with {flag} in this version; drop one of the two.")
+    for flag, value in (("--checkpoint-every", cfg.run.checkpoint_every),
+                        ("--stop-at", cfg.run.stop_at if cfg.run.stop_at != cfg.train.steps else None)):
+        if value and value % every:
+            lower = value - value % every
+            raise UserError(f"{flag} {value} must be a multiple of --sync-every {every}, so that every "
+                            f"checkpoint holds averaged replicas; choose "
+                            f"{f'{lower} or ' if lower else ''}{lower + every}.")
+
+
+def _check_mpi(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.backend != "mpi4py":
+        return
+    if p.nproc > 1:
+        raise UserError(f"--backend mpi4py takes its processes from mpirun; run mpirun -n {p.nproc} scaletrain "
+                        f"train ... without --nproc.")
+    # Without a torch process group the main rank writes checkpoints alone, which holds
+    # everything only when every rank holds the same whole model and optimizer.
+    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
+                       ("--zero", p.zero > 0), ("--sync-every", p.sync_every > 1)):
+        if used:
+            raise UserError(f"--backend mpi4py runs plain data parallelism, whose ranks all hold the same model "
+                            f"and optimizer, and does not combine with {flag} in this version; drop {flag} or "
+                            f"use --backend gloo.")
+    if p.reduce_dtype == "bf16":
+        raise UserError("--backend mpi4py reduces numpy buffers, and numpy has no bfloat16; use --reduce-dtype "
+                        "fp32 or --backend gloo.")
+
+
+def _check_context(cfg: Config) -> None:
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.data.seq_len % (2 * cp):
+        raise UserError(f"--cp {cp} cuts each sequence into {2 * cp} equal chunks (two per rank, for "
+                        f"balanced causal work); choose a --seq-len divisible by {2 * cp}.")
+    if cfg.parallel.sp and cfg.data.seq_len // cp % cfg.parallel.tp:
+        raise UserError(f"--sp splits each rank's {cfg.data.seq_len // cp} positions over --tp "
+                        f"{cfg.parallel.tp}; choose a --seq-len divisible by {cp * cfg.parallel.tp}.")
+    if cfg.model.dropout > 0:
+        raise UserError(f"--cp {cp} computes attention by ring attention, which has no dropout; "
+                        f"use --dropout 0.")
+    if cfg.train.compile:
+        raise UserError(f"--compile cannot capture ring attention's point-to-point hops, which --cp {cp} "
+                        f"puts in every block; drop --compile.")
+
+
+def _check_experts(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if not m.moe_experts:
+        if p.ep > 1:
+            raise UserError(f"--ep {p.ep} divides the experts of a mixture of experts; add --moe-experts "
+                            f"(a multiple of {p.ep}) or use --ep 1.")
+        return
+    if m.name == "mlp":
+        raise UserError("--moe-experts replaces the GPT models' MLP blocks; drop it for the mlp.")
+    if m.moe_top_k > m.moe_experts:
+        raise UserError(f"--moe-top-k {m.moe_top_k} routes each token to more experts than the "
+                        f"{m.moe_experts} there are; choose at most {m.moe_experts}.")
+    if m.moe_capacity is not None and m.moe_capacity <= 0:
+        raise UserError(f"--moe-capacity must be positive, not {m.moe_capacity}; leave it out for "
+                        f"dropless routing.")
+    if p.ep > 1 and m.moe_experts % p.ep:
+        raise UserError(f"--ep {p.ep} must divide the {m.moe_experts} experts; choose --moe-experts "
+                        f"divisible by {p.ep}.")
+    # Each sequence is one routing group (its capacity and balance loss): a layout
+    # that splits a sequence over ranks would route its pieces apart.
+    for flag, used in (("--cp", p.cp > 1), ("--sp", p.sp)):
+        if used:
+            raise UserError(f"{flag} splits each sequence over ranks, but a mixture of experts routes "
+                            f"each sequence as one group; drop {flag} or --moe-experts.")
+    for flag, used in (("--pp", p.pp > 1), ("--zero", p.zero > 0 and p.ep > 1),
+                       ("--compress", p.compress != "none" and p.ep > 1)):
+        if used:
+            raise UserError(f"{flag} does not combine with "
+                            f"{'--moe-experts' if flag == '--pp' else '--ep'} in this version; drop one "
+                            f"of the two.")
+
+
+def _check_two_bw(cfg: Config) -> None:
+    """What PipeDream-2BW's lagging update and never-drained pipeline cannot go with."""
+    t, p, r = cfg.train, cfg.parallel, cfg.run
+    if p.pp_schedule != schedules.PIPEDREAM_2BW:
+        return
+    for flag, used, why in (
+            ("--grad-accum", t.grad_accum > 1 and p.pp > 1, "a weight version's gradient is that of its "
+             "--microbatches micro-batches; give --microbatches M x A instead"),
+            ("--zero", p.zero > 0, "ZeRO steps flat shards of the weights, where 2BW keeps two versions of "
+             "whole ones; use --zero 0"),
+            ("--precision fp16", t.precision == "fp16", "the loss scale could change between the steps over "
+             "which a version's gradient accumulates; use bf16 or fp32"),
+            ("--checkpoint-every, --resume, --stop-at or --max-restarts",
+             bool(r.checkpoint_every or r.resume or r.stop_at or p.max_restarts),
+             "between steps the older weight version and its micro-batches are still in flight, so the run "
+             "saves only at its end; drop them")):
+        if used:
+            raise UserError(f"--pp-schedule pipedream-2bw does not combine with {flag}: {why}.")
+
+
+def _check_pipeline(p: ParallelConfig) -> None:
+    if p.pp == 1:
+        for flag, used in (("--microbatches", (p.microbatches or 1) > 1),
+                           ("--virtual-stages", (p.virtual_stages or 1) > 1)):
+            if used:
+                raise UserError(f"{flag} shapes a pipeline, which needs --pp 2 or more; add --pp, or use "
+                                f"--grad-accum for more micro-batches per step.")
+        return
+    try:
+        schedules.check(p.pp_schedule, p.pp, *p.pipeline_sizes())
+    except ValueError as exc:
+        raise UserError(f"{exc}.") from None
+    if p.zero == 3:
+        raise UserError(f"--zero 3 gathers and frees each layer around the whole model's forward and "
+                        f"backward, which pipeline stages never run as one; use --zero 1 or 2 with --pp {p.pp}.")

@@ -4,7 +4,6 @@ running the same rule, and training beside 1F1B."""
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.test_pipeline import _tied_weight_after_training
+from tests.test_schedules import assert_receives_match_sends
 from tests.trainers import build_trainer
 
 SIZES = [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]
@@ -57,12 +57,7 @@ def test_no_message_crosses_a_step_and_the_steps_respect_every_dependency(n, m):
     at, start = {}, 0.0
     for t in range(STEPS):
         schedule = two_bw_step(n, m, t)
-        for a, b in itertools.permutations(range(n), 2):
-            sends = [(x.kind[5:], x.micro, x.stage) for x in schedule.actions[a]
-                     if x.kind.startswith("send") and x.peer == b]
-            recvs = [(x.kind[5:], x.micro, x.stage) for x in schedule.actions[b]
-                     if x.kind.startswith("recv") and x.peer == a]
-            assert sends == recvs
+        assert_receives_match_sends(schedule, n)
         spans = simulate(schedule)  # raises on a cycle of waits
         for rank in spans:
             for s in rank:

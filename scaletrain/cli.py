@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--vocab", type=int, default=50304, metavar="V", help="vocabulary size [50304]")
     plan.add_argument("--seq", type=int, default=1024, metavar="S", help="tokens per sequence [1024]")
     plan.add_argument("--global-batch", type=int, metavar="G",
-                      help="sequences per optimizer step, the same for every layout [8 x --gpus]")
+                      help="sequences per optimizer step, the same for every layout [micro-batch x grad-accum "
+                           "x microbatches x the data-parallel size, each as given, else 8, 1, 1 and what the "
+                           "given sizes leave of --gpus]")
     plan.add_argument("--gpus", type=int, default=8, metavar="N", help="devices in the cluster [8]")
     plan.add_argument("--gpus-per-node", type=int, metavar="N",
                       help="devices per node, joined by the fast link [min(8, --gpus)]")
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, meaning in (("dp", "data-parallel size"), ("tp", "tensor-parallel size (searched within a node)"),
                           ("pp", "pipeline stages"), ("cp", "context-parallel size"), ("ep", "expert-parallel size"),
                           ("micro-batch", "sequences per rank per micro-batch (searched in powers of two)"),
+                          ("grad-accum", "micro-batches (pipeline rounds with --pp) accumulated per step"),
                           ("microbatches", "micro-batches per pipeline round [the whole per-rank batch]"),
                           ("virtual-stages", "stages per rank [2 for interleaved, else 1]")):
         fixed.add_argument(f"--{name}", type=int, metavar="N", help=meaning)
@@ -310,10 +313,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 PLAN_FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
-              "virtual_stages", "micro_batch", "shard_group", "quantize_weights")
+              "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights")
 PLAN_POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
-                 "dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "virtual_stages", "moe_top_k",
-                 "shard_group")
+                 "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
+                 "moe_top_k", "shard_group")
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -331,8 +334,6 @@ def _parse_size(text: str) -> int:
 
 def _plan_cluster(args: argparse.Namespace) -> Cluster:
     """The devices to plan for. A CPU "node" is this machine: its ranks share its memory."""
-    import os
-
     per_node = args.gpus_per_node or min(8, args.gpus)
     if args.gpus % per_node:
         raise UserError(f"--gpus-per-node {per_node} must divide --gpus {args.gpus}; the nodes are equal.")
@@ -372,7 +373,7 @@ def _plan_base(args: argparse.Namespace, gpu: bool) -> Config:
 def _plan(args: argparse.Namespace) -> int:
     from scaletrain.plan import report
     from scaletrain.plan.predict import predict
-    from scaletrain.plan.search import search
+    from scaletrain.plan.search import derived_global_batch, search
 
     for name in PLAN_POSITIVE:
         value = getattr(args, name)
@@ -381,7 +382,7 @@ def _plan(args: argparse.Namespace) -> int:
     base = _plan_base(args, gpu=args.gpu != "cpu")
     cluster = _plan_cluster(args)
     fixed = {name for name in PLAN_FIXED if getattr(args, name) is not None}
-    global_batch = args.global_batch or 8 * args.gpus
+    global_batch = args.global_batch or derived_global_batch(base, cluster.gpus, fixed)
     result = search(base, cluster, args.vocab, global_batch, fixed, predict)
     result.best()  # none fits: one sentence, exit code 2
     if args.png:
@@ -405,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"scaletrain {args.command}: interrupted.", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of the output left (``| head``): stop quietly, as a shell tool does. Pointing
+        # stdout at /dev/null keeps the interpreter's final flush from failing a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def test_a_batch_no_layout_can_split_and_a_model_that_fits_nowhere_are_user_erro
 def test_json_has_the_shape_of_cli_md(result):
     data = to_json(result, top=3)
     assert json.loads(json.dumps(data)) == data
-    assert set(data) == {"candidates", "dropped", "cluster"}
+    assert set(data) == {"candidates", "dropped", "global_batch", "cluster"}
     candidates = data["candidates"]
     assert len(candidates) == 6
     for candidate in candidates:
@@ -277,8 +277,7 @@ def test_plan_prints_json_best_first(planner, capsys):
     assert first["fits"]
     layout = first["layout"]
     assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] * layout["ep"] == 8
-    assert layout["micro_batch"] * layout["grad_accum"] * layout.get("microbatches", 1) * layout["dp"] * \
-        layout["ep"] == 64  # default global batch: 8 x gpus
+    assert _global_batch(layout) == 64 == data["global_batch"]  # nothing given: 8 per data-parallel rank
     assert layout["precision"] == "bf16"
     speeds = [c["tokens_per_s"] for c in data["candidates"] if c["fits"]]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) == 3
@@ -294,6 +293,34 @@ def test_plan_honours_fixed_flags(planner, capsys):
         layout = candidate["layout"]
         assert (layout["tp"], layout["zero"], layout["recompute"], layout["sp"], layout["micro_batch"]) == \
             (2, 1, "full", False, 2)
+
+
+def _global_batch(layout: dict) -> int:
+    return layout["micro_batch"] * layout["grad_accum"] * (layout.get("microbatches") or 1) * layout["dp"] * \
+        layout["ep"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--gpus", "1", "--micro-batch", "64"], 64),                        # one device: the micro-batch is the batch
+    (["--gpus", "8", "--micro-batch", "4"], 32),                         # dp searched: 4 x the 8 ranks it can reach
+    (["--gpus", "8", "--tp", "2", "--micro-batch", "4", "--grad-accum", "2"], 32),   # 4 x 2 x dp 4
+    (["--gpus", "8", "--dp", "2", "--micro-batch", "3"], 6),
+    (["--gpus", "4", "--pp", "2", "--micro-batch", "2", "--microbatches", "4"], 16),  # 2 x 4 micro-batches x dp 2
+    (["--gpus", "4", "--tp", "4"], 8),                                   # nothing of the batch given: 8 per reader
+])
+def test_global_batch_follows_what_was_given(planner, capsys, args, expected):
+    """Without --global-batch the planner derives it (micro-batch x accumulation x data-parallel size)
+    instead of refusing with a batch the user never wrote; every layout keeps it and the fixed sizes."""
+    assert main(["plan", *args, "--top", "50", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["global_batch"] == expected and data["candidates"]
+    for candidate in data["candidates"]:
+        layout = candidate["layout"]
+        assert _global_batch(layout) == expected, layout
+        if "--grad-accum" in args:
+            assert layout["grad_accum"] == 2
+        if "--micro-batch" in args:
+            assert layout["micro_batch"] == int(args[args.index("--micro-batch") + 1])
 
 
 def test_plan_table_and_png(planner, capsys, tmp_path):
@@ -325,6 +352,8 @@ def test_plan_on_this_cpu(planner, capsys):
     (["--dp", "3"], "--dp 3 does not divide the 8 GPUs"),
     (["--tp", "2", "--pp", "3"], "--tp 2 x --pp 3 = 6 does not divide the 8 GPUs"),
     (["--global-batch", "3", "--dp", "2"], "--global-batch 3 cannot be split"),
+    (["--global-batch", "8", "--micro-batch", "3"], "--global-batch 8 cannot be split"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1, not 0"),
     (["--hidden", "100", "--heads", "3"], "--hidden 100 is not divisible by --heads 3"),
     (["--gpu-memory", "1MB"], "no layout fits in the 1.0 MiB of one H100"),
     (["--param-dtype", "bf16", "--precision", "fp32"], "--param-dtype bf16 needs --precision bf16"),

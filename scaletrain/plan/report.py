@@ -52,8 +52,8 @@ def format_table(result: SearchResult, top: int, cluster: Cluster) -> str:
     unit, scale = _unit(shown)
     layouts = [layout_text(p) for p in shown]
     width = max([len("layout"), *map(len, layouts)])
-    lines = [(f"{result.considered} layouts on {_cluster_text(cluster)}; {len(result.ranked)} predicted to fit, best first. "
-              f"Memory per rank in {unit}.")]
+    lines = [(f"{result.considered} layouts on {_cluster_text(cluster)}, {result.global_batch} sequences per step; "
+              f"{len(result.ranked)} predicted to fit, best first. Memory per rank in {unit}.")]
     if shown:
         lines.append(f"{'#':>3}  {'layout':<{width}}" + "".join(f"{SHORT_ROWS[r]:>8}" for r in MEMORY_ROWS)
                      + f"{'step s':>10}{'tokens/s':>14}")
@@ -86,6 +86,7 @@ def to_json(result: SearchResult, top: int) -> dict:
     return {
         "candidates": [_candidate(p) for p in result.ranked[:top] + result.too_big[:top]],
         "dropped": dropped,
+        "global_batch": result.global_batch,
         "cluster": {"device": device.name, "gpus": result.cluster.gpus,
                     "gpus_per_node": result.cluster.gpus_per_node, "memory_bytes": device.memory_bytes,
                     "peak_tflops": dict(device.tflops)},

@@ -51,6 +51,7 @@ class SearchResult:
     """
 
     cluster: Cluster
+    global_batch: int
     ranked: list[Prediction] = field(default_factory=list)
     too_big: list[Prediction] = field(default_factory=list)
     refused: dict[str, int] = field(default_factory=dict)
@@ -97,6 +98,31 @@ def layout_text(p: Prediction) -> str:
             parts.append(f"v{lay['virtual_stages']}")
     parts.append(f"ga{lay['grad_accum']}")
     return " ".join(parts)
+
+
+DEFAULT_SEQUENCES_PER_READER = 8
+
+
+def derived_global_batch(base: Config, world: int, fixed: set[str]) -> int:
+    """The global batch a user meant without writing it: ``micro_batch x grad_accum x
+    microbatches x readers``, each factor as given, else 8 sequences, 1 and 1.
+
+    ``readers`` are the ranks that read different sequences (dp x ep): the
+    given ``--dp`` (times ``--ep``), else as many as the given model-parallel
+    sizes leave of the world, so that every layout the search tries can split
+    the batch (fewer readers accumulate more). Sizes that do not divide the
+    world are the search's to refuse, in its own sentence.
+    """
+    p, t = base.parallel, base.train
+    if "dp" in fixed:
+        readers = p.dp * (p.ep if "ep" in fixed else 1)
+    else:
+        readers = max(1, world // math.prod(getattr(p, name) for name in ("tp", "pp", "cp") if name in fixed))
+    per_reader = t.micro_batch if "micro_batch" in fixed else DEFAULT_SEQUENCES_PER_READER
+    for name in ("grad_accum", "microbatches"):
+        if name in fixed:
+            per_reader *= getattr(t if name == "grad_accum" else p, name)
+    return per_reader * readers
 
 
 def _divisors(n: int) -> list[int]:
@@ -147,17 +173,26 @@ def _split(base: Config, pp: int, per_rank: int, micro_batch: int, schedule: str
     virtual = p.virtual_stages if "virtual_stages" in fixed else None
     if per_rank % micro_batch:
         return None
+    if "grad_accum" in fixed:  # the accumulation given: per_rank = micro_batch x grad_accum x microbatches
+        rounds = base.train.grad_accum
+        if (per_rank // micro_batch) % rounds or (pp == 1 and per_rank != micro_batch * rounds):
+            return None
+        per_rank //= rounds
+    else:
+        rounds = None
     if pp == 1:
-        return {"micro_batch": micro_batch, "grad_accum": per_rank // micro_batch, "virtual_stages": virtual,
-                "microbatches": p.microbatches if "microbatches" in fixed else None}
+        return {"micro_batch": micro_batch, "grad_accum": rounds or per_rank // micro_batch,
+                "virtual_stages": virtual, "microbatches": p.microbatches if "microbatches" in fixed else None}
     microbatches = p.microbatches if "microbatches" in fixed else per_rank // micro_batch
     if per_rank % (micro_batch * microbatches) or microbatches < pp:
+        return None
+    if rounds is not None and per_rank != micro_batch * microbatches:
         return None
     if schedule == "interleaved":
         if microbatches % pp:
             return None
         virtual = virtual or INTERLEAVED_CHUNKS
-    return {"micro_batch": micro_batch, "grad_accum": per_rank // (micro_batch * microbatches),
+    return {"micro_batch": micro_batch, "grad_accum": rounds or per_rank // (micro_batch * microbatches),
             "microbatches": microbatches, "pp_schedule": schedule, "virtual_stages": virtual}
 
 
@@ -302,8 +337,9 @@ def _unsplittable(base: Config, world: int, gpus_per_node: int, global_batch: in
         return UserError(f"{flags} cannot be completed to a mesh of {world} GPUs (tp stays inside a node of "
                          f"{gpus_per_node}, cp must cut --seq into 2 x cp chunks, ep needs --moe-experts); "
                          f"fix fewer sizes.")
-    unit = world * math.prod(getattr(base.train if name == "micro_batch" else base.parallel, name) or 1
-                             for name in ("micro_batch", "microbatches") if name in fixed)
+    unit = world * math.prod(getattr(base.train if name in ("micro_batch", "grad_accum") else base.parallel,
+                                     name) or 1 for name in ("micro_batch", "grad_accum", "microbatches")
+                             if name in fixed)
     return UserError(f"--global-batch {global_batch} cannot be split into equal micro-batches over the "
                      f"data-parallel ranks of any layout of {world} GPUs; choose a multiple of {unit}.")
 
@@ -319,7 +355,7 @@ def search(base: Config, cluster: Cluster, vocab_size: int, global_batch: int, f
     ``predict(cfg, world, vocab_size, cluster)`` is plan/predict.py's, or a stand-in.
     """
     world, refusals, skipped = cluster.gpus, _Refusals(cluster.gpus), Counter()
-    result = SearchResult(cluster)
+    result = SearchResult(cluster, global_batch)
     found = False
     for ladder in _ladders(base, world, cluster.gpus_per_node, global_batch, fixed):
         found = True

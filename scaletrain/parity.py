@@ -107,9 +107,10 @@ class ParityReport:
                 "reference_losses": self.reference_losses, "layout_losses": self.layout_losses}
 
 
-def _relative_diffs(layout: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+def relative_diffs(layout: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
                     ) -> tuple[dict[str, float], float]:
-    """Each tensor's relative difference, and the whole parameter vector's."""
+    """Each tensor's relative difference, and the whole parameter vector's (the pass rule's figure,
+    which tests comparing trained weights use too: the module docstring says why not per element)."""
     if layout.keys() != reference.keys():
         missing = sorted(set(reference) ^ set(layout))
         raise RuntimeError(f"the layout's checkpoint holds other tensors than the reference's: {missing}")
@@ -152,7 +153,7 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
             runs.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],
                          ckpt.read_model_tensors(summary.checkpoint)))
         (ref_losses, ref_norms, ref_params), (layout_losses, layout_norms, layout_params) = runs
-        per_tensor, whole = _relative_diffs(layout_params, ref_params)
+        per_tensor, whole = relative_diffs(layout_params, ref_params)
         return ParityReport(layout=_describe(cfg, dims), tolerance=tolerance, reference_losses=ref_losses,
                             layout_losses=layout_losses, reference_grad_norms=ref_norms,
                             layout_grad_norms=layout_norms, param_rel_diffs=per_tensor, param_rel_diff=whole)

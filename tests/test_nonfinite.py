@@ -9,6 +9,7 @@ import torch
 
 from scaletrain.errors import JobFailed
 from scaletrain.faults import Faults, parse
+from scaletrain.parity import relative_diffs
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer
@@ -65,7 +66,9 @@ def test_skip_leaves_the_step_out_on_every_rank_as_one_device_does(tiny_cfg):
     assert torch.equal(two[0]["weights"][-1], two[1]["weights"][-1])  # replicas still equal
     for a, b in zip(two[0]["records"], one["records"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    assert torch.allclose(two[0]["weights"][-1], one["weights"][-1], rtol=1e-5, atol=1e-7)
+    # parity's whole-model rule, not per element: AdamW steps by up to the learning rate wherever a
+    # gradient sits at fp32's noise floor, and dp2 sums the batch in another order than one device.
+    assert relative_diffs({"weights": two[0]["weights"][-1]}, {"weights": one["weights"][-1]})[1] <= 1e-5
 
 
 def test_fp16_defaults_to_skip_and_every_other_precision_to_stop(tiny_cfg):

@@ -9,7 +9,7 @@ import torch
 
 from scaletrain.errors import UserError
 from scaletrain.models import build_model
-from scaletrain.parity import run_parity
+from scaletrain.parity import relative_diffs, run_parity
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import execute, prepare_run
@@ -45,15 +45,17 @@ def test_mfu_with_a_given_peak(tiny_cfg):
 
 
 def test_grad_accumulation_equals_the_big_batch(tiny_cfg, tmp_path):
-    _, big = train(tiny_cfg.replace(micro_batch=8, grad_accum=1, out=str(tmp_path / "big")))
-    s2, accumulated = train(tiny_cfg.replace(micro_batch=4, grad_accum=2, out=str(tmp_path / "acc")))
-    s1 = tmp_path / "big" / "checkpoints" / "step_000004"
-    for a, b in zip(big, accumulated):
-        assert a == pytest.approx(b, rel=1e-6)
-    params_big = ckpt.read_model_tensors(s1)
-    params_acc = ckpt.read_model_tensors(s2.checkpoint)
-    for name, p in params_big.items():
-        assert torch.allclose(p, params_acc[name], rtol=1e-6, atol=1e-7), name
+    """Two micro-batches of 4 accumulate to the batch of 8, by parity's rule: the losses per step and
+    the whole trained parameter vector within 1e-5 relative. Not per element: the two runs sum the
+    batch in another order, and AdamW turns an element's gradient at fp32's noise floor into a step
+    of up to the learning rate in a direction that depends on the CPU's vector kernels."""
+    big_run, big = train(tiny_cfg.replace(micro_batch=8, grad_accum=1, out=str(tmp_path / "big")))
+    accumulated_run, accumulated = train(tiny_cfg.replace(micro_batch=4, grad_accum=2, out=str(tmp_path / "acc")))
+    assert accumulated == pytest.approx(big, rel=1e-5)
+    per_tensor, whole = relative_diffs(ckpt.read_model_tensors(accumulated_run.checkpoint),
+                                       ckpt.read_model_tensors(big_run.checkpoint))
+    assert whole <= 1e-5, per_tensor
+    assert big[-1] < big[0]  # the weights moved: the comparison is not between two untrained models
 
 
 @pytest.mark.parametrize("precision", [{"precision": "bf16"}, {"precision": "fp16"},

@@ -51,6 +51,7 @@ LAYOUTS = {
 IN_CI = {"dp2-cp2-zero1", "dp2-ep2", "ep2-tp2"}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n,changes", [
     pytest.param(n, changes, id=name, marks=() if name in IN_CI else pytest.mark.slow)
     for name, (n, changes) in LAYOUTS.items()])

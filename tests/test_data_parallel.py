@@ -77,6 +77,7 @@ def _accumulate_and_average(rank: int, n: int, accum: int, allreduce: str) -> di
             "members": [len(b.params) for b in dp.buckets]}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n", [2, 4])
 def test_buckets_average_exactly_once_per_step_and_overlap_backward(n):
     accum = 3

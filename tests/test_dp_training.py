@@ -16,6 +16,7 @@ from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n, model, accum", [
     (2, "gpt-tiny", 1), (2, "gpt-tiny", 2), (4, "gpt-tiny", 2), (2, "mlp", 2),
     pytest.param(4, "mlp", 1, marks=pytest.mark.slow),

@@ -56,6 +56,7 @@ def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: range) -
         opt.step()
 
 
+@pytest.mark.numerics
 def test_kernel_reference_and_torch_adamw_agree_over_steps():
     runs = {}
     for name in ("kernel", "reference", "torch"):

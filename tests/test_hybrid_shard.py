@@ -146,6 +146,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+@pytest.mark.numerics
 def test_hybrid_zero3_reproduces_data_parallel_and_one_device(four_ranks):
     """Per step, loss and gradient norm within 1e-5 of plain DP and of one device (fp32);
     the final weights within 1e-5 of one device's."""

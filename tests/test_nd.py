@@ -60,6 +60,7 @@ def _matrix(layouts: dict, in_ci: set[str], n: int) -> list:
             for name, changes in layouts.items()]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n,changes", _matrix(EIGHT, EIGHT_IN_CI, 8) + _matrix(FOUR, FOUR_IN_CI, 4))
 def test_layout_reproduces_single_device_training(tiny_cfg, n, changes):
     """scaletrain parity --nproc N with the layout: losses, gradient norms and final
@@ -127,6 +128,7 @@ def _run(cfg, spec, save_at):
     return run_distributed(train_and_save, n, cfg, spec, save_at, timeout_s=300)[0]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("saved,resumed", [
     pytest.param(a, b, id=name, marks=() if name in RESHARD_IN_CI else pytest.mark.slow)
     for name, (a, b) in RESHARD.items()])

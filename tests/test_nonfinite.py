@@ -52,6 +52,7 @@ def test_stop_reports_the_step_and_the_first_non_finite_gradient_on_every_rank(t
     assert "the first non-finite gradient is blocks.0.attn.qkv.weight (rank 1)" in ranks[0]["stopped"]
 
 
+@pytest.mark.numerics
 def test_skip_leaves_the_step_out_on_every_rank_as_one_device_does(tiny_cfg):
     """dp2 with the NaN on rank 1 against one process with it on rank 0, the same global batch:
     both skip step 3, and the runs agree step by step (the parity contract holds through a skip)."""

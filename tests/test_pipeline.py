@@ -183,6 +183,7 @@ PARITY = [
 ]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule,n,sizes", PARITY)
 def test_pipeline_reproduces_single_device_training(tiny_cfg, schedule, n, sizes):
     """scaletrain parity --nproc N --pp N --pp-schedule S: losses and weights within 1e-5

@@ -146,6 +146,7 @@ def test_generation_gathers_whole_logits_for_any_prompt_length():
 # -- parity ---------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n,sp", [(2, False), (4, False), (2, True), (4, True)])
 def test_tensor_parallel_reproduces_single_device_training(tiny_cfg, n, sp):
     """scaletrain parity --nproc N --tp N [--sp]: losses and weights within 1e-5 (fp32)."""

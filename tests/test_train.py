@@ -44,6 +44,7 @@ def test_mfu_with_a_given_peak(tiny_cfg):
     assert record["mfu"] == pytest.approx(record["tokens_per_s"] * flops_per_token / 1e12)
 
 
+@pytest.mark.numerics
 def test_grad_accumulation_equals_the_big_batch(tiny_cfg, tmp_path):
     """Two micro-batches of 4 accumulate to the batch of 8, by parity's rule: the losses per step and
     the whole trained parameter vector within 1e-5 relative. Not per element: the two runs sum the
@@ -58,6 +59,7 @@ def test_grad_accumulation_equals_the_big_batch(tiny_cfg, tmp_path):
     assert big[-1] < big[0]  # the weights moved: the comparison is not between two untrained models
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("precision", [{"precision": "bf16"}, {"precision": "fp16"},
                                        {"precision": "bf16", "param_dtype": "bf16"}],
                          ids=["bf16", "fp16", "bf16-weights"])
@@ -77,6 +79,7 @@ def test_grad_accumulation_in_every_precision_mode(tiny_cfg, tmp_path, precision
         assert a.get("skipped_steps") == b.get("skipped_steps")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("masters", [{}, {"precision": "bf16", "param_dtype": "bf16", "offload": "optimizer"}],
                          ids=["fp32", "bf16-offloaded-masters"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_cfg, tmp_path, masters):
@@ -130,6 +133,7 @@ def test_out_folder_holding_a_run_is_refused(tiny_cfg):
         prepare_run(tiny_cfg)
 
 
+@pytest.mark.numerics
 def test_parity_of_the_trivial_layout(tiny_cfg):
     report = run_parity(tiny_cfg.replace(out=None, steps=3), tolerance=1e-5)
     assert report.passed and report.max_loss_rel_diff == 0.0 and report.max_param_rel_diff == 0.0

@@ -184,6 +184,7 @@ def test_2bw_converges_about_as_1f1b_does(trained):
 # -- the update rule: one device running the same delayed update -------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n,changes", [
     (2, {}),
     pytest.param(4, {"n_layers": 4, "microbatches": 4}, marks=pytest.mark.slow),

@@ -32,6 +32,7 @@ def test_flat_chunks_hold_exactly_the_range():
             assert sorted(held) == list(range(start, stop)), (shape, start, stop)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("n", [2, 4])
 def test_zero_reproduces_single_device_training(tiny_cfg, stage, n):
@@ -42,6 +43,7 @@ def test_zero_reproduces_single_device_training(tiny_cfg, stage, n):
     assert report.reference_losses[0] != report.reference_losses[-1]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("changes", [
     dict(name="gpt-tiny", zero=2, grad_accum=2, nproc=4, dp=4),
     dict(name="gpt-tiny", zero=3, grad_accum=2, recompute="full", nproc=2, dp=2),

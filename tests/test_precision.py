@@ -59,6 +59,8 @@ def _run_ours(model, opt, scaler, batches, start=0):
                                       lambda p: torch.optim.AdamW(p, lr=1e-2)],
                          ids=["sgd", "adamw"])
 def test_scaler_matches_gradscaler(make_opt):
+    """Bit for bit on any CPU: the loss scales are powers of two, so scaling and unscaling are exact,
+    and both optimizers then step on bit-identical gradients with the same kernels."""
     batches = _batches(20)
     ref_model, our_model = _model(), _model()
     ref_opt, our_opt = make_opt(ref_model.parameters()), make_opt(our_model.parameters())

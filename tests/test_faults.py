@@ -14,12 +14,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from scaletrain.dist import free_port
+from scaletrain.dist.health import Health
+from scaletrain.dist.launch import ProcessEnv
 
 TIMEOUT_S = 10  # --timeout of these jobs: short, as a test's should be
 
@@ -103,7 +108,17 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records]
 
 
-@pytest.mark.slow  # torchrun restarts; test_max_restarts covers the same resume under --nproc
+def test_heartbeats_stop_before_the_process_exits():
+    """No heartbeat thread outlives `Health.stop`: one that is inside ``store.add`` while a
+    torchrun worker's interpreter finalizes aborts the finished process (dist/health.py)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=5))  # noqa: F841
+    health = Health(ProcessEnv(0, 1, 0, 1, "127.0.0.1", port, "torchrun"), timeout_s=2)
+    assert any(thread.name == "scaletrain-heartbeat" for thread in threading.enumerate())
+    health.stop()
+    assert not any(thread.name == "scaletrain-heartbeat" for thread in threading.enumerate())
+
+
 def test_torchrun_restarts_the_job_and_it_resumes_exactly(corpus, tmp_path):
     """Rank 1 is killed in step 5 of the first attempt; torchrun restarts both workers,
     which continue from step_000004 and log what an uninterrupted run logs."""

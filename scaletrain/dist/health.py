@@ -21,6 +21,14 @@ waiting and where that rank is instead.
 
 Keys live under ``scaletrain/health/<attempt>/``, the restart count of the
 launch, because the agent's store keeps the keys of earlier attempts.
+
+`stop` joins the thread rather than leaving it to die with the process. A
+daemon thread that returns from a C++ call (``store.add``, which releases the
+GIL) while the interpreter finalizes is ended by a forced unwind
+(``pthread_exit``), and that unwind through pybind11's ``noexcept`` GIL guard
+calls ``std::terminate``: the process aborts ("terminate called without an
+active exception", exit code 134) after its work is done. A worker started by
+torchrun exits through that finalization; under load the race is common.
 """
 
 from __future__ import annotations
@@ -52,8 +60,9 @@ class Health:
         self.env = env
         self.interval = heartbeat_interval(timeout_s)
         self._prefix = f"scaletrain/health/{restart_attempt()}"
+        self._store_timeout = max(5.0, 2 * self.interval)
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                    timeout=timedelta(seconds=max(5.0, 2 * self.interval)))
+                                    timeout=timedelta(seconds=self._store_timeout))
         self._stop = threading.Event()
         self._tracker: CollectiveTracker | None = None
         self._published = -1  # the tracker version last written
@@ -145,4 +154,7 @@ class Health:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def stop(self) -> None:
+        """End the heartbeats and wait for the thread: a store call it is in returns within the
+        store's timeout, so the wait is bounded, and no thread is in C++ when the process exits."""
         self._stop.set()
+        self._thread.join(timeout=self._store_timeout + self.interval)

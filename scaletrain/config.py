@@ -22,6 +22,7 @@ import tomli_w
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline import schedules
+from scaletrain.paths import readable_file
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None) -> Any:
@@ -311,9 +312,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config into {field name: value}, sections or flat keys."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--config {path} does not exist; give the path of a TOML file.")
+    path = readable_file("--config", path, "the path of a TOML file")
     try:
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

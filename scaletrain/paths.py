@@ -91,17 +91,16 @@ def _check_creatable(flag: str, given: Path, folder: Path) -> None:
     """Refuse ``given`` unless ``folder``, or the nearest ancestor of it that exists,
     is a folder that takes new files (``given`` is what the sentence names)."""
     existing = next(p for p in (folder, *folder.parents) if os.path.exists(p))
+    # The sentence's subject: the path itself, or the path and the ancestor at fault.
+    where = f"{flag} {given}" if existing == given else f"{flag} {given}: {existing}"
     if not existing.is_dir():
-        raise UserError(f"{flag} {given}: {existing} is a file, not a folder; give a path whose parents are "
-                        f"folders.")
+        raise UserError(f"{where} is a file, not a folder; give a path whose parents are folders.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {given}: {existing} is not writable by this user; change its permissions or "
-                        f"choose a folder you can write to.")
+        raise UserError(f"{where} is not writable by this user; change its permissions or choose a folder you "
+                        f"can write to.")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".scaletrain-probe-", dir=existing))
     except OSError as exc:
         if exc.errno == errno.EROFS:
-            raise UserError(f"{flag} {given}: {existing} is on a read-only filesystem; choose a folder on a "
-                            f"writable disk.") from None
-        raise UserError(f"{flag} {given}: {existing} refuses new files ({exc.strerror}); choose a folder on a "
-                        f"writable disk.") from None
+            raise UserError(f"{where} is on a read-only filesystem; choose a folder on a writable disk.") from None
+        raise UserError(f"{where} refuses new files ({exc.strerror}); choose a folder on a writable disk.") from None

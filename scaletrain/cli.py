@@ -224,9 +224,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.out is None:
             raise UserError("--resume needs --out, the folder of the run to continue.")
+        run_dir = readable_dir("--out", args.out, "the folder of the run to continue")
         # --stop-at limits one invocation; the resumed one sets its own, or runs to --steps.
-        base = load_run_config(readable_dir("--out", args.out, "the folder of the run to continue")).replace(
-            stop_at=None)
+        base = load_run_config(run_dir).replace(stop_at=None)
     summary = launch(resolve(args, base))
     if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
         print_summary(summary)

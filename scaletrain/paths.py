@@ -73,6 +73,8 @@ def _readable(flag: str, path: Path, wanted: str, *, files: bool, folders: bool)
     except PermissionError:  # a folder on the way denies this user entry
         raise UserError(f"{flag} {path} cannot be reached by this user (permission denied); change the "
                         f"permissions of its folders or give another path.") from None
+    except OSError as exc:  # a loop of links, a name too long
+        raise UserError(f"{flag} {path} cannot be read ({exc.strerror}); give {wanted}.") from None
     is_folder = stat.S_ISDIR(mode)
     if is_folder and not folders:
         raise UserError(f"{flag} {path} is a folder, not a file; give {wanted}.")

@@ -129,6 +129,9 @@ def _rows(commands: tuple[str, ...], flag: str, faults: list[Fault], extra: tupl
     return [Row(command, flag, fault, extra) for command in commands for fault in faults]
 
 
+# A run folder to resume whose configuration cannot be read: the sentence names --out, which gave it.
+RUN_CONFIG_UNREADABLE = Fault("run-config-unreadable", "{tmp}/old", {"old/config.toml": (FILE, LOCKED)},
+                              "old/config.toml is not readable by this user", True)
 TRAINING = ("train", "finetune", "parity", "bench")
 ROWS = [
     *_rows(TRAINING, "--config", read_faults(FILE)),
@@ -136,7 +139,7 @@ ROWS = [
     *_rows(("train", "parity", "bench"), "--tokenizer-from", read_faults(DIR)),
     *_rows(("train", "parity", "bench"), "--cache-dir", write_faults(DIR)),
     *_rows(("train",), "--out", write_faults(DIR)),
-    *_rows(("train", "finetune"), "--out", read_faults(DIR), extra=("--resume",)),
+    *_rows(("train", "finetune"), "--out", [*read_faults(DIR), RUN_CONFIG_UNREADABLE], extra=("--resume",)),
     *_rows(("train", "finetune", "parity", "export", "generate"), "--from", read_faults(DIR)),
     *_rows(("bench allreduce",), "--plot", write_faults(FILE, ".png")),
     *_rows(("schedule", "plan"), "--png", write_faults(FILE, ".png")),

@@ -42,9 +42,9 @@ from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
 from scaletrain.models import build_model, gpt_config
+from scaletrain.paths import writable_dir
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.paths import writable_dir
 from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table

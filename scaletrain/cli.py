@@ -26,6 +26,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from scaletrain.config import Config, add_config_flags, load_run_config, resolve  # noqa: E402
 from scaletrain.config_checks import check_values  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402
+from scaletrain.paths import readable_dir, writable_file  # noqa: E402
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device  # noqa: E402
 
 
@@ -223,8 +224,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.out is None:
             raise UserError("--resume needs --out, the folder of the run to continue.")
+        run_dir = readable_dir("--out", args.out, "the folder of the run to continue")
         # --stop-at limits one invocation; the resumed one sets its own, or runs to --steps.
-        base = load_run_config(Path(args.out)).replace(stop_at=None)
+        base = load_run_config(run_dir).replace(stop_at=None)
     summary = launch(resolve(args, base))
     if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
         print_summary(summary)
@@ -255,6 +257,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--warmup must not be negative, not {args.warmup}.")
     cfg = resolve(args, Config().replace(**BENCH_DEFAULTS))
     check_values(cfg)
+    if args.what == "allreduce":  # the only figure, drawn after the measurement
+        writable_file("--plot", args.plot)
     if args.what == "techniques":
         result, table = techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), \
             techniques.format_table
@@ -286,6 +290,10 @@ def _schedule(args: argparse.Namespace) -> int:
 
     from scaletrain.parallel.pipeline import timeline
 
+    if args.png:
+        writable_file("--png", args.png)
+    if args.measured is not None:
+        readable_dir("--measured", args.measured, "the folder of a run trained with --pp 2 or more")
     result = timeline.load(args.pp_schedule, args.pp, args.microbatches, args.virtual_stages,
                            None if args.measured is None else Path(args.measured))
     if args.png:
@@ -379,6 +387,8 @@ def _plan(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
+    if args.png:
+        writable_file("--png", args.png)
     base = _plan_base(args, gpu=args.gpu != "cpu")
     cluster = _plan_cluster(args)
     fixed = {name for name in PLAN_FIXED if getattr(args, name) is not None}

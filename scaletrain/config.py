@@ -22,6 +22,7 @@ import tomli_w
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline import schedules
+from scaletrain.paths import readable_file
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None) -> Any:
@@ -309,15 +310,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                    metavar=typ.__name__.upper() if not fld.metadata.get("choices") else None)
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config into {field name: value}, sections or flat keys."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--config {path} does not exist; give the path of a TOML file.")
+def load_toml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """Read a TOML config into {field name: value}, sections or flat keys; ``flag`` is the
+    option that named the file, for the sentence that refuses it."""
+    path = readable_file(flag, path, "the path of a TOML file")
     try:
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"--config {path} is not valid TOML ({exc}); fix the file.") from None
+        raise UserError(f"{flag} {path} is not valid TOML ({exc}); fix the file.") from None
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
@@ -353,4 +353,4 @@ def load_run_config(run_dir: Path) -> Config:
     if not path.is_file():
         raise UserError(f"--resume: {run_dir} holds no scaletrain run (it has no config.toml); "
                         f"check --out.")
-    return Config().replace(**load_toml(path))
+    return Config().replace(**load_toml(path, flag="--out"))

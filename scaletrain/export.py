@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from scaletrain.errors import UserError
+from scaletrain.paths import readable_dir, writable_file
 from scaletrain.train.checkpoint import (
     READ_ERRORS,
     STATE_FILE,
@@ -65,9 +66,7 @@ class Exported:
 
 def find_checkpoint(source: Path) -> Path:
     """A complete checkpoint folder as it is, or a run folder's latest complete one."""
-    if not source.exists():
-        raise UserError(f"--from {source} does not exist; give a run folder or one of its "
-                        f"checkpoints/step_NNNNNN folders.")
+    readable_dir("--from", source, "a run folder or one of its checkpoints/step_NNNNNN folders")
     if (source / MANIFEST).is_file():  # a complete step_NNNNNN folder
         return source
     latest = latest_checkpoint(source)
@@ -81,10 +80,9 @@ def check_target(target: Path, force: bool) -> None:
     if not target.name.endswith(".safetensors") or target.name == ".safetensors":
         raise UserError(f"--to {target} does not end in .safetensors; name the file so that tools "
                         f"recognize its format.")
+    writable_file("--to", target)
     if not target.parent.is_dir():
         raise UserError(f"--to {target}: the folder {target.parent} does not exist; create it first.")
-    if target.is_dir():
-        raise UserError(f"--to {target} is a folder; give a file name ending in .safetensors.")
     if target.exists() and not force:
         raise UserError(f"--to {target} already exists; add --force to replace it, or choose another name.")
 

@@ -29,6 +29,7 @@ from scaletrain.errors import UserError
 from scaletrain.export import find_checkpoint, without_adapters
 from scaletrain.finetune.hf import is_hf_folder, load_hf_gpt2, load_hf_tokenizer
 from scaletrain.models import GPT, build_model
+from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
 from scaletrain.train.data_setup import AnyTokenizer, run_tokenizer
 
@@ -78,9 +79,8 @@ def load_run_model(checkpoint: Path) -> tuple[GPT, AnyTokenizer]:
 
 def load_model(source: Path) -> tuple[GPT, AnyTokenizer]:
     """The model and tokenizer that ``--from`` names."""
-    if not source.exists():
-        raise UserError(f"--from {source} does not exist; give a Hugging Face GPT-2 folder, a run folder or "
-                        f"one of its checkpoints/step_NNNNNN folders.")
+    readable_dir("--from", source, "a Hugging Face GPT-2 folder, a run folder or one of its checkpoints/step_NNNNNN "
+                                   "folders")
     if is_hf_folder(source):
         tokenizer = load_hf_tokenizer(source)  # the small files first: a mistake costs no weights read
         return load_hf_gpt2(source)[0], tokenizer

@@ -152,6 +152,8 @@ def _exit_2_one_line(capsys, args, phrase):
 
 def test_missing_or_corrupt_run_dir_says_to_train_with_pp(capsys, tmp_path):
     _exit_2_one_line(capsys, ["--measured", str(tmp_path / "nothing")],
+                     "does not exist; give the folder of a run trained with --pp 2 or more")
+    _exit_2_one_line(capsys, ["--measured", str(tmp_path)],
                      "holds no pipeline timeline (pipeline.json); train with --pp 2 or more")
     (tmp_path / "pipeline.json").write_text("{not json")
     _exit_2_one_line(capsys, ["--measured", str(tmp_path)], "train with --pp 2 or more")

@@ -27,9 +27,11 @@ import numpy as np
 
 from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer
 from scaletrain.errors import UserError
+from scaletrain.paths import readable_dir, readable_file, readable_file_or_dir
 
 # Placed between documents so a model sees where one file ends and the next starts.
 DOCUMENT_SEPARATOR = "\n\n"
+DATA_WANTED = "a UTF-8 text file or a folder of them"  # what --data must be, in its refusals
 
 _DEFAULT_CORPUS_SKIPPED_DIRS = {"site-packages", "__pycache__", "test", "tests", "idlelib"}
 _READ_CHUNK_BYTES = 1 << 20
@@ -59,9 +61,15 @@ def _is_utf8_text(path: Path) -> bool:
     return True
 
 
+def _refuse_unreadable(error: OSError) -> None:
+    """os.walk's report of a subfolder it cannot list: refused in the user's words."""
+    readable_dir("--data", error.filename, DATA_WANTED)
+
+
 def _files_below(folder: Path) -> list[Path]:
+    """The files under ``folder``, hidden ones left out."""
     files = []
-    for parent, subfolders, names in os.walk(folder):
+    for parent, subfolders, names in os.walk(folder, onerror=_refuse_unreadable):
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         files.extend(Path(parent) / name for name in names if not name.startswith("."))
     return sorted(files)
@@ -76,17 +84,17 @@ def corpus_files(path: str | Path | None) -> list[Path]:
                 "This Python has no standard library source to train on; give a text corpus with --data PATH."
             )
         return files
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"--data {path} does not exist; give a UTF-8 text file or a folder of them.")
+    path = readable_file_or_dir("--data", path, DATA_WANTED)
     if path.is_file():
         if not _is_utf8_text(path):
-            raise UserError(f"--data {path} is not UTF-8 text; give a UTF-8 text file or a folder of them.")
+            raise UserError(f"--data {path} is not UTF-8 text; give {DATA_WANTED}.")
         if path.stat().st_size == 0:
             raise UserError(f"--data {path} is empty; give a file that holds text.")
         return [path]
-    # Inside a folder, binary and empty files are expected company (images, lock files): skip them.
-    files = [f for f in _files_below(path) if f.is_file() and f.stat().st_size > 0 and _is_utf8_text(f)]
+    # Inside a folder, binary and empty files are expected company (images, lock files): skip them. Unreadable
+    # files and subfolders are refused: skipped, they would leave part of the corpus out unnoticed.
+    files = [f for f in _files_below(path) if f.is_file() and readable_file("--data", f, DATA_WANTED)
+             and f.stat().st_size > 0 and _is_utf8_text(f)]
     if not files:
         raise UserError(f"--data {path} holds no non-empty UTF-8 text files; put text files in it.")
     return files

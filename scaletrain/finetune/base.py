@@ -30,6 +30,7 @@ from scaletrain.errors import UserError
 from scaletrain.export import find_checkpoint, without_adapters
 from scaletrain.finetune.hf import check_hf_weights, is_hf_folder, load_hf_tokenizer, read_hf_config, read_hf_weights
 from scaletrain.finetune.lora import apply_lora
+from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import read_model_tensors
 
 # What a fine-tune inherits from its base run: the model's shape and how text becomes tokens.
@@ -53,10 +54,8 @@ def as_finetune(cfg: Config) -> Config:
 
 def with_base(cfg: Config) -> Config:
     """``cfg`` with the model, tokenizer and sequence length of the base."""
-    source = Path(cfg.finetune.base)
-    if not source.exists():
-        raise UserError(f"--from {source} does not exist; give a run folder, one of its checkpoints/step_NNNNNN "
-                        f"folders or a Hugging Face GPT-2 folder.")
+    source = readable_dir("--from", cfg.finetune.base, "a run folder, one of its checkpoints/step_NNNNNN folders or "
+                                                       "a Hugging Face GPT-2 folder")
     if is_hf_folder(source):
         return with_hf_base(cfg, source)
     try:

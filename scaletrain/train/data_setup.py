@@ -31,6 +31,7 @@ from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBat
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
+from scaletrain.paths import readable_dir, writable_dir
 
 AnyTokenizer = ByteTokenizer | BPETokenizer
 RUN_TOKENIZER = "tokenizer.json"  # in the run folder: the tokenizer its data was tokenized with
@@ -53,17 +54,6 @@ class OpenedData:
     tokenizer: ByteTokenizer | BPETokenizer | None
     n_features: int = 0
     n_classes: int = 0
-
-
-def check_folder_creatable(folder: Path, flag: str) -> None:
-    """Refuse a folder that cannot be made or written to, before anything else is written."""
-    existing = next(path for path in (folder, *folder.parents) if path.exists())
-    if not existing.is_dir():
-        blocker = "it" if existing == folder else existing
-        raise UserError(f"{flag} {folder} cannot be a folder because {blocker} is a file; choose another path.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {folder} cannot be written because {existing} is read-only; choose a "
-                        f"folder you can write to.")
 
 
 def bpe_cache_path(cache_dir: Path, vocab_size: int, files: list[Path]) -> Path:
@@ -104,9 +94,7 @@ def save_run_tokenizer(spec: DataSpec, run_dir: Path) -> None:
 
 def tokenizer_from(source: Path) -> AnyTokenizer:
     """``--tokenizer-from``: a Hugging Face folder's tokenizer, or the one a run trained with."""
-    if not source.exists():
-        raise UserError(f"--tokenizer-from {source} does not exist; give a run folder or a Hugging Face GPT-2 "
-                        f"folder.")
+    readable_dir("--tokenizer-from", source, "a run folder or a Hugging Face GPT-2 folder")
     if is_hf_folder(source):
         return load_hf_tokenizer(source)
     if (source / "config.toml").is_file():
@@ -135,7 +123,7 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
                             "bundled digits, so drop --data.")
         return DataSpec(kind="digits")
     files = corpus_files(cfg.data.data)
-    check_folder_creatable(cache_dir, "--cache-dir")
+    writable_dir("--cache-dir", cache_dir)
     if cfg.data.tokenizer_from:
         bpe_path, tokenizer = None, tokenizer_from(Path(cfg.data.tokenizer_from))
     else:

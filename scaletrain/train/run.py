@@ -42,9 +42,10 @@ from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
 from scaletrain.models import build_model, gpt_config
+from scaletrain.paths import writable_dir
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.data_setup import DataSpec, check_folder_creatable, prepare_data, save_run_tokenizer
+from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.loop import RunSummary, fit
@@ -99,7 +100,7 @@ def default_out(cfg: Config) -> str:
 
 def check_run_folder(cfg: Config) -> None:
     out = Path(cfg.run.out)
-    check_folder_creatable(out, "--out")
+    writable_dir("--out", out)
     if cfg.run.resume:
         latest = ckpt.latest_checkpoint(out)
         if latest is None and restart_attempt() > 0:

@@ -206,7 +206,7 @@ def read_measured(run_dir: Path) -> tuple[dict, list[list[Span]]]:
     virtual_stages, step) and each pp rank's spans, in seconds."""
     path = run_dir / "pipeline.json"
     if not path.is_file():
-        raise UserError(f"{run_dir} holds no pipeline timeline (pipeline.json); {_NO_RECORD}")
+        raise UserError(f"--measured {run_dir} holds no pipeline timeline (pipeline.json); {_NO_RECORD}")
     try:
         record = json.loads(path.read_text())
         sizes = {"schedule": str(record["schedule"]), "step": record.get("step")}
@@ -221,7 +221,8 @@ def read_measured(run_dir: Path) -> tuple[dict, list[list[Span]]]:
             raise ValueError("a span ends before it starts, or the step takes no time")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         reason = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
-        raise UserError(f"{path} is not a readable pipeline timeline ({reason}); {_NO_RECORD}") from exc
+        raise UserError(f"--measured {run_dir}: {path.name} is not a readable pipeline timeline ({reason}); "
+                        f"{_NO_RECORD}") from exc
     return sizes, spans
 
 

@@ -39,18 +39,18 @@ def _train_steps(rank: int, n: int, cfg, spec, steps: int) -> dict:
     trainer = Trainer(cfg, spec, DistRuntime(env, "gloo", torch.device("cpu")), mesh, comm,
                       Path(cfg.run.out))
     dp = mesh.group("dp")
-    plan = sum(b.nbytes for b in trainer.data_parallel.buckets)
+    plan = sum(b.nbytes for b in trainer.layout.data_parallel.buckets)
     losses, ledgers = [], []
     for step in range(steps):
         before = comm.ledger.snapshot()
         losses.append(trainer.train_step(step)["loss"])
         ledgers.append(comm.ledger.since(before))
-        flat = torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
+        flat = torch.cat([p.detach().reshape(-1).float() for p in trainer.layout.model.parameters()])
         everyone = torch.empty(n * flat.numel())
         comm.all_gather(everyone, flat, dp)
         # Replicas stay bitwise equal after every step, whatever reduced the gradients.
         assert all(torch.equal(row, flat) for row in everyone.view(n, -1)), f"replicas differ after step {step}"
-    return {"losses": losses, "ledgers": ledgers, "plan": plan, "buckets": len(trainer.data_parallel.buckets)}
+    return {"losses": losses, "ledgers": ledgers, "plan": plan, "buckets": len(trainer.layout.data_parallel.buckets)}
 
 
 def _run(tiny_cfg, n: int, steps: int = 3, **changes) -> list[dict]:

@@ -89,36 +89,36 @@ def _trained(trainer) -> tuple[list[float], list[float], list[dict]]:
 
 def _gathered_weights(trainer) -> dict[str, torch.Tensor]:
     """The whole model as ZeRO-3 gathers it for a forward."""
-    for unit in trainer.zero.units:
-        trainer.zero._gather(unit)
-    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    for unit in trainer.zero.units:
-        trainer.zero._free(unit)
+    for unit in trainer.layout.zero.units:
+        trainer.layout.zero.gathering.gather(unit)
+    weights = {name: p.detach().clone() for name, p in trainer.layout.model.named_parameters()}
+    for unit in trainer.layout.zero.units:
+        trainer.layout.zero.gathering.free(unit)
     return weights
 
 
 def _hybrid_and_plain(rank: int, n: int, hybrid_cfg, plain_cfg, quantized_cfg, spec) -> dict:
     hybrid = build_trainer(rank, n, hybrid_cfg, spec)
     losses, norms, ledgers = _trained(hybrid)
-    units = [{"numel": u.full.numel(), "root": u.module is hybrid.model} for u in hybrid.zero.units]
+    units = [{"numel": u.full.numel(), "root": u.module is hybrid.layout.model} for u in hybrid.layout.zero.units]
     result = {"losses": losses, "norms": norms, "ledger": ledgers[1], "units": units,
               "weights": _gathered_weights(hybrid),
-              "groups": (hybrid.zero.group.ranks, hybrid.zero.collectives.replica.ranks)}
+              "groups": (hybrid.layout.zero.group.ranks, hybrid.layout.zero.collectives.replica.ranks)}
     result["plain_losses"], result["plain_norms"], _ = _trained(build_trainer(rank, n, plain_cfg, spec))
     # int8 gathers: every rank computes with the dequantized int8 image of the fp32 masters
     quantized = build_trainer(rank, n, quantized_cfg, spec)
     result["quantized_losses"], _, quantized_ledgers = _trained(quantized)
     result["quantized_ledger"] = quantized_ledgers[1]
-    zero = quantized.zero
+    zero = quantized.layout.zero
     block = zero.units[1]  # the first transformer block
     masters = torch.empty(block.full.numel())
     quantized.comm.all_gather(masters, block.master, zero.group)
-    zero._gather(block)
+    zero.gathering.gather(block)
     chunks = masters.view(zero.group.size, -1)
     expected = torch.cat([dequantize_int8(*quantize_int8(chunk)) for chunk in chunks])
     result["quantized_exact"] = torch.equal(block.full, expected)
     result["quantized_error"] = ((block.full - masters).abs().max() / masters.abs().max()).item()
-    zero._free(block)
+    zero.gathering.free(block)
     return result
 
 
@@ -138,7 +138,7 @@ def four_ranks(corpus, tmp_path_factory) -> dict:
                               hybrid.replace(quantize_weights="int8"), spec, timeout_s=240)
     reference = build_trainer(0, 1, base.replace(micro_batch=8), spec)
     losses, norms, _ = _trained(reference)
-    weights = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in reference.layout.model.named_parameters()}
     return {"ranks": results, "reference": (losses, norms, weights), "cfg": hybrid, "vocab": spec.vocab_size}
 
 

@@ -33,12 +33,12 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def _params(trainer: Trainer) -> torch.Tensor:
-    return _flat(trainer.model.parameters())
+    return _flat(trainer.layout.model.parameters())
 
 
 def _moments(trainer: Trainer) -> torch.Tensor:
     """AdamW's state, every parameter's: both moments and the step count."""
-    return _flat(trainer.optimizer.state[p][key] for p in trainer.step_params
+    return _flat(trainer.layout.optimizer.state[p][key] for p in trainer.layout.step_params
                  for key in ("exp_avg", "exp_avg_sq", "step"))
 
 
@@ -58,7 +58,7 @@ def _variants(rank: int, n: int, cfgs: dict[str, Config], spec) -> dict:
     trainers = {name: build_trainer(rank, n, cfg, spec) for name, cfg in cfgs.items() if name != "reference"}
     if rank == 0:
         trainers["reference"] = _single_device(cfgs["reference"], spec)
-    seen["kinds"] = {name: type(t.data_parallel).__name__ for name, t in trainers.items()}
+    seen["kinds"] = {name: type(t.layout.data_parallel).__name__ for name, t in trainers.items()}
     for name, trainer in trainers.items():
         losses, ledgers, params = [], [], []
         for step in range(STEPS):
@@ -71,12 +71,12 @@ def _variants(rank: int, n: int, cfgs: dict[str, Config], spec) -> dict:
         seen[name]["moments"] = _moments(trainers[name])
     # The mean of the never-averaged replicas, by the same all-reduce as the average's.
     mean = _params(trainers["apart"])
-    trainers["apart"].comm.all_reduce(mean, trainers["apart"].replicas.dense, op="avg")
+    trainers["apart"].comm.all_reduce(mean, trainers["apart"].layout.replicas.dense, op="avg")
     seen["apart"]["mean"] = mean
     seen["checkpoint"] = str(trainers["local"].save(STEPS))
     resumed = build_trainer(rank, n, cfgs["local"].replace(resume=True), spec)
     seen["resumed"] = {"start": resumed.start_step, "params": _params(resumed), "moments": _moments(resumed)}
-    seen["param_bytes"] = sum(p.numel() * p.element_size() for p in trainers["dp"].model.parameters())
+    seen["param_bytes"] = sum(p.numel() * p.element_size() for p in trainers["dp"].layout.model.parameters())
     return seen
 
 
@@ -175,7 +175,7 @@ def _replicas_after_each_step(rank: int, n: int, cfg: Config, spec) -> dict:
         losses.append(trainer.train_step(step)["loss"])
         ops.update(trainer.comm.ledger.since(before))
         weights.append(_params(trainer))
-        masters.append(_flat(trainer.step_params))
+        masters.append(_flat(trainer.layout.step_params))
     return {"weights": weights, "masters": masters, "losses": losses, "ops": ops}
 
 

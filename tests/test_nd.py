@@ -86,8 +86,8 @@ def test_the_rank_table_follows_the_mesh_order():
 
 def _deferring(rank: int, n: int, cfg, spec) -> list[str]:
     trainer = build_trainer(rank, n, cfg, spec)
-    return sorted(name for name, m in trainer.model.named_modules() if getattr(m, "store", None) is not None
-                  and m.store is trainer.pipeline.store)
+    return sorted(name for name, m in trainer.layout.model.named_modules() if getattr(m, "store", None) is not None
+                  and m.store is trainer.layout.pipeline.store)
 
 
 def test_zero_bubble_defers_the_tensor_parallel_layers_weight_gradients(tiny_cfg):

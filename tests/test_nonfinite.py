@@ -22,7 +22,7 @@ def _train_with_fault(rank: int, n: int, cfg, spec, fault: str) -> dict:
     records, weights, stopped = [], [], None
 
     def snapshot() -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).clone() for p in trainer.model.parameters()])
+        return torch.cat([p.detach().reshape(-1).clone() for p in trainer.layout.model.parameters()])
 
     for step in range(cfg.train.steps):
         weights.append(snapshot())

@@ -138,7 +138,7 @@ def _forward_through_stages(rank: int, n: int) -> dict:
     from scaletrain.dist import Comm, Mesh, ParallelDims
     from scaletrain.models.gpt import sample_next
     from scaletrain.parallel.pipeline.parallel import PipelineParallel
-    from scaletrain.train.trainer import loss_fn
+    from scaletrain.train.layout import loss_fn
 
     whole, model = _gpt(), _gpt()
     mesh = Mesh.build(ParallelDims(pp=n), rank, n)
@@ -209,7 +209,7 @@ def _tied_weight_after_training(rank: int, n: int, cfg: Config, spec) -> torch.T
     trainer = build_trainer(rank, n, cfg, spec)
     for step in range(cfg.train.steps):
         trainer.train_step(step)
-    return trainer.model.tok_emb.weight.detach().clone()
+    return trainer.layout.model.tok_emb.weight.detach().clone()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

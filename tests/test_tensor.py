@@ -22,7 +22,7 @@ from scaletrain.parallel.tensor import (
 from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.memory import ActivationMeter
-from scaletrain.train.trainer import loss_fn
+from scaletrain.train.layout import loss_fn
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 
@@ -271,8 +271,8 @@ def test_region_streams_differ_inside_and_agree_outside():
 def _train_with_dropout(rank: int, n: int, cfg, spec) -> dict:
     trainer = build_trainer(rank, n, cfg, spec)
     losses = [trainer.train_step(step)["loss"] for step in range(cfg.train.steps)]
-    replicated = {name: p.detach().clone() for name, p in trainer.model.named_parameters()
-                  if p not in trainer.tensor_parallel.splits}
+    replicated = {name: p.detach().clone() for name, p in trainer.layout.model.named_parameters()
+                  if p not in trainer.layout.tensor_parallel.splits}
     return {"losses": losses, "replicated": replicated}
 
 

@@ -128,11 +128,11 @@ def _train_both(rank: int, n: int, cfg, spec) -> dict:
     out = {}
     for schedule in ("1f1b", "pipedream-2bw"):
         trainer = build_trainer(rank, n, cfg.replace(pp_schedule=schedule), spec)
-        if trainer.pipeline.versions:
-            trainer.pipeline.versions.trace = []
+        if trainer.layout.pipeline.versions:
+            trainer.layout.pipeline.versions.trace = []
         out[schedule] = [trainer.train_step(step) for step in range(cfg.train.steps)]
-        out[f"{schedule} params bytes"] = trainer._bytes_ledger()["params"]
-    versions = trainer.pipeline.versions
+        out[f"{schedule} params bytes"] = trainer.layout.bytes_ledger()["params"]
+    versions = trainer.layout.pipeline.versions
     newest = versions.buffers[max(versions.buffers)]
     return {**out, "trace": versions.trace, "kept": sorted(versions.buffers),
             "params_in_newest": all(p.data_ptr() == w.data_ptr() for p, w in zip(versions.params, newest))}

@@ -67,13 +67,13 @@ def _one_step(rank: int, n: int, cfg, spec) -> dict:
     trainer.train_step(0)
     traffic = comm.ledger.since(before)
     units = []
-    if trainer.zero:
-        z = trainer.zero
-        units = [{"numel": u.full.numel(), "root": u.module is trainer.model, "gathered": u.gathered}
+    if trainer.layout.zero:
+        z = trainer.layout.zero
+        units = [{"numel": u.full.numel(), "root": u.module is trainer.layout.model, "gathered": u.gathered}
                  for u in z.units]
-    params = sum(p.numel() for p in trainer.model.parameters())
+    params = sum(p.numel() for p in trainer.layout.model.parameters())
     return {"memory": trainer.memory_report(), "traffic": traffic, "units": units, "params": params,
-            "pieces": len(trainer.step_params)}
+            "pieces": len(trainer.layout.step_params)}
 
 
 def _step_all(tiny_cfg, n: int, **changes) -> list[dict]:
@@ -149,7 +149,7 @@ def test_communication_ledger_matches_the_zero_volumes(tiny_cfg):
 
 def _gathered_counts(rank: int, n: int, cfg, spec) -> dict:
     trainer = build_trainer(rank, n, cfg, spec)
-    zero = trainer.zero
+    zero = trainer.layout.zero
     counts: list[int] = []
     for unit in zero.units:
         unit.module.register_forward_pre_hook(

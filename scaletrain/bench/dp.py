@@ -36,7 +36,7 @@ from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
 from scaletrain.train.data_setup import DataSpec
-from scaletrain.train.trainer import loss_fn
+from scaletrain.train.layout import loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
 

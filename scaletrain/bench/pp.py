@@ -144,7 +144,7 @@ from scaletrain.parallel.pipeline.partition import (
 )
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.train.data_setup import DataSpec
-from scaletrain.train.trainer import loss_fn
+from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain PipelineParallel", "torch.distributed.pipelining"
 SCHEDULES = ("gpipe", "1f1b")

@@ -91,7 +91,7 @@ from scaletrain.models import GPT, build_model, gpt_config
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.tensor import GPT_PLAN, parallelize
 from scaletrain.train.data_setup import DataSpec
-from scaletrain.train.trainer import loss_fn
+from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain tensor parallel", "torch DTensor TP (parallelize_module)"
 

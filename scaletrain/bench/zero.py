@@ -77,7 +77,7 @@ from scaletrain.parallel.data import replicate
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.memory import bytes_by_entry, optimizer_state
-from scaletrain.train.trainer import loss_fn
+from scaletrain.train.layout import loss_fn
 
 OURS, PEER, DEEPSPEED = "scaletrain ZeRO-3", "torch FSDP2 (fully_shard)", "DeepSpeed ZeRO-3"
 CPU_MEMORY_NOTE = "not measurable on CPU"

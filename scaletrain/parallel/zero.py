@@ -33,7 +33,7 @@ Per optimizer step, on each rank::
     stage 1, 2: all-gather the updated shards into every rank's full parameters
     stage 3:  nothing: the next forward gathers each unit just before it runs
               (and prefetches the next unit while this one computes), frees it
-              after, and gathers it again for backward
+              after, and gathers it again for backward (parallel/zero3.py)
 
 Memory per rank, P parameters, fp32 AdamW (state K = 8 bytes/param: two moments):
 
@@ -94,7 +94,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 from torch import nn
@@ -104,6 +103,7 @@ from scaletrain.dist.mesh import Group
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import ShardCollectives
+from scaletrain.parallel.zero3 import StageThreeGathering
 
 STAGES = (1, 2, 3)
 # Reduce-scatters in flight at once (stages 2, 3): each holds a unit's
@@ -240,11 +240,10 @@ class ZeroDataParallel:
             param.register_post_accumulate_grad_hook(self._on_gradient)
         self._syncing = True
         self._in_flight: deque[tuple[Unit, Pending, torch.Tensor, torch.Tensor]] = deque()
-        self._in_backward = False
-        self._finished_forward: list[Unit] = []  # stage 3: units in the order their forward ended
-        if stage == 3:
-            self._install_gather_hooks(model)
-        elif stage == 2:
+        # Stage 3: the units' full parameters exist only while they are used (parallel/zero3.py).
+        self.gathering = StageThreeGathering(model, self.units, self.collectives, self._flush) if stage == 3 \
+            else None
+        if stage == 2:
             model.register_forward_pre_hook(lambda *_: self._flush())
 
     @torch.no_grad()
@@ -278,8 +277,6 @@ class ZeroDataParallel:
                 piece = nn.Parameter(master[lo:hi])
                 piece.grad = master_grad[lo:hi]
                 unit.pieces.append(Piece(param, self.names[id(param)], piece))
-        if self.stage == 3:
-            self._free(unit)
         return unit
 
     def _host_or_device(self, values: torch.Tensor) -> torch.Tensor:
@@ -448,8 +445,8 @@ class ZeroDataParallel:
         unit.reduced = True
         pending = self.collectives.reduce_scatter(out, source)
         self._in_flight.append((unit, pending, out, source))
-        if self.stage == 3:
-            self._free(unit)  # its gradients are all in: backward needs it no more
+        if self.gathering:
+            self.gathering.free(unit)  # its gradients are all in: backward needs it no more
         while self.stage > 1 and len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete_oldest()
 
@@ -472,65 +469,3 @@ class ZeroDataParallel:
                 pending = bool(unit.arrived) or (final and not unit.reduced)
             if pending:
                 self._launch(unit)
-
-    # -- stage 3: gather before use, free after ---------------------------------
-    def _install_gather_hooks(self, model: nn.Module) -> None:
-        self._forward = self.units[::-1]
-        self._next_in_forward = dict(zip(map(id, self._forward), self._forward[1:]))
-        # The unit whose forward ends last is needed first by backward: it stays.
-        self._held = self._forward[0] if self._forward[0].module is model else self._forward[-1]
-        model.register_forward_pre_hook(self._begin_forward)
-        for unit in self._forward:
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
-
-    def _begin_forward(self, *_) -> None:
-        self._in_backward = False
-        self._finished_forward = []
-        self._flush()
-
-    def _pre_forward(self, unit: Unit, *_) -> None:
-        self._gather(unit)
-        if self._in_backward:  # activation recomputation inside backward: gathered already
-            return
-        following = self._next_in_forward.get(id(unit))
-        if following is not None:
-            self._gather(following, wait=False)  # prefetch
-
-    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
-        if self._in_backward:
-            return
-        self._finished_forward.append(unit)
-        outputs = [t for t in torch.utils._pytree.tree_leaves(output)
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs:
-            torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._pre_backward, unit), mode="any")
-        if unit is not self._held or not outputs:
-            self._free(unit)
-
-    def _pre_backward(self, unit: Unit, _grad) -> None:
-        """Gradients of the unit's outputs are ready: its backward is next."""
-        self._in_backward = True
-        self._gather(unit)
-        order = self._finished_forward[::-1]
-        position = order.index(unit)
-        if position + 1 < len(order):
-            self._gather(order[position + 1], wait=False)  # prefetch
-
-    def _gather(self, unit: Unit, wait: bool = True) -> None:
-        if not unit.gathered:
-            unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-            unit.gathering = self.collectives.all_gather(unit.full, unit.shard)
-            unit.gathered = True
-        if wait and unit.gathering is not None:
-            unit.gathering.wait()
-            unit.gathering = None
-
-    def _free(self, unit: Unit) -> None:
-        """Release the unit's full parameters; the parameters stay views of the
-        (now empty) storage, which the next gather fills again."""
-        if unit.gathering is not None:
-            unit.gathering.wait()
-            unit.gathering = None
-        unit.full.untyped_storage().resize_(0)
-        unit.gathered = False

@@ -250,20 +250,21 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if debug and rank_log is None:
             rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
+        layout = trainer.layout
         if debug:  # the copies of each weight alike: dense ones over dense, experts over experts
-            experts = trainer.expert_parallel.expert_params if trainer.expert_parallel else {}
-            for group, mine in ((trainer.replicas.dense, False), (trainer.replicas.experts, True)):
+            experts = layout.expert_parallel.expert_params if layout.expert_parallel else {}
+            for group, mine in ((layout.replicas.dense, False), (layout.replicas.experts, True)):
                 check_same_parameters(comm, world, group.ranks,
-                                      [(n, p) for n, p in trainer.model.named_parameters() if (p in experts) == mine])
+                                      [(n, p) for n, p in layout.model.named_parameters() if (p in experts) == mine])
         if trainer.start_step and runtime.is_main:
             print(f"resumed from checkpoint step_{trainer.start_step:06d}")
-        if trainer.pipeline and runtime.is_main:
-            schedule = trainer.pipeline.schedule
+        if layout.pipeline and runtime.is_main:
+            schedule = layout.pipeline.schedule
             print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
-                  f"{schedule.virtual_stages} stage(s) per rank\n{trainer.pipeline.layout}\n")
+                  f"{schedule.virtual_stages} stage(s) per rank\n{layout.pipeline.layout}\n")
         summary = fit(trainer)
         if cfg.finetune.lora_rank and runtime.is_main:
-            save_adapters(trainer.model, Path(cfg.run.out) / ADAPTER_FILE,
+            save_adapters(layout.model, Path(cfg.run.out) / ADAPTER_FILE,
                           {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),
                            "targets": cfg.finetune.lora_targets, "base": str(cfg.finetune.base),
                            "step": str(summary.steps_done)})
@@ -271,7 +272,7 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
         if cfg.run.report_memory:
             write_memory_report(trainer.memory_report(), comm, world, Path(cfg.run.out), runtime.is_main)
-        if trainer.pipeline:
+        if layout.pipeline:
             write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, Path(cfg.run.out))
         return summary
     except Exception as exc:

@@ -28,21 +28,21 @@ def line_prompt(tokenizer, window: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(trainer, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``tokens`` tokens after ``prompt`` by ``trainer``'s model, whatever its layout."""
-    cfg, device = trainer.cfg, trainer.device
+def generate(layout, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``tokens`` tokens after ``prompt`` by the model of ``layout`` (train/layout.py), however it is split."""
+    cfg, device = layout.cfg, layout.device
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    trainer.model.eval()
+    layout.model.eval()
     prompt = prompt[None].to(device)
     with ExitStack() as generation:
-        for part in (trainer.tensor_parallel, trainer.context_parallel):
+        for part in (layout.tensor_parallel, layout.context_parallel):
             if part is not None:
                 generation.enter_context(part.generation())
-        if trainer.pipeline:
-            vocab = trainer.spec.vocab_size  # the padded rows (--vocab-multiple) are never sampled
-            return trainer.pipeline.generate(
+        if layout.pipeline:
+            vocab = layout.spec.vocab_size  # the padded rows (--vocab-multiple) are never sampled
+            return layout.pipeline.generate(
                 prompt, tokens, context=cfg.data.seq_len,
                 sample_next=lambda logits: sample_next(logits[:, :vocab], generator=generator),
                 forward_context=lambda: autocast(cfg.train.precision, device))[0]
         with autocast(cfg.train.precision, device):
-            return trainer.model.generate(prompt, tokens, generator=generator)[0]
+            return layout.model.generate(prompt, tokens, generator=generator)[0]

@@ -1,0 +1,232 @@
+"""The layout: what runs where, built once before the first step.
+
+A `Layout` turns the configuration and the mesh into this rank's part of the
+job: the plain model built from the seed (the same initial weights on every
+rank and layout), then the parallel transforms in the order they compose
+(docs/nd-parallel.md): tp keeps this rank's slices of the weights, cp its
+positions of every sequence, ep its share of the experts, pp its stages of
+the model; then the per-block transforms inside each stage (recompute,
+compile), the replicas made equal, and what holds the optimizer's tensors:
+ZeRO's shards, fp32 master weights, or the weights themselves under a data
+parallel wrapper. The optimizer and the bookkeeping the step needs (which
+tensors it steps, which gradients count towards the norm, over which groups)
+close it.
+
+The step (train/trainer.py) runs over a layout and never builds one; a
+layout never runs a step. Everything here depends only on the configuration
+and the mesh, so every layout of the same model starts from the same
+weights, which is what makes parity checkable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.compile import compile_blocks
+from scaletrain.config import Config
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.mesh import Mesh
+from scaletrain.finetune.base import start_from_base
+from scaletrain.models import build_model, gpt_config
+from scaletrain.models.moe import moe_layers
+from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
+from scaletrain.parallel.context import ContextParallel, parallelize_context
+from scaletrain.parallel.data import DataParallel, JointDataParallel
+from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
+from scaletrain.parallel.hybrid import zero_groups
+from scaletrain.parallel.local_sgd import LocalSGD
+from scaletrain.parallel.pipeline.parallel import PipelineParallel
+from scaletrain.parallel.pipeline.partition import GPT_STAGES
+from scaletrain.parallel.pipeline.two_bw import delayed_update
+from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
+from scaletrain.parallel.zero import ZeroDataParallel
+from scaletrain.precision import compute_dtype
+from scaletrain.recompute import apply_recompute
+from scaletrain.train.data_setup import DataSpec
+from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state
+from scaletrain.train.replicas import Replicas
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position (token or sample)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def fused_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`loss_fn` by the fused cross-entropy kernel (kernels/cross_entropy.py), on given logits."""
+    # Imported when chosen: importing Triton decorates its kernels (kernels/__init__.py).
+    from scaletrain.kernels.cross_entropy import cross_entropy
+
+    return cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+class Layout:
+    """This rank's model, its parallel parts and its optimizer, for ``cfg`` on ``mesh``.
+    ``first_batch`` is the step's first micro-batch as the data holds it (all positions,
+    on the host): the pipeline times the blocks on it to balance its stages."""
+
+    def __init__(self, cfg: Config, spec: DataSpec, mesh: Mesh, comm: Comm, device: torch.device,
+                 first_batch: tuple[torch.Tensor, torch.Tensor], n_features: int = 0, n_classes: int = 0):
+        self.cfg, self.spec, self.mesh, self.comm, self.device = cfg, spec, mesh, comm, device
+        self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
+        self.cp_group, self.ep_group = mesh.group("cp"), mesh.group("ep")
+        self.replicas = Replicas.of(mesh)  # who reads which samples, who holds which copies
+        t, p = cfg.train, cfg.parallel
+
+        torch.manual_seed(t.seed)  # the same initial weights on every rank and layout
+        self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+                                            n_features=n_features, n_classes=n_classes).to(device)
+        if cfg.finetune.base:  # the base run's weights, frozen beside adapters with --lora-rank
+            start_from_base(self.model, cfg.finetune)
+        self.flops_per_token = self.model.flops_per_token()  # of the whole model, before any split
+        # Megatron tensor (and sequence) parallelism: the full weights were
+        # just built from the seed, each tp rank keeps its slices of them.
+        self.tensor_parallel: TensorParallel | None = None
+        if self.tp_group.size > 1:
+            self.tensor_parallel = parallelize(self.model, GPT_PLAN, comm, self.tp_group,
+                                               sequence_parallel=p.sp, dropout=cfg.model.dropout)
+        self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
+        # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
+        self.context_parallel: ContextParallel | None = None
+        if self.cp_group.size > 1:
+            self.context_parallel = parallelize_context(self.model, comm, self.cp_group)
+        # Expert parallelism: each ep rank keeps its share of every mixture-of-experts block's experts.
+        self.expert_parallel: ExpertParallel | None = None
+        if self.ep_group.size > 1:
+            self.expert_parallel = parallelize_experts(self.model, comm, self.ep_group)
+        self.moe_layers = moe_layers(self.model)
+        # --fused triton: the head and the loss as one chunked kernel, where the head's weight
+        # is whole on this rank after the forward (not split by tp, not freed by ZeRO-3, not
+        # behind a pipeline's last stage, which gets the kernel on its logits instead).
+        fused_loss = t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1
+        self.fused_head_loss = fused_loss and self.pp_group.size == 1 and p.zero < 3
+        if fused_loss and not self.fused_head_loss:
+            self.loss_fn = fused_loss_fn
+        # Pipeline parallelism: each pp rank keeps its stages of the model.
+        self.micro_batches, _ = p.pipeline_sizes()
+        self.pipeline: PipelineParallel | None = None
+        if self.pp_group.size > 1:
+            self.pipeline = self._cut_into_stages(self.local(*first_batch)[0])
+        # Per-block transforms, per pipeline stage (a sqrt segment must not cross a cut).
+        stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [None]
+        for blocks in stage_blocks:
+            if t.recompute != "none":
+                apply_recompute(self.model, t.recompute, blocks)
+            if t.compile:
+                compile_blocks(self.model, blocks)
+        self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
+        self._hold_optimizer_tensors()
+        self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
+        self.norm_counted = self._counted_for_norm()
+        # Over these groups the counted gradients add up to the whole model's, each element once.
+        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
+        positions = cfg.data.seq_len if spec.kind == "text" else 1
+        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.replicas.batch.size * positions
+
+    def _hold_optimizer_tensors(self) -> None:
+        """What the optimizer steps and how gradients reach it: ZeRO's shards (with their own
+        masters, parallel/zero.py), or fp32 masters for bf16 working weights or in host memory
+        with --offload (optim/masters.py) under a data-parallel wrapper, or the weights."""
+        t, p = self.cfg.train, self.cfg.parallel
+        master_device = "cpu" if t.offload == "optimizer" else None
+        self.masters: MasterWeights | None = None
+        self.zero: ZeroDataParallel | None = None
+        groups = decay_groups(self.model, t.weight_decay)
+        if p.zero:
+            # A weight tied across stages is sharded alone, so its holders' shards line up.
+            tied = [param for param, _ in self.pipeline.shared] if self.pipeline else []
+            shard, replica = zero_groups(self.mesh, self.replicas.dense)  # --shard-group: parallel/hybrid.py
+            self.zero = ZeroDataParallel(self.model, self.comm, shard, stage=p.zero,
+                                         param_dtype=compute_dtype(t.param_dtype),
+                                         reduce_dtype=compute_dtype(p.reduce_dtype),
+                                         master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
+                                         replica=replica, quantize_weights=p.quantize_weights)
+            groups = self.zero.optimizer_groups(groups)
+        self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
+        if not self.zero:
+            if t.param_dtype != "fp32" or master_device:
+                self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype), device=master_device)
+                groups = self.masters.master_groups(groups)
+            self.data_parallel = self.replicas.data_parallel(self.model, self.comm, p, t.seed, self.expert_parallel,
+                                                             [q for group in groups for q in group["params"]], t.steps)
+        # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
+        self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
+        self.optimizer = build_optimizer(groups, t)
+        # The fused AdamW writes the bf16 working weights in the pass that steps the masters
+        # (not from host masters: the kernel reads and writes one device).
+        self.fused_working_copy = self.masters is not None and master_device is None and t.fused == "triton"
+        if self.fused_working_copy:
+            self.optimizer.attach_working_copies(self.masters.working_pairs())
+        self.step_params = [q for group in groups for q in group["params"]]
+
+    def _cut_into_stages(self, sample: torch.Tensor) -> PipelineParallel:
+        cfg, p = self.cfg, self.cfg.parallel
+        width = gpt_config(cfg.model, vocab_size=self.spec.vocab_size, seq_len=cfg.data.seq_len).d_model
+        _, virtual = p.pipeline_sizes()
+
+        def boundary(batch: int, seq: int) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+            # The GPT's residual stream crosses the cuts, in fp32 whatever the precision;
+            # with sequence parallelism each tp rank holds its chunk of the (cp rank's) positions.
+            if self.tensor_parallel and self.tensor_parallel.sequence_parallel:
+                seq //= self.tp_group.size
+            return (batch, seq, width), torch.float32, self.device
+
+        return PipelineParallel(
+            self.model, GPT_STAGES, self.comm, self.pp_group, schedule=p.pp_schedule,
+            micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
+            boundary=boundary, sample=sample, world=self.mesh.group("world"))
+
+    def local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on this rank's device; with cp, only this rank's positions of it."""
+        if self.device.type == "cuda":  # page-locked, so the copy is queued, not waited for
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x, y = x.to(self.device), y.to(self.device)
+        if self.context_parallel:
+            return self.context_parallel.local(x), self.context_parallel.local(y)
+        return x, y
+
+    def stepped(self, param: nn.Parameter) -> torch.Tensor:
+        """The tensor the optimizer steps for ``param``: its fp32 master, where there is one."""
+        return self.masters.master_of(param) if self.masters else param
+
+    def _counted_for_norm(self) -> list[torch.Tensor]:
+        """The step tensors whose gradients this rank counts towards the model's
+        gradient norm (optim/clip.py): not a replicated weight's copy on a tp rank
+        but the first, not the tied embedding's copy on a later pipeline stage;
+        under ZeRO, this rank's shards, which the dp group's shards complete."""
+        if self.zero:
+            pairs = [(piece.tensor, piece.param) for unit in self.zero.units for piece in unit.pieces]
+        else:
+            pairs = [(self.stepped(p), p) for p in self.model.parameters() if p.requires_grad]
+        parts = [part for part in (self.tensor_parallel, self.pipeline, self.expert_parallel) if part is not None]
+        return [tensor for tensor, param in pairs if all(part.counts(param) for part in parts)]
+
+    def named_step_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What the optimizer steps, by parameter name: ZeRO's pieces, the masters, or the weights."""
+        if self.zero:
+            return [(piece.name, piece.tensor) for unit in self.zero.units for piece in unit.pieces]
+        return [(name, self.stepped(p)) for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def dropout_rank(self, rank: int) -> int:
+        """Which stream the dropout of ``rank`` (this one) draws from: its own, except that
+        the ranks of a tp group share one when they hold the same activations (tensor
+        parallelism without sp; parallel/tensor.py)."""
+        if self.tensor_parallel and not self.tensor_parallel.sequence_parallel:
+            return self.mesh.dims.rank_of({**self.mesh.coords, "tp": 0})
+        return rank
+
+    def own_optimizer(self):
+        """The group whose ranks each keep their own optimizer state (local SGD's dp group), or None."""
+        return self.replicas.dense if self.local_sgd else None
+
+    def bytes_ledger(self) -> dict:
+        """The bytes this rank holds, by entry (train/memory.py), activations aside."""
+        if self.zero:
+            tensors = self.zero.memory_tensors()
+            tensors["optimizer"] += optimizer_state(self.optimizer)
+            return bytes_by_entry(tensors)
+        return model_bytes(self.model, self.optimizer, self.masters, self.data_parallel.gradient_buffers(),
+                           held=self.delayed.memory_tensors() if self.delayed else None)

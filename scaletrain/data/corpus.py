@@ -93,8 +93,8 @@ def corpus_files(path: str | Path | None) -> list[Path]:
         return [path]
     # Inside a folder, binary and empty files are expected company (images, lock files): skip them. Unreadable
     # files and subfolders are refused: skipped, they would leave part of the corpus out unnoticed.
-    files = [f for f in _files_below(path) if f.is_file() and readable_file("--data", f, DATA_WANTED)
-             and f.stat().st_size > 0 and _is_utf8_text(f)]
+    candidates = [readable_file("--data", f, DATA_WANTED) for f in _files_below(path) if f.is_file()]
+    files = [f for f in candidates if f.stat().st_size > 0 and _is_utf8_text(f)]
     if not files:
         raise UserError(f"--data {path} holds no non-empty UTF-8 text files; put text files in it.")
     return files

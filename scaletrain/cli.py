@@ -26,6 +26,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from scaletrain.config import Config, add_config_flags, load_run_config, resolve  # noqa: E402
 from scaletrain.config_checks import check_values  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402
+from scaletrain.models import TINY_PRESET  # noqa: E402
 from scaletrain.paths import readable_dir, writable_file  # noqa: E402
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device  # noqa: E402
 
@@ -50,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train", help="train a model",
-        description="Train a model. With no arguments: the small GPT on the built-in corpus (the "
+        description="Train a model. With no arguments: the small default model on the built-in corpus (the "
                     "Python standard library's source), on CPU, in one process.")
     _add_train_flags(train)
 
     finetune = commands.add_parser(
         "finetune", help="fine-tune a trained model, with LoRA or QLoRA adapters",
-        description="Train on new data from a checkpoint or a Hugging Face GPT-2 folder (--from), with its model "
+        description="Train on new data from a checkpoint or a Hugging Face model folder (--from), with its model "
                     "and tokenizer: every weight, "
                     "or LoRA adapters beside the frozen base (--lora-rank), the base stored in 4 bits with "
                     "--quantize nf4. Takes every flag of train.")
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the single-device reference and the requested layout with the same seed, "
                     "data and global batch; compare per-step losses and final parameters. Exit code "
                     "0 when they agree within --tolerance, 1 when they do not. Defaults differ from "
-                    "train: --model gpt-tiny --steps 10 --seq-len 64 --micro-batch 4 --cache-dir runs/.cache.")
+                    f"train: --model {TINY_PRESET} --steps 10 --seq-len 64 --micro-batch 4 --cache-dir runs/.cache.")
     _add_train_flags(parity)
     parity.add_argument("--tolerance", type=float, default=1e-5,
                         help="largest relative difference allowed, per step and per tensor [1e-05]")
@@ -116,22 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a training run's folder: draw the step it recorded (pipeline.json) too")
     schedule.add_argument("--json", action="store_true", help="print one JSON object instead of the drawing")
 
-    from scaletrain.models import GPT_PRESETS
+    from scaletrain.models import PLANNED_PRESET, PRESETS
     from scaletrain.plan.search import RECOMPUTE as PLANNED_RECOMPUTE
 
     plan = commands.add_parser(
         "plan", help="predict per-rank memory and step time of parallel layouts, recommend one",
-        description="Weigh every parallel layout of a GPT on a cluster (dp x tp x pp x cp x ep, ZeRO "
+        description="Weigh every parallel layout of a model on a cluster (dp x tp x pp x cp x ep, ZeRO "
                     "stage, sp, recompute, micro-batch, pipeline schedule) at the same global batch: "
                     "drop those the trainer would refuse, predict memory per rank (the most loaded one) "
                     "and step time for the others, and rank those that fit by tokens/s. A layout flag "
                     "fixes that choice; the others are searched.")
-    plan.add_argument("--model", default="gpt2-124m", metavar="NAME",
-                      help=f"GPT preset: {', '.join(GPT_PRESETS)} [gpt2-124m]")
+    plan.add_argument("--model", default=PLANNED_PRESET, metavar="NAME",
+                      help=f"model preset: {', '.join(PRESETS)} [{PLANNED_PRESET}]")
     plan.add_argument("--layers", type=int, metavar="L", help="transformer blocks [the preset's]")
     plan.add_argument("--hidden", type=int, metavar="H", help="hidden size d_model [the preset's]")
     plan.add_argument("--heads", type=int, metavar="A", help="attention heads [the preset's]")
-    plan.add_argument("--vocab", type=int, default=50304, metavar="V", help="vocabulary size [50304]")
+    plan.add_argument("--vocab", type=int, metavar="V",
+                      help=f"vocabulary size [the preset's, else {PLANNED_VOCAB}]")
     plan.add_argument("--seq", type=int, default=1024, metavar="S", help="tokens per sequence [1024]")
     plan.add_argument("--global-batch", type=int, metavar="G",
                       help="sequences per optimizer step, the same for every layout [micro-batch x grad-accum "
@@ -173,30 +175,34 @@ def build_parser() -> argparse.ArgumentParser:
     from scaletrain.export import DTYPES
 
     export = commands.add_parser(
-        "export", help="write a checkpoint's model as one safetensors file",
+        "export", help="write a checkpoint's model as one safetensors file or a Hugging Face folder",
         description="Write the model of a checkpoint, whatever layout saved it (dp, ZeRO shards, tp "
-                    "slices, pipeline stages), as one unsharded safetensors file: every key of the "
-                    "model's state_dict with its single-device shape, the tied head included, and the "
-                    "step and the run's config.toml in the header. Written beside the target and "
-                    "renamed into place, so no partial file is ever left under its name.")
+                    "slices, pipeline stages; LoRA adapters merged). --format safetensors: one unsharded "
+                    "safetensors file, every key of the model's state_dict with its single-device shape, "
+                    "the tied head included, and the step and the run's config.toml in the header. "
+                    "--format hf: a folder transformers' AutoModelForCausalLM.from_pretrained loads "
+                    "(config.json, safetensors, tokenizer files, generation_config.json). Written beside "
+                    "the target and renamed into place, so nothing partial is ever left under its name.")
     export.add_argument("--from", dest="source", metavar="CKPT", required=True,
                         help="a checkpoint folder (RUN/checkpoints/step_NNNNNN), or a run folder for its "
                              "latest complete checkpoint")
-    export.add_argument("--to", dest="target", metavar="FILE.safetensors", required=True,
-                        help="the file to write; its folder must exist")
+    export.add_argument("--to", dest="target", metavar="FILE.safetensors|DIR", required=True,
+                        help="the file to write (its folder must exist), or with --format hf the folder")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="one safetensors file, or a Hugging Face model folder [safetensors]")
     export.add_argument("--dtype", choices=DTYPES,
                         help="cast floating tensors to this dtype [as saved: fp32]")
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
 
     generate = commands.add_parser(
-        "generate", help="continue a prompt with a trained model or released GPT-2 weights",
+        "generate", help="continue a prompt with a trained model or released weights",
         description="Continue --prompt with a model and print the prompt and its continuation. The model is "
-                    "a Hugging Face GPT-2 folder (config.json, model.safetensors or pytorch_model.bin, and "
+                    "a Hugging Face model folder (config.json, model.safetensors, its shards or pytorch_model.bin, and "
                     "tokenizer.json or vocab.json with merges.txt; nothing is downloaded), or one of ours: a "
                     "run folder for its latest complete checkpoint, or a checkpoint folder, with the run's "
                     "tokenizer.")
     generate.add_argument("--from", dest="source", metavar="CKPT_OR_HF_DIR", required=True,
-                          help="a Hugging Face GPT-2 folder, a run folder, or RUN/checkpoints/step_NNNNNN")
+                          help="a Hugging Face model folder, a run folder, or RUN/checkpoints/step_NNNNNN")
     generate.add_argument("--prompt", metavar="TEXT", required=True, help="the text to continue")
     generate.add_argument("--tokens", type=int, default=100, metavar="N", help="tokens to add [100]")
     generate.add_argument("--temperature", type=float, default=0.8, metavar="T",
@@ -211,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finetune(args: argparse.Namespace) -> int:
     if getattr(args, "from") is None and not args.resume:
-        raise UserError("scaletrain finetune needs --from, the run folder, checkpoint or Hugging Face GPT-2 folder to "
+        raise UserError("scaletrain finetune needs --from, the run folder, checkpoint or Hugging Face model folder to "
                         "start from.")
     return _train(args)
 
@@ -233,7 +239,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-PARITY_DEFAULTS = Config().replace(name="gpt-tiny", steps=10, seq_len=64, micro_batch=4,
+PARITY_DEFAULTS = Config().replace(name=TINY_PRESET, steps=10, seq_len=64, micro_batch=4,
                                    warmup_steps=2, eval_every=0, eval_batches=1, sample_tokens=0,
                                    cache_dir=str(Path("runs", ".cache")))
 
@@ -307,7 +313,10 @@ def _schedule(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from scaletrain.export import export
+    if args.format == "hf":
+        from scaletrain.export_hf import export_hf as export
+    else:
+        from scaletrain.export import export
 
     print(export(Path(args.source), Path(args.target), args.dtype, args.force).describe())
     return 0
@@ -322,6 +331,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 PLAN_FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
               "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights")
+PLANNED_VOCAB = 50304  # a 50257-token byte-level BPE, rounded up to a multiple of 64
 PLAN_POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
                  "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
                  "moe_top_k", "shard_group")
@@ -360,12 +370,14 @@ def _plan_cluster(args: argparse.Namespace) -> Cluster:
 
 def _plan_base(args: argparse.Namespace, gpu: bool) -> Config:
     """The model, precision and fixed layout choices as one Config; the search fills in the rest."""
-    from scaletrain.models import GPT_PRESETS
+    from scaletrain.config import ModelConfig
+    from scaletrain.models import PRESETS
 
-    if args.model not in GPT_PRESETS:
-        raise UserError(f"--model {args.model} is not a GPT preset; choose one of {', '.join(GPT_PRESETS)}.")
-    _, preset_heads, preset_width = GPT_PRESETS[args.model]
-    heads, width = args.heads or preset_heads, args.hidden or preset_width
+    if args.model not in PRESETS:
+        raise UserError(f"--model {args.model} is not a model preset; choose one of {', '.join(PRESETS)}.")
+    family = PRESETS[args.model]
+    preset = family.shape(family.configure(ModelConfig(name=args.model), 1, args.seq))
+    heads, width = args.heads or preset.n_heads, args.hidden or preset.d_model
     if width % heads:
         raise UserError(f"--hidden {width} is not divisible by --heads {heads}; choose sizes where it is.")
     if args.moe_experts is not None and args.moe_experts < 0:
@@ -376,6 +388,12 @@ def _plan_base(args: argparse.Namespace, gpu: bool) -> Config:
              "moe_top_k": args.moe_top_k}
     fixed = {name: getattr(args, name) for name in PLAN_FIXED}
     return Config().replace(**{k: v for k, v in {**model, **fixed}.items() if v is not None})
+
+
+def _plan_vocab(args: argparse.Namespace) -> int:
+    from scaletrain.models import PRESETS
+
+    return args.vocab or PRESETS[args.model].presets[args.model].get("n_vocab") or PLANNED_VOCAB
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -393,7 +411,7 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = _plan_cluster(args)
     fixed = {name for name in PLAN_FIXED if getattr(args, name) is not None}
     global_batch = args.global_batch or derived_global_batch(base, cluster.gpus, fixed)
-    result = search(base, cluster, args.vocab, global_batch, fixed, predict)
+    result = search(base, cluster, _plan_vocab(args), global_batch, fixed, predict)
     result.best()  # none fits: one sentence, exit code 2
     if args.png:
         report.plot(result, Path(args.png), cluster)

@@ -34,13 +34,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from scaletrain.models.gpt import GPT
 
 COMPILE_NOTE = ("--compile: the first step compiles every distinct block graph (seconds to minutes); "
                 "later steps reuse it.")
 
 
-def compile_blocks(model: GPT, blocks: Sequence[nn.Module] | None = None) -> None:
+def compile_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> None:
     """Compile each of ``model.blocks`` (or of ``blocks``, a pipeline stage's) in place.
 
     ``nn.Module.compile`` keeps the module object, its parameter names and

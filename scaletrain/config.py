@@ -21,6 +21,7 @@ import tomli_w
 
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
+from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.paths import readable_file
 
@@ -33,11 +34,21 @@ def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | N
 
 @dataclass
 class ModelConfig:
-    name: str = _opt("gpt-small", "model preset", flag="model",
-                     choices=("gpt-tiny", "gpt-small", "gpt2-124m", "mlp"))
+    name: str = _opt(DEFAULT_PRESET, "model preset (docs/models.md)", flag="model", choices=PRESET_NAMES)
     n_layers: int | None = _opt(None, "transformer blocks (default: the preset's)")
     n_heads: int | None = _opt(None, "attention heads (default: the preset's)")
+    n_kv_heads: int | None = _opt(None, "key/value heads of grouped-query attention, dividing --n-heads (1: "
+                                        "multi-query; default: the preset's, where its family has them)")
     d_model: int | None = _opt(None, "hidden size (default: the preset's)")
+    ffn_hidden: int | None = _opt(None, "hidden width of a SwiGLU MLP (default: the preset's)")
+    rope_theta: float | None = _opt(None, "base of the rotary position frequencies (default: the "
+                                          "preset's)")
+    rope_scaling: str | None = _opt(None, "rotary frequency scaling of long contexts as FACTOR,LOW,HIGH,ORIGINAL "
+                                          "(8,1,4,8192; default: the preset's)")
+    tie_embeddings: bool | None = _opt(None, "the output head shares the token embedding's weight (default: "
+                                             "the preset's, where its family may untie them)")
+    sliding_window: int | None = _opt(None, "a Hugging Face folder's sliding attention window; sequences longer "
+                                            "than it are refused")
     dropout: float = _opt(0.0, "dropout probability")
     vocab_multiple: int = _opt(1, "pad the embedding and head rows to a multiple of this (64 suits GPU "
                                   "matrix tiles); padded ids are never targets nor sampled")
@@ -51,13 +62,13 @@ class ModelConfig:
     moe_every: int = _opt(1, "every this-many-th block is a mixture of experts (2: blocks 1, 3, ...)")
     moe_aux_coef: float = _opt(0.01, "weight of the load-balancing loss (Switch Transformer)")
     moe_z_coef: float = _opt(0.0, "weight of the router z-loss (ST-MoE uses 0.001)")
-    bias: bool = _opt(False, "biases on each block's linear layers (qkv, proj, fc), as GPT-2 has; tensor "
-                             "parallelism refuses them")
-    norm_eps: float = _opt(1e-5, "epsilon of the layer norms (GPT-2's layer_norm_epsilon)")
+    bias: bool = _opt(False, "biases where the family's released weights have them (docs/models.md: on "
+                             "every block linear layer, or on the queries, keys and values)")
+    norm_eps: float = _opt(1e-5, "epsilon of the layer or RMS norms (a folder's layer_norm_epsilon or rms_norm_eps)")
     n_positions: int | None = _opt(None, "rows of the position embedding, the longest sequence the model "
-                                         "reads (default: --seq-len; GPT-2's n_positions, 1024)")
+                                         "reads (default: --seq-len; a folder's max_position_embeddings)")
     n_vocab: int | None = _opt(None, "the model's vocabulary before --vocab-multiple padding (default: the "
-                                     "tokenizer's; a GPT-2 folder's vocab_size, 50257)")
+                                     "tokenizer's; a Hugging Face folder's vocab_size)")
 
 
 @dataclass
@@ -72,7 +83,7 @@ class DataConfig:
     cache_dir: str | None = _opt(None, "folder for tokenizers and token files (default: .cache beside "
                                        "the run folder)")
     tokenizer_from: str | None = _opt(None, "tokenize with the tokenizer of this run folder or Hugging Face "
-                                            "GPT-2 folder instead of --tokenizer (a fine-tune sets its --from)")
+                                            "model folder instead of --tokenizer (a fine-tune sets its --from)")
 
 
 @dataclass
@@ -208,7 +219,7 @@ class RunConfig:
 
 @dataclass
 class FinetuneConfig:
-    base: str | None = _opt(None, "a checkpoint (run folder or step_NNNNNN) or a Hugging Face GPT-2 folder "
+    base: str | None = _opt(None, "a checkpoint (run folder or step_NNNNNN) or a Hugging Face model folder "
                                   "to start from: its model, tokenizer and weights", flag="from")
     lora_rank: int = _opt(0, "rank r of the LoRA adapters on the --lora-targets layers, the base frozen "
                              "(0: no adapters, every weight trains)")

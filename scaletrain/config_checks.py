@@ -60,9 +60,6 @@ def check_values(cfg: Config) -> None:
                                 f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
     _check_hybrid(cfg.parallel)
     tp = cfg.parallel.tp
-    if cfg.model.bias and tp > 1:
-        raise UserError(f"--tp {tp} splits bias-free linear layers only, and this model has biases (--bias, "
-                        f"as GPT-2 has); use --tp 1.")
     if cfg.parallel.sp and tp < 2:
         raise UserError(f"--sp splits the sequence over the tp group, which needs --tp 2 or more, "
                         f"not --tp {tp}; add --tp or drop --sp.")
@@ -176,7 +173,7 @@ def _check_experts(cfg: Config) -> None:
                             f"(a multiple of {p.ep}) or use --ep 1.")
         return
     if m.name == "mlp":
-        raise UserError("--moe-experts replaces the GPT models' MLP blocks; drop it for the mlp.")
+        raise UserError("--moe-experts replaces a decoder's MLP blocks; drop it for the mlp.")
     if m.moe_top_k > m.moe_experts:
         raise UserError(f"--moe-top-k {m.moe_top_k} routes each token to more experts than the "
                         f"{m.moe_experts} there are; choose at most {m.moe_experts}.")

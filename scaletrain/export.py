@@ -9,8 +9,8 @@ code.
 
 Every key of the model's ``state_dict()`` is written, so
 ``model.load_state_dict(load_file(path))`` works strictly on a freshly built
-model of the same configuration. The GPT's head shares its weight with the
-token embedding; its ``state_dict()`` and its checkpoints name both, so the
+model of the same configuration. A head tied to the token embedding shares its
+weight; its ``state_dict()`` and its checkpoints name both, so the
 file holds both, as two equal copies (safetensors stores no tensors that
 share memory). That costs one embedding's bytes and spares every reader the
 tie: nothing to re-create, no ``strict=False``. The header records the tie.
@@ -47,8 +47,6 @@ from scaletrain.train.manifest import MANIFEST
 
 FORMAT = "scaletrain-model-v1"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# (copy, original): names of one parameter, as gpt.py ties the head to the embedding.
-TIES = (("head.weight", "tok_emb.weight"),)
 
 
 @dataclass(frozen=True)
@@ -109,10 +107,27 @@ def without_adapters(tensors: dict[str, torch.Tensor], checkpoint: Path) -> dict
     return merged_tensors(tensors, finetune.lora_alpha / finetune.lora_rank, dequantize_saved)
 
 
+def model_ties(run_dir: Path) -> tuple[tuple[str, str], ...]:
+    """(copy, original) names of the run's model that are one parameter (models/spec.py)."""
+    from scaletrain.config import load_run_config
+    from scaletrain.models import CLASSIFIER, spec_for
+    from scaletrain.models.spec import tied_parameters
+
+    if not (run_dir / "config.toml").is_file():
+        return ()
+    model_cfg = load_run_config(run_dir).model
+    if model_cfg.name == CLASSIFIER:
+        return ()
+    family = spec_for(model_cfg.name)
+    with torch.device("meta"):  # the ties do not depend on the sizes: any vocabulary will do
+        return tied_parameters(family.build(family.configure(model_cfg, 1, 1)))
+
+
 def _present_ties(tensors: dict[str, torch.Tensor], checkpoint: Path) -> list[tuple[str, str]]:
     """The ties whose both names the checkpoint holds; loading writes both into one
     parameter, so copies that differ would make the result depend on key order."""
-    ties = [(copy, original) for copy, original in TIES if copy in tensors and original in tensors]
+    ties = [(copy, original) for copy, original in model_ties(checkpoint.parent.parent)
+            if copy in tensors and original in tensors]
     for copy, original in ties:
         if not torch.equal(tensors[copy], tensors[original]):
             raise UserError(f"checkpoint {checkpoint} holds different {copy} and {original}, which the "

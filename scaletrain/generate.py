@@ -1,11 +1,11 @@
 """Text from a model: the ``generate`` command.
 
-``--from`` names a Hugging Face GPT-2 folder (finetune/hf.py reads its
+``--from`` names a Hugging Face model folder (finetune/hf.py reads its
 weights and tokenizer; nothing is downloaded), a run folder (its latest
 complete checkpoint) or one of its ``checkpoints/step_NNNNNN`` folders. A
 checkpoint holds weights only, so the model is rebuilt from the run's
-``config.toml`` (a GPT-2 fine-tune's biases, positions and vocabulary
-included) and the text goes through the run's tokenizer: the
+``config.toml`` (a fine-tuned folder's architecture, positions and
+vocabulary included) and the text goes through the run's tokenizer: the
 ``tokenizer.json`` training saved in the run folder (train/data_setup.py;
 for runs older than that file, bytes or the BPE training cached beside the
 run folders, found by its corpus's fingerprint).
@@ -23,12 +23,13 @@ import math
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from scaletrain.config import load_run_config
 from scaletrain.errors import UserError
 from scaletrain.export import find_checkpoint, without_adapters
-from scaletrain.finetune.hf import is_hf_folder, load_hf_gpt2, load_hf_tokenizer
-from scaletrain.models import GPT, build_model
+from scaletrain.finetune.hf import is_hf_folder, load_hf_model, load_hf_tokenizer
+from scaletrain.models import CLASSIFIER, build_model
 from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
 from scaletrain.train.data_setup import AnyTokenizer, run_tokenizer
@@ -46,7 +47,7 @@ def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> N
         raise UserError(f"--top-k must not be negative, not {top_k} (0 samples among every token).")
 
 
-def _check_fits(model: GPT, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
+def _check_fits(model: nn.Module, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     saved = {name: tuple(t.shape) for name, t in tensors.items()}
     differing = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
@@ -56,15 +57,16 @@ def _check_fits(model: GPT, tensors: dict[str, torch.Tensor], checkpoint: Path) 
                         f"saved {saved.get(name)}, built {expected.get(name)}); generate from the run that saved it.")
 
 
-def load_run_model(checkpoint: Path) -> tuple[GPT, AnyTokenizer]:
+def load_run_model(checkpoint: Path) -> tuple[nn.Module, AnyTokenizer]:
     """A checkpoint's model, rebuilt from its run's config.toml, and the run's tokenizer."""
     run_dir = checkpoint.parent.parent  # RUN/checkpoints/step_NNNNNN
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"checkpoint {checkpoint} is not inside its run folder (no {run_dir / 'config.toml'}); "
                         f"give it where training wrote it.")
     cfg = load_run_config(run_dir)
-    if cfg.model.name == "mlp":
-        raise UserError(f"--from {checkpoint} is a run of the mlp classifier, which writes no text; give a GPT run.")
+    if cfg.model.name == CLASSIFIER:
+        raise UserError(f"--from {checkpoint} is a run of the mlp classifier, which writes no text; give a "
+                        f"language model's run.")
     tokenizer = run_tokenizer(run_dir)
     model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len)
     try:
@@ -77,13 +79,13 @@ def load_run_model(checkpoint: Path) -> tuple[GPT, AnyTokenizer]:
     return model.eval(), tokenizer
 
 
-def load_model(source: Path) -> tuple[GPT, AnyTokenizer]:
+def load_model(source: Path) -> tuple[nn.Module, AnyTokenizer]:
     """The model and tokenizer that ``--from`` names."""
-    readable_dir("--from", source, "a Hugging Face GPT-2 folder, a run folder or one of its checkpoints/step_NNNNNN "
+    readable_dir("--from", source, "a Hugging Face model folder, a run folder or one of its checkpoints/step_NNNNNN "
                                    "folders")
     if is_hf_folder(source):
         tokenizer = load_hf_tokenizer(source)  # the small files first: a mistake costs no weights read
-        return load_hf_gpt2(source)[0], tokenizer
+        return load_hf_model(source)[0], tokenizer
     try:
         checkpoint = find_checkpoint(source)
     except UserError:  # it exists: what it lacks is a checkpoint

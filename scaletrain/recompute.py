@@ -1,4 +1,4 @@
-"""Activation recomputation (checkpointing) applied to a GPT from the outside.
+"""Activation recomputation (checkpointing) applied to a decoder from the outside.
 
 Training keeps, for every operation, the tensors its backward needs ("saved
 activations"). Recomputation drops some of them in the forward pass and runs
@@ -71,7 +71,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from scaletrain.errors import UserError
-from scaletrain.models.gpt import GPT
 
 POLICY_FORMS = "none, full, selective, every:K with K >= 1, or sqrt"
 
@@ -88,7 +87,7 @@ def parse_policy(text: str) -> tuple[str, int]:
     raise UserError(f"Recompute policy {text!r} is not valid; use one of {POLICY_FORMS}.")
 
 
-def apply_recompute(model: GPT, policy: str, blocks: Sequence[nn.Module] | None = None) -> None:
+def apply_recompute(model: nn.Module, policy: str, blocks: Sequence[nn.Module] | None = None) -> None:
     """Make ``model`` recompute activations in backward according to ``policy``
     (over ``blocks``, by default all of ``model.blocks``: a pipeline stage gives its own)."""
     kind, k = parse_policy(policy)
@@ -123,7 +122,7 @@ class _Recomputed:
 class _Segment:
     """Consecutive blocks checkpointed as one unit, run by the segment's first block.
 
-    ``GPT.forward`` calls every block in turn, so the first block's call runs
+    A decoder's forward calls every block in turn, so the first block's call runs
     the whole segment and hands its output on; the other blocks recognise that
     very tensor (kept by weak reference) and pass it through. Any other input
     is computed normally, so a later block called on its own is still itself.

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.dist import Comm, Mesh, ParallelDims
-from scaletrain.models.gpt import GPT, CausalAttention, GPTConfig
+from scaletrain.models.decoder import CausalAttention
+from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.models.gpt_spec import GPT_SPEC
 from scaletrain.parallel import context
 from scaletrain.parallel.context import (
     RingAttention,
@@ -18,12 +20,14 @@ from scaletrain.parallel.context import (
     ring_attention,
     zigzag_positions,
 )
-from scaletrain.parallel.tensor import GPT_PLAN, parallelize
+from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
+from scaletrain.parallel.tensor import parallelize
 from tests.distributed import run_distributed
 
 # batch, heads, sequence, head_dim of the attention tests
 B, A, S, D = 2, 3, 32, 8
 CFG = GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, d_model=32)
+POSITIONS = dict(seq_len=CFG.seq_len, position_modules=GPT_SPEC.position_modules)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -178,7 +182,7 @@ def _model_run(rank: int, n: int, cp: int, tp: int, sp: bool) -> dict[str, float
     tensor_parallel = parallelize(model, GPT_PLAN, comm, mesh.group("tp"), sequence_parallel=sp,
                                   dropout=0.0) if tp > 1 else None
     cp_group = mesh.group("cp")
-    context_parallel = parallelize_context(model, comm, cp_group)
+    context_parallel = parallelize_context(model, comm, cp_group, **POSITIONS)
     logits, targets = model(context_parallel.local(x)), context_parallel.local(y)
     loss = tensor_parallel.loss(logits, targets) if tensor_parallel else loss_fn(logits, targets)
     loss.backward()
@@ -216,7 +220,7 @@ def _autocast_run(rank: int, n: int) -> dict:
 
     group, comm = _cp_group(rank, n), Comm()
     model = _gpt()
-    context_parallel = parallelize_context(model, comm, group)
+    context_parallel = parallelize_context(model, comm, group, **POSITIONS)
     seen = set()
     model.blocks[0].attn.core.register_forward_hook(
         lambda module, args, out: seen.update(t.dtype for t in (*args, out)))
@@ -248,7 +252,7 @@ def _generation_run(rank: int, n: int) -> dict:
     full = _gpt()
     comm = Comm()
     model = _gpt()
-    context_parallel = parallelize_context(model, comm, _cp_group(rank, n))
+    context_parallel = parallelize_context(model, comm, _cp_group(rank, n), **POSITIONS)
     if rank != 0:
         return {}
     prompts = [torch.randint(0, CFG.vocab_size, (1, length), generator=torch.Generator().manual_seed(3))
@@ -284,7 +288,7 @@ def test_pruned_pipeline_stage_keeps_what_it_has():
     model = _gpt()
     model.blocks[0] = nn.Module()
     model.pos_emb = None
-    context_parallel = parallelize_context(model, Comm(), Mesh.build(ParallelDims(), 0, 1).group("cp"))
+    context_parallel = parallelize_context(model, Comm(), Mesh.build(ParallelDims(), 0, 1).group("cp"), **POSITIONS)
     assert isinstance(model.blocks[1].attn.core, RingAttention)
     assert not any(isinstance(m, CausalAttention) for m in model.modules())
     assert context_parallel.attentions == [model.blocks[1].attn.core]
@@ -296,4 +300,4 @@ def test_attention_dropout_is_refused():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="no attention dropout"):
         parallelize_context(GPT(GPTConfig(**{**vars(CFG), "dropout": 0.1})), Comm(),
-                            Mesh.build(ParallelDims(), 0, 1).group("cp"))
+                            Mesh.build(ParallelDims(), 0, 1).group("cp"), **POSITIONS)

@@ -10,6 +10,7 @@ names) for the tests that need only our code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -19,11 +20,9 @@ from safetensors.torch import save_file
 from tokenizers import ByteLevelBPETokenizer
 
 from scaletrain.cli import main
-from scaletrain.dist.mesh import Group
-from scaletrain.errors import UserError
-from scaletrain.finetune.hf import hf_names, is_hf_folder, load_hf_gpt2, load_hf_tokenizer
+from scaletrain.finetune.hf import is_hf_folder, load_hf_model, load_hf_tokenizer
 from scaletrain.models import GPT, GPTConfig
-from scaletrain.parallel.tensor import GPT_PLAN, parallelize
+from scaletrain.models.gpt_spec import GPT_SPEC
 from scaletrain.train.run import execute, prepare_run
 from tests.conftest import run_cli
 
@@ -46,8 +45,8 @@ def random_gpt(cfg: GPTConfig = SMALL) -> GPT:
 def gpt2_tensors(model: GPT) -> dict[str, torch.Tensor]:
     """The model's weights under GPT-2's names and layout, as the Hub's files hold them."""
     ours = model.state_dict()
-    return {name: (ours[our_name].t() if transposed else ours[our_name]).contiguous().clone()
-            for name, (our_name, transposed) in hf_names(model.cfg.n_layers).items()}
+    return {name.removeprefix("transformer."): (ours[our_name].t() if transposed else ours[our_name]).contiguous().clone()
+            for name, (our_name, transposed) in GPT_SPEC.hf.names(model.cfg).items()}
 
 
 def gpt2_config(cfg: GPTConfig = SMALL, **changes) -> dict:
@@ -95,11 +94,6 @@ def test_bias_gives_the_four_block_linears_zero_biases_and_the_default_has_none(
     assert all(not t.any() for t in added.values())
 
 
-def test_tensor_parallelism_refuses_a_model_with_biases():
-    with pytest.raises(UserError, match="blocks.0.attn.qkv has a bias"):
-        parallelize(random_gpt(), GPT_PLAN, None, Group("tp", (0, 1), 0), sequence_parallel=False, dropout=0.0)
-
-
 @pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
 def test_a_gpt2_folder_loads_as_the_same_function(tmp_path, weights):
     model = random_gpt()
@@ -108,8 +102,8 @@ def test_a_gpt2_folder_loads_as_the_same_function(tmp_path, weights):
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
     tensors["transformer.h.0.attn.bias"] = torch.tril(torch.ones(1, 1, SMALL.seq_len, SMALL.seq_len))
     folder = write_folder(tmp_path / "gpt2", tensors, gpt2_config(), weights)
-    loaded, cfg = load_hf_gpt2(folder)
-    assert is_hf_folder(folder) and cfg == SMALL and not loaded.training
+    loaded, cfg = load_hf_model(folder)
+    assert is_hf_folder(folder) and cfg == dataclasses.replace(SMALL, n_positions=SMALL.seq_len) and not loaded.training
     ids = torch.randint(0, VOCAB, (2, SMALL.seq_len))
     assert torch.equal(loaded(ids), model(ids))
     assert loaded.head.weight is loaded.tok_emb.weight
@@ -139,7 +133,7 @@ def test_logits_equal_transformers_gpt2(tmp_path, transformers):
         for p in hf.parameters():
             p.add_(0.02 * torch.randn_like(p))
     hf.eval().save_pretrained(tmp_path, safe_serialization=True)
-    ours, cfg = load_hf_gpt2(tmp_path)
+    ours, cfg = load_hf_model(tmp_path)
     assert (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.seq_len, cfg.vocab_size) == (2, 4, 64, 64, VOCAB)
     ids = torch.randint(0, VOCAB, (3, 64))
     with torch.no_grad():
@@ -219,10 +213,10 @@ MISTAKES = {
     "missing folder": (lambda tmp: tmp / "no-such-folder", "does not exist"),
     "folder without config.json": (_empty, "is neither a Hugging Face model folder (it has no config.json)"),
     "another activation": (_folder_mistake(activation_function="relu"), "names activation_function 'relu'"),
-    "another model type": (_folder_mistake(model_type="llama"), "holds a llama model"),
+    "another model type": (_folder_mistake(model_type="falcon"), "gives model_type 'falcon'"),
     "heads not dividing": (_folder_mistake(n_head=5), "n_head 5 does not divide"),
     "missing tensor": (_folder_mistake(lambda t: t.pop("h.1.mlp.c_fc.bias")),
-                       "lacks the GPT-2 weight h.1.mlp.c_fc.bias"),
+                       "lacks the weight transformer.h.1.mlp.c_fc.bias"),
     "unexpected tensor": (_folder_mistake(lambda t: t.update({"h.2.ln_1.weight": torch.ones(32)})),
                           "holds h.2.ln_1.weight, which is no weight"),
     "untransposed tensor": (_folder_mistake(lambda t: t.update({"h.0.mlp.c_fc.weight": torch.zeros(128, 32)})),

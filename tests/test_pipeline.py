@@ -14,8 +14,8 @@ import torch
 from scaletrain.cli import main
 from scaletrain.config import Config
 from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.models.gpt_spec import STAGES as GPT_STAGES
 from scaletrain.parallel.pipeline.partition import (
-    GPT_STAGES,
     Costs,
     balance,
     keep_stages,
@@ -136,7 +136,7 @@ def _forward_through_stages(rank: int, n: int) -> dict:
     """Two ranks, two chunks each (stages 0-3): evaluation over batches of 4 and 2
     sequences, and 5 generated tokens, against the whole model in one process."""
     from scaletrain.dist import Comm, Mesh, ParallelDims
-    from scaletrain.models.gpt import sample_next
+    from scaletrain.models.decoder import sample_next
     from scaletrain.parallel.pipeline.parallel import PipelineParallel
     from scaletrain.train.layout import loss_fn
 

@@ -19,7 +19,7 @@ from scaletrain.cli import main
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
-from scaletrain.models import gpt_config
+from scaletrain.models import family_config as gpt_config
 from scaletrain.plan.hardware import DEVICES, Cluster
 from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
 from scaletrain.plan.report import format_table, plot, to_json

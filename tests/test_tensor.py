@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel.tensor import (
-    GPT_PLAN,
     RegionRNG,
     Split,
     parallelize,

@@ -9,8 +9,8 @@ the achieved bandwidth
 
 as a fraction of the device's peak memory bandwidth (known GPUs, from a
 table; otherwise none). The parameter sets have the real shapes of the
-project's GPT at GPT-2 124M and at about 1B parameters (18 layers, width
-2048), hundreds of tensors from 768-element gains to the embedding, in the
+default planned preset at 124M parameters and of the same model grown to
+about 1B (18 layers, width 2048), hundreds of tensors from 768-element gains to the embedding, in the
 trainer's two decay groups: the multi-tensor launch is part of what is
 measured.
 
@@ -42,7 +42,8 @@ from scaletrain.bench import machine, median, rotated
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.kernels import interpreted, unavailable
-from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.config import ModelConfig
+from scaletrain.models import PLANNED_PRESET, family_config, spec_for
 
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
 OURS = "TritonAdamW (kernels/adamw.py)"
@@ -50,10 +51,11 @@ FOREACH, FUSED = "torch AdamW foreach=True", "torch AdamW fused=True"
 # Substrings of torch.cuda.get_device_name() -> peak memory bandwidth, bytes/s (vendor figures).
 PEAK_BANDWIDTH = (("H200", 4.8e12), ("H100 80GB HBM3", 3.35e12), ("H100 SXM", 3.35e12),
                   ("A100-SXM4-80GB", 2.0e12), ("A100 80GB", 2.0e12))
-GPU_SETS = {"gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, n_layers=12, n_heads=12, d_model=768),
-            "gpt-1b": GPTConfig(vocab_size=50257, seq_len=2048, n_layers=18, n_heads=16, d_model=2048)}
-INTERPRETED_SETS = {"tiny": GPTConfig(vocab_size=64, seq_len=16, n_layers=1, n_heads=2, d_model=32),
-                    "small": GPTConfig(vocab_size=128, seq_len=16, n_layers=2, n_heads=2, d_model=48)}
+# (model, vocabulary, positions) of each parameter set.
+GPU_SETS = {"124m": (ModelConfig(name=PLANNED_PRESET), 50257, 1024),
+            "1b": (ModelConfig(name=PLANNED_PRESET, n_layers=18, n_heads=16, d_model=2048), 50257, 2048)}
+INTERPRETED_SETS = {"tiny": (ModelConfig(name=PLANNED_PRESET, n_layers=1, n_heads=2, d_model=32), 64, 16),
+                    "small": (ModelConfig(name=PLANNED_PRESET, n_layers=2, n_heads=2, d_model=48), 128, 16)}
 # Bytes per parameter the race holds: shared p and g, three optimizers' moments, and
 # foreach's temporary sqrt(v).
 _RACE_BYTES_PER_PARAM = 8 + 3 * 8 + 4
@@ -68,10 +70,12 @@ def peak_bandwidth(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BANDWIDTH if key in name), None)
 
 
-def parameter_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
-    """The shapes of the GPT's parameters (a tied weight once), built without memory."""
+def parameter_shapes(parameter_set: tuple[ModelConfig, int, int]) -> list[tuple[int, ...]]:
+    """The shapes of a set's model's parameters (a tied weight once), built without memory."""
+    model_cfg, vocab_size, seq_len = parameter_set
     with torch.device("meta"):
-        return [tuple(p.shape) for p in GPT(cfg).parameters()]
+        model = spec_for(model_cfg.name).build(family_config(model_cfg, vocab_size, seq_len))
+        return [tuple(p.shape) for p in model.parameters()]
 
 
 def run(cfg: Config, warmup: int) -> dict:

@@ -1,7 +1,7 @@
 """``scaletrain bench pp``: our pipeline parallelism against torch.distributed.pipelining.
 
 Every process is one rank of a pp group (``--nproc`` ranks, one stage each,
-no data parallelism). Both contenders cut the same GPT at the same places
+no data parallelism). Both contenders cut the same model at the same places
 (``balance(parameter_costs(...), nproc)``: contiguous ranges of blocks, the
 embeddings on the first stage, the final norm and the head on the last),
 each rank building the model whole from the same seed and keeping its
@@ -17,11 +17,11 @@ each step after a barrier:
 
 Contenders:
 
-  ours  parallel/pipeline: ``PipelineParallel(model, GPT_STAGES, ...)`` with
+  ours  parallel/pipeline: ``PipelineParallel(model, spec.stages, ...)`` with
         ``--pp-schedule`` gpipe or 1f1b, ``train_round`` per round, then its
         ``sum_shared_gradients`` and ``clip_grad_norm_``, as the trainer runs it.
   peer  ``torch.distributed.pipelining``: this rank's stage (the same pruned
-        GPT, ids or the residual stream in, the residual stream or the logits
+        model, ids or the residual stream in, the residual stream or the logits
         out) wrapped as the ``nn.Module`` of a ``PipelineStage``, driven by
         ``ScheduleGPipe`` or ``Schedule1F1B`` over the same process group;
         one ``schedule.step(ids, target=targets)`` per round. The tied
@@ -96,12 +96,12 @@ the steps after ``--warmup``; the ratio is ours / torch per schedule, below
 1F1B's; ``schedules`` has both. The losses must agree step by step up to
 rounding: the report gives the largest relative difference per schedule.
 Measured: all four contenders' losses were equal bit for bit, step by step
-(gpt-tiny, and gpt-small over 12 steps), the two schedules included. A
-missing tied-gradient sum shows from the second step (3e-4 at gpt-tiny). A
+(the tiny preset, and the small one over 12 steps), the two schedules included. A
+missing tied-gradient sum shows from the second step (3e-4 at the tiny preset). A
 gradient off by a constant factor (``scale_grads=True`` on top of the divided
 loss: divided by M twice) shows only faintly, since AdamW and a clip that
-bites are blind to a constant factor: 2e-5 by the third step at gpt-tiny,
-nothing for 3 steps at gpt-small, then 2e-2. So compare the losses tightly
+bites are blind to a constant factor: 2e-5 by the third step at the tiny preset,
+nothing for 3 steps at the small one, then 2e-2. So compare the losses tightly
 (the test asks for 1e-6), not at 1e-4.
 """
 
@@ -131,11 +131,11 @@ from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group, Mesh
 from scaletrain.errors import UserError
-from scaletrain.models import GPT, build_model, gpt_config
+from scaletrain.models import CLASSIFIER, build_model, spec_for
+from scaletrain.models.spec import tied_parameters
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.partition import (
-    GPT_STAGES,
     Stage,
     balance,
     describe,
@@ -149,7 +149,6 @@ from scaletrain.train.layout import loss_fn
 OURS, PEER = "scaletrain PipelineParallel", "torch.distributed.pipelining"
 SCHEDULES = ("gpipe", "1f1b")
 PEER_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-TIED = "tok_emb.weight"  # the embedding the head shares, held by the first and the last stage
 
 
 @dataclass
@@ -186,9 +185,11 @@ class Contender:
 def run(cfg: Config, warmup: int) -> dict:
     """Spawn ``--nproc`` pp ranks, race the contenders; the result as ``bench --json`` prints it."""
     n = cfg.parallel.nproc
-    if cfg.model.name == "mlp":
-        raise UserError("bench pp cuts a GPT's blocks into stages; give a GPT --model, not the mlp.")
-    layers = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len).n_layers
+    if cfg.model.name == CLASSIFIER:
+        raise UserError("bench pp cuts a decoder's blocks into stages; give a language model's --model, not the "
+                        "mlp.")
+    family = spec_for(cfg.model.name)
+    layers = family.shape(family.configure(cfg.model, 1, cfg.data.seq_len)).n_layers
     if n > layers:
         raise UserError(f"bench pp cuts the model's {layers} blocks into --nproc {n} stages; give an "
                         f"--nproc of at most {layers}, or more --n-layers.")
@@ -203,10 +204,11 @@ def _max_norm(cfg: Config) -> float:
     return cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
 
 
-def _ours(model: GPT, schedule: str, comm: Comm, mesh: Mesh, cfg: Config, sample: torch.Tensor,
+def _ours(model: nn.Module, schedule: str, comm: Comm, mesh: Mesh, cfg: Config, sample: torch.Tensor,
           device: torch.device, ranges: list[range]) -> Contender:
-    width, micro, pp = model.cfg.d_model, cfg.parallel.pipeline_sizes()[0], mesh.group("pp")
-    pipeline = PipelineParallel(model, GPT_STAGES, comm, pp, schedule=schedule, micro_batches=micro,
+    family = spec_for(cfg.model.name)
+    width, micro, pp = family.shape(model.cfg).d_model, cfg.parallel.pipeline_sizes()[0], mesh.group("pp")
+    pipeline = PipelineParallel(model, family.stages, comm, pp, schedule=schedule, micro_batches=micro,
                                 virtual_stages=1, balance_by="params",
                                 boundary=lambda batch, seq: ((batch, seq, width), torch.float32, device),
                                 sample=sample, world=mesh.group("world"))
@@ -231,7 +233,7 @@ def _ours(model: GPT, schedule: str, comm: Comm, mesh: Mesh, cfg: Config, sample
 
 
 class StageModule(nn.Module):
-    """This rank's stage of the pruned GPT as the ``nn.Module`` a ``PipelineStage``
+    """This rank's stage of the pruned model as the ``nn.Module`` a ``PipelineStage``
     wraps: token ids (first stage) or the residual stream in, the residual
     stream or the logits (last stage) out. Its parameters are the stage's."""
 
@@ -244,11 +246,12 @@ class StageModule(nn.Module):
         return self.stage(x)
 
 
-def _peer(model: GPT, schedule: str, pp: Group, cfg: Config, ranges: list[range],
+def _peer(model: nn.Module, schedule: str, pp: Group, cfg: Config, ranges: list[range],
           device: torch.device) -> Contender:
-    n, t, c = pp.size, cfg.train, model.cfg
+    n, t, c = pp.size, cfg.train, spec_for(cfg.model.name).shape(model.cfg)
     micro = cfg.parallel.pipeline_sizes()[0]
-    (stage,) = keep_stages(model, GPT_STAGES, ranges, [pp.rank])
+    ties = tied_parameters(model)
+    (stage,) = keep_stages(model, spec_for(cfg.model.name).stages, ranges, [pp.rank])
     module = StageModule(stage)
     b, s = t.micro_batch, cfg.data.seq_len
 
@@ -259,7 +262,7 @@ def _peer(model: GPT, schedule: str, pp: Group, cfg: Config, ranges: list[range]
 
     # STATIC mode: the shapes crossing each cut, as ours is given them (see the docstring).
     inputs = meta(b, s, dtype=torch.long) if stage.is_first else meta(b, s, c.d_model)
-    outputs = meta(b, s, c.vocab_size) if stage.is_last else meta(b, s, c.d_model)
+    outputs = meta(b, s, c.vocab) if stage.is_last else meta(b, s, c.d_model)
     pipe = PipelineStage(module, pp.rank, n, device, input_args=inputs, output_args=outputs, group=pp.handle)
     scale: list[float] = [1.0]  # the divisor of the running step, read by the loss
     driver = PEER_SCHEDULES[schedule](pipe, micro, loss_fn=lambda logits, y: loss_fn(logits, y) / scale[0],
@@ -276,7 +279,9 @@ def _peer(model: GPT, schedule: str, pp: Group, cfg: Config, ranges: list[range]
             total += loss.detach()
         return total.item()
 
-    tied = dict(model.named_parameters()).get(TIED) if stage.is_first or stage.is_last else None
+    # The embedding a tied head shares, held by the first and the last stage.
+    tied = (dict(model.named_parameters()).get(ties[0][1]) if ties and (stage.is_first or stage.is_last)
+            else None)
     holders = sorted({0, n - 1})
 
     @torch.no_grad()
@@ -317,11 +322,11 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         def batches_at(step: int) -> Batches:  # dp has one rank: every pp rank reads the whole batch
             return [(x.to(device), y.to(device)) for x, y in step_batches(data, reads, dp, step)]
 
-        def fresh_model() -> GPT:
+        def fresh_model() -> nn.Module:
             torch.manual_seed(cfg.train.seed)  # the same initial weights for all
             return build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len).to(device)
 
-        ranges = balance(parameter_costs(fresh_model(), GPT_STAGES), pp.size)
+        ranges = balance(parameter_costs(fresh_model(), spec_for(cfg.model.name).stages), pp.size)
         sample = batches_at(0)[0][0]
         contenders = []
         for schedule in SCHEDULES:
@@ -367,7 +372,7 @@ def _report(cfg: Config, contenders: list[Contender], medians: dict[str, float],
         "setup": {"model": cfg.model.name, "pp": n, "dp": 1, "seq_len": cfg.data.seq_len,
                   "micro_batch": t.micro_batch, "microbatches": micro, "grad_accum": t.grad_accum,
                   "timed_steps": t.steps - warmup, "grad_clip": t.grad_clip, "device": device.type,
-                  "stages": describe(ranges, GPT_STAGES).splitlines(),
+                  "stages": describe(ranges, spec_for(cfg.model.name).stages).splitlines(),
                   "stage_layers": [[r.start, r.stop] for r in ranges],
                   "peer_shapes": "static (input_args, output_args given)",
                   "torch_threads_per_rank": torch.get_num_threads()},

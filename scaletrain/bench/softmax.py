@@ -5,7 +5,7 @@ call by call in rotating order, a CUDA synchronize before and after each
 call; the figure is the median over the timed calls (``--steps``, after
 ``--warmup``). Inputs are fp32, or bf16 with ``--precision bf16``.
 
-softmax: rows of GPT-2 small's attention scores (micro-batch 8 x 12 heads x
+softmax: rows of a 124M-parameter decoder's attention scores (micro-batch 8 x 12 heads x
 1024 queries, 1024 keys: one block a row) and rows as long as its vocabulary
 (50304: the two-pass online path), ours (kernels/softmax.py) against
 F.softmax. Bandwidth is the least traffic the work needs over the time:
@@ -13,7 +13,7 @@ forward reads x and writes y, backward reads y and dy and writes dx, 5MN
 elements, the same count for both, so it says how near each comes to the
 memory's speed.
 
-cross-entropy: GPT-2 small's output head and loss, 8192 tokens (micro-batch
+cross-entropy: the same decoder's output head and loss, 8192 tokens (micro-batch
 8 x 1024) of d_model 768 over 50304 words: our fused head + loss in chunks
 (kernels/cross_entropy.py) against the trainer's way, the logits
 materialised by a matmul, ``.float()`` and F.cross_entropy, and, on a GPU,
@@ -44,7 +44,7 @@ from scaletrain.kernels import interpreted
 from scaletrain.precision import compute_dtype
 
 # (rows, cols, what they are); tiny ones for the interpreter, the second spanning blocks
-SOFTMAX_SHAPES = [(8 * 12 * 1024, 1024, "GPT-2 attention rows"), (8192, 50304, "GPT-2 vocabulary rows")]
+SOFTMAX_SHAPES = [(8 * 12 * 1024, 1024, "124M attention rows"), (8192, 50304, "50k vocabulary rows")]
 SOFTMAX_SHAPES_INTERPRETED = [(8, 48, "tiny rows"), (4, 9000, "rows of two blocks")]
 # (tokens, d_model, vocabulary)
 CE_SHAPE = (8 * 1024, 768, 50304)

@@ -92,8 +92,8 @@ def run(cfg: Config, names: list[str], warmup: int) -> dict:
         raise UserError(f"--warmup {warmup} leaves no timed step of --steps {cfg.train.steps}; "
                         f"raise --steps or lower --warmup.")
     if cfg.model.name == "mlp":
-        raise UserError("bench techniques measures the GPT models (recompute and compile act on "
-                        "their blocks); choose a gpt model.")
+        raise UserError("bench techniques measures the language models (recompute and compile act "
+                        "on their blocks); choose one of their presets.")
     cfg = cfg.replace(report_memory=True, resume=False)
     env = detect_environment()
     if env.world_size > 1 or cfg.parallel.nproc > 1:

@@ -1,11 +1,12 @@
 """``scaletrain bench tp``: our Megatron tensor parallelism against torch's DTensor tensor parallel.
 
 Every process is one rank of a tp group (``--nproc`` ranks, no data
-parallelism). Both contenders split the same GPT the Megatron way
-(Shoeybi et al. 2019): the attention's fused qkv and the MLP's fc by output
+parallelism). Both contenders split the same model the Megatron way
+(Shoeybi et al. 2019), by the plan its family's spec gives (models/spec.py):
+the attention's query/key/value and the MLP's input layers by output
 features (column-parallel), the two projections by input features
 (row-parallel, one all-reduce each forward), the token embedding and the
-tied output head by vocabulary, and the cross-entropy computed from the
+output head by vocabulary, and the cross-entropy computed from the
 vocabulary-split logits without gathering them. Each builds the model whole
 from the same seed and keeps its slices, so both start from the same
 weights; every rank feeds both the same batches; they are raced step by
@@ -16,17 +17,18 @@ step in rotating order, each step after a barrier:
 
 Contenders:
 
-  ours  parallel/tensor.py: ``parallelize(model, GPT_PLAN, ...)`` without
+  ours  parallel/tensor.py: ``parallelize(model, spec.tensor_plan(cfg), ...)`` without
         sequence parallelism, its vocabulary-parallel cross-entropy
         (``TensorParallel.loss``) and its clip, which sums the split
         gradients' squares over the group and counts replicated ones once.
-  peer  torch's ``parallelize_module`` over a DeviceMesh of the tp group:
-        ``ColwiseParallel`` on qkv and fc, ``RowwiseParallel`` on the two
-        projections, ``RowwiseParallel`` on the token embedding (its rows
-        split, the ids replicated), ``ColwiseParallel`` on the head with the
-        logits left as a vocabulary-sharded DTensor, and the cross-entropy
-        under ``loss_parallel()``. The layer norms and the position
-        embedding are outside the plan and stay plain (replicated) tensors;
+  peer  torch's ``parallelize_module`` over a DeviceMesh of the tp group, the
+        same plan in torch's words (`peer_plan`): ``ColwiseParallel`` on the
+        column-parallel layers, ``RowwiseParallel`` on the row-parallel ones,
+        ``RowwiseParallel`` on the token embedding (its rows split, the ids
+        replicated), ``ColwiseParallel`` on the head with the logits left as
+        a vocabulary-sharded DTensor, and the cross-entropy under
+        ``loss_parallel()``. The norms and a position embedding are outside
+        the plan and stay plain (replicated) tensors;
         torch's foreach kernels refuse lists that mix them with DTensors, so
         each AdamW group is cut in its DTensors and its plain tensors, and
         the clip is torch's ``clip_grad_norm_`` in its two public halves:
@@ -35,18 +37,19 @@ Contenders:
 
 Why this is the same work:
 
-  - The qkv weight stacks q, k and v along its output ([3, heads, head_dim]).
-    Ours splits each of the three blocks over the ranks; ``ColwiseParallel``
-    cuts the output in ``nproc`` contiguous pieces, which would give rank 0
-    all of q and half of k. So before the peer is parallelized its qkv rows
-    are permuted to [q, k, v of rank 0's heads; q, k, v of rank 1's; ...],
-    and each rank's attention module is told its local width
-    (``qkv.out_features``), from which it reads its head count: both then
-    hold the same heads on the same rank and compute the same attention.
-  - The head's weight is the token embedding's (tied). ``parallelize_module``
-    distributes each module's parameters anew, which unties them; the head's
-    weight is set back to the embedding's DTensor (both Shard(0) on the same
-    mesh), so the peer, like ours, trains one vocabulary matrix.
+  - A fused weight (one qkv layer) stacks q, k and v along its output
+    ([3, heads, head_dim]). Ours splits each of the three blocks over the
+    ranks; ``ColwiseParallel`` cuts the output in ``nproc`` contiguous
+    pieces, which would give rank 0 all of q and half of k. So before the
+    peer is parallelized such rows are permuted to [q, k, v of rank 0's
+    heads; q, k, v of rank 1's; ...]. Every column-parallel module is told
+    its local width (``out_features``), from which the attention reads its
+    head count: both then hold the same heads on the same rank and compute
+    the same attention.
+  - A head tied to the token embedding: ``parallelize_module`` distributes
+    each module's parameters anew, which unties them; the head's weight is
+    set back to the embedding's DTensor (both Shard(0) on the same mesh),
+    so the peer, like ours, trains one vocabulary matrix.
   - ``loss_parallel()`` is torch's vocabulary-parallel cross-entropy: like
     ours it never gathers the logits.
   - Both use the same AdamW (``build_optimizer``: torch's, foreach) with the
@@ -61,7 +64,7 @@ whole loss) must agree step by step up to rounding: the report gives the
 largest relative difference, the check that the timing compares equal work.
 Measured once, each rank's weight shards were the same in both, bit for bit,
 and so was the first step's loss; the gradients agree to float32 rounding,
-not bit for bit, so at gpt-tiny the losses stay equal while at gpt-small a difference of
+not bit for bit, so at the tiny preset the losses stay equal while at the small one a difference of
 about 1e-7 grows at the loss spikes of the constant learning rate to some
 1e-5 in 30 steps (as in bench zero). A wrong head grouping or an untied head
 shows from the first steps as 1e-3. The JSON keeps both loss curves.
@@ -69,6 +72,7 @@ shows from the first steps as 1e-3. The JSON keeps both loss curves.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -87,28 +91,29 @@ from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
-from scaletrain.models import GPT, build_model, gpt_config
+from scaletrain.models import CLASSIFIER, build_model, spec_for
+from scaletrain.models.spec import Column, Row, TensorPlan, VocabEmbedding, VocabHead, tied_parameters
 from scaletrain.optim import build_optimizer, decay_groups
-from scaletrain.parallel.tensor import GPT_PLAN, parallelize
+from scaletrain.parallel.tensor import parallelize
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain tensor parallel", "torch DTensor TP (parallelize_module)"
 
-# The peer's plan: Megatron's split of each block, the vocabulary-parallel embedding and head.
-PEER_PLAN = {
-    "tok_emb": RowwiseParallel(input_layouts=Replicate()),
-    "blocks.*.attn.qkv": ColwiseParallel(),
-    "blocks.*.attn.proj": RowwiseParallel(),
-    "blocks.*.mlp.fc": ColwiseParallel(),
-    "blocks.*.mlp.proj": RowwiseParallel(),
-    "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-}
+
+
+def peer_plan(plan: TensorPlan) -> dict:
+    """The spec's plan in torch's words: Megatron's split of each block, the vocabulary-parallel
+    embedding and head (regions and replicated embeddings need no entry: DTensor places them)."""
+    styles = {VocabEmbedding: lambda style: RowwiseParallel(input_layouts=Replicate()),
+              Column: lambda style: ColwiseParallel(), Row: lambda style: RowwiseParallel(),
+              VocabHead: lambda style: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return {pattern: styles[type(style)](style) for pattern, style in plan if type(style) in styles}
 
 
 @dataclass
 class Contender:
-    """A tensor-parallel GPT, its optimizer, how it takes its loss and clips; what the race records."""
+    """A tensor-parallel model, its optimizer, how it takes its loss and clips; what the race records."""
 
     name: str
     model: nn.Module
@@ -142,9 +147,12 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 def run(cfg: Config, warmup: int) -> dict:
     """Spawn ``--nproc`` tp ranks, race the contenders; the result as ``bench --json`` prints it."""
     n = cfg.parallel.nproc
-    if cfg.model.name == "mlp":
-        raise UserError("bench tp splits attention heads; give a GPT --model, not the mlp.")
-    heads = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len).n_heads
+    if cfg.model.name == CLASSIFIER:
+        raise UserError("bench tp splits attention heads; give a language model's --model, not the mlp.")
+    family = spec_for(cfg.model.name)
+    family_cfg = family.configure(cfg.model, 1, cfg.data.seq_len)
+    family.check(family_cfg, n)
+    heads = family.shape(family_cfg).n_heads
     if n > 1 and heads % n:
         raise UserError(f"bench tp splits the model's {heads} attention heads over --nproc {n} ranks; "
                         f"give an --nproc that divides {heads}.")
@@ -155,20 +163,21 @@ def _max_norm(cfg: Config) -> float:
     return cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
 
 
-def _ours(model: GPT, comm: Comm, group: Group, cfg: Config) -> Contender:
-    tp = parallelize(model, GPT_PLAN, comm, group, sequence_parallel=False, dropout=0.0)
+def _ours(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, cfg: Config) -> Contender:
+    tp = parallelize(model, plan, comm, group, sequence_parallel=False, dropout=0.0)
     params = list(model.parameters())
     optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
     return Contender(OURS, model, optimizer, tp.loss, lambda: tp.clip_grad_norm_(params, _max_norm(cfg)))
 
 
-def _regroup_heads(qkv: nn.Linear, ranks: int) -> None:
-    """Reorder the fused qkv rows from [q | k | v] (each [heads, head_dim]) to the
+def _regroup_parts(layer: nn.Linear, parts: int, ranks: int) -> None:
+    """Reorder a fused layer's rows from [q | k | v] (each [heads, head_dim]) to the
     ranks' pieces one after the other, each [q | k | v] of its own heads, so that
     an even split of the output gives each rank whole heads of all three."""
     with torch.no_grad():
-        w = qkv.weight
-        w.copy_(w.view(3, ranks, -1, w.shape[1]).transpose(0, 1).reshape(w.shape))
+        for tensor in (layer.weight, layer.bias):
+            if tensor is not None:
+                tensor.copy_(tensor.view(parts, ranks, -1, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape))
 
 
 def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -190,14 +199,20 @@ def _clip_mixed(kinds: list[list[torch.Tensor]], max_norm: float) -> torch.Tenso
     return total
 
 
-def _peer(model: GPT, group: Group, device: torch.device, cfg: Config) -> Contender:
+def _peer(model: nn.Module, plan: TensorPlan, group: Group, device: torch.device, cfg: Config) -> Contender:
     ranks = group.size
-    for block in model.blocks:
-        _regroup_heads(block.attn.qkv, ranks)
-    parallelize_module(model, DeviceMesh.from_group(group.handle, device.type), PEER_PLAN)
-    model.head.weight = model.tok_emb.weight  # re-tie: parallelize_module distributed each anew
-    for block in model.blocks:
-        block.attn.qkv.out_features //= ranks  # the attention reads its local head count from it
+    columns = [(module, style) for name, module in model.named_modules() for pattern, style in plan
+               if isinstance(style, Column) and fnmatch.fnmatchcase(name, pattern)]
+    for module, style in columns:
+        if style.parts > 1:
+            _regroup_parts(module, style.parts, ranks)
+    ties = tied_parameters(model)
+    parallelize_module(model, DeviceMesh.from_group(group.handle, device.type), peer_plan(plan))
+    for copy, original in ties:  # re-tie: parallelize_module distributed each anew
+        parent, _, attr = copy.rpartition(".")
+        setattr(model.get_submodule(parent), attr, model.get_parameter(original))
+    for module, _ in columns:
+        module.out_features //= ranks  # the attention reads its local head count from it
     # The layer norms and the position embedding are outside the plan and stay plain
     # tensors: every optimizer group and the clip take the two kinds apart.
     groups = [{**g, "params": kind} for g in decay_groups(model, cfg.train.weight_decay)
@@ -212,11 +227,13 @@ def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
         mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
         tp, dp = mesh.group("tp"), mesh.group("dp")
 
-        def fresh_model() -> GPT:
+        def fresh_model() -> nn.Module:
             torch.manual_seed(cfg.train.seed)  # the same initial weights for both
             return build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len).to(device)
 
-        contenders = [_ours(fresh_model(), comm, tp, cfg), _peer(fresh_model(), tp, device, cfg)]
+        family = spec_for(cfg.model.name)
+        plan = family.tensor_plan(family.configure(cfg.model, spec.vocab_size, cfg.data.seq_len))
+        contenders = [_ours(fresh_model(), plan, comm, tp, cfg), _peer(fresh_model(), plan, tp, device, cfg)]
 
         def batches_at(step: int) -> Batches:  # dp has one rank: every tp rank reads the whole batch
             return [(x.to(device), y.to(device)) for x, y in step_batches(data, cfg.train, dp, step)]

@@ -13,7 +13,7 @@ they are raced step by step in rotating order, each step after a barrier:
 Contenders:
 
   ours      parallel/zero.py, ``ZeroDataParallel(stage=3)``: one unit per
-            repeated layer (the GPT's blocks, the mlp's linear layers) plus
+            repeated layer (a decoder's blocks, the mlp's linear layers) plus
             the root unit of the rest, with prefetch of the next unit.
   FSDP2     torch's ``fully_shard`` on the same units (each layer, then the
             root), over a DeviceMesh of the dp group: the peer the ratio is

@@ -48,7 +48,7 @@ class ByteTokenizer:
 
 
 def _byte_level(model: models.BPE) -> Tokenizer:
-    """A BPE over the byte-level alphabet, as GPT-2 built its tokenizer."""
+    """A BPE over the byte-level alphabet, as Radford et al. 2019 built theirs."""
     tokenizer = Tokenizer(model)
     # No prefix space: decode(encode(text)) must give back text exactly.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -85,7 +85,7 @@ class BPETokenizer:
 
     @classmethod
     def from_vocab_merges(cls, vocab: str | Path, merges: str | Path) -> BPETokenizer:
-        """GPT-2's own format: the token -> id map (vocab.json) and the merge rules in order (merges.txt)."""
+        """The released byte-level BPE format: the token -> id map (vocab.json) and the merge rules in order (merges.txt)."""
         return cls(_byte_level(models.BPE.from_file(str(vocab), str(merges))))
 
     @property

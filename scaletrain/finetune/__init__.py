@@ -2,4 +2,4 @@
 weights (LoRA, lora.py), those weights stored in 4-bit NormalFloat with double
 quantization (QLoRA, nf4.py), so that the frozen part costs about a quarter of
 its bf16 memory, and where a fine-tune starts from: one of our checkpoints
-(base.py) or a Hugging Face GPT-2 folder (hf.py)."""
+(base.py) or a Hugging Face model folder (hf.py)."""

@@ -4,12 +4,12 @@ A fine-tune trains on new data with the base's architecture and tokenizer,
 so the model section, the tokenizer and the sequence length (the position
 embedding's rows) come from the base, whatever the command line says of them.
 The base is one of our runs (its ``config.toml`` and newest complete
-checkpoint, a LoRA fine-tune's adapters merged in) or a Hugging Face GPT-2
-folder (finetune/hf.py: the sizes, biases, norm epsilon, positions and
-vocabulary of its ``config.json``; ``--seq-len`` stays the user's, at most
-its positions). The new data is tokenized by the base's tokenizer
-(``--tokenizer-from`` set to the base: the run's saved ``tokenizer.json``, or
-the folder's GPT-2 tokenizer); a byte-level base needs none.
+checkpoint, a LoRA fine-tune's adapters merged in) or a Hugging Face folder
+of a family scaletrain reads (finetune/hf.py: the architecture its
+``config.json`` gives, as the family's spec reads it; ``--seq-len`` stays the
+user's, at most its positions). The new data is tokenized by the base's
+tokenizer (``--tokenizer-from`` set to the base: the run's saved
+``tokenizer.json``, or the folder's); a byte-level base needs none.
 
 The base weights load into the freshly built model before anything else
 touches it; then the base is frozen and adapters are put beside the target
@@ -28,14 +28,17 @@ from torch import nn
 from scaletrain.config import Config, FinetuneConfig, load_run_config
 from scaletrain.errors import UserError
 from scaletrain.export import find_checkpoint, without_adapters
-from scaletrain.finetune.hf import check_hf_weights, is_hf_folder, load_hf_tokenizer, read_hf_config, read_hf_weights
+from scaletrain.finetune.hf import folder_tensors, is_hf_folder, load_hf_tokenizer, read_hf_model, read_hf_weights
 from scaletrain.finetune.lora import apply_lora
+from scaletrain.models import spec_for
+from scaletrain.models.spec import ModelSpec
 from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import read_model_tensors
 
 # What a fine-tune inherits from its base run: the model's shape and how text becomes tokens.
-INHERITED = ("name", "n_layers", "n_heads", "d_model", "vocab_multiple", "moe_experts", "moe_top_k",
-             "moe_every", "bias", "norm_eps", "n_positions", "n_vocab", "tokenizer", "vocab_size", "seq_len")
+INHERITED = ("name", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta", "rope_scaling",
+             "tie_embeddings", "sliding_window", "vocab_multiple", "moe_experts", "moe_top_k", "moe_every", "bias",
+             "norm_eps", "n_positions", "n_vocab", "tokenizer", "vocab_size", "seq_len")
 
 
 def base_checkpoint(finetune: FinetuneConfig) -> Path:
@@ -55,79 +58,80 @@ def as_finetune(cfg: Config) -> Config:
 def with_base(cfg: Config) -> Config:
     """``cfg`` with the model, tokenizer and sequence length of the base."""
     source = readable_dir("--from", cfg.finetune.base, "a run folder, one of its checkpoints/step_NNNNNN folders or "
-                                                       "a Hugging Face GPT-2 folder")
+                                                       "a Hugging Face model folder")
     if is_hf_folder(source):
         return with_hf_base(cfg, source)
     try:
         run_dir = base_checkpoint(cfg.finetune).parent.parent
     except UserError:  # neither kind of base: name both
-        raise UserError(f"--from {source} is neither a Hugging Face GPT-2 folder (with a config.json) nor a run "
+        raise UserError(f"--from {source} is neither a Hugging Face model folder (with a config.json) nor a run "
                         f"folder with a complete checkpoint; give one of those, or a checkpoints/step_NNNNNN "
                         f"folder.") from None
     base = load_run_config(run_dir)
     if base.model.name == "mlp":
-        raise UserError(f"--from {cfg.finetune.base} is an mlp run; fine-tuning adapts the GPT models' layers.")
+        raise UserError(f"--from {cfg.finetune.base} is an mlp run; fine-tuning adapts a decoder's layers.")
     flat = {name: getattr(section, name) for section in (base.model, base.data) for name in INHERITED
             if hasattr(section, name)}
-    # A base's own BPE (trained on its corpus, or taken from a GPT-2 folder) tokenizes the new data too.
+    # A base's own BPE (trained on its corpus, or taken from a Hugging Face folder) tokenizes the new data too.
     bytes_only = base.data.tokenizer == "byte" and not base.data.tokenizer_from
     return cfg.replace(**flat, tokenizer_from=None if bytes_only else str(run_dir))
 
 
 def with_hf_base(cfg: Config, folder: Path) -> Config:
-    """``cfg`` with the architecture of the GPT-2 model in ``folder`` and its tokenizer; the folder's
-    config, tokenizer and weights file checked before anything is written."""
-    gpt2 = read_hf_config(folder)
+    """``cfg`` with the architecture of the model in ``folder`` and its tokenizer; the folder's
+    config, tokenizer and weights checked before anything is written."""
+    hf_model = read_hf_model(folder)
     tokenizer = load_hf_tokenizer(folder)
-    if tokenizer.vocab_size > gpt2.vocab_size:
+    vocab = hf_model.values["n_vocab"]
+    if tokenizer.vocab_size > vocab:
         raise UserError(f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens, more than the "
-                        f"vocab_size {gpt2.vocab_size} of its config.json; the tokenizer files belong to another "
-                        f"model.")
-    check_hf_weights(folder, gpt2)
-    # The preset's name only labels the run: every size is given. Its vocabulary keeps its exact rows,
-    # so that the logits are GPT-2's (--vocab-multiple would add rows that GPT-2's softmax lacks).
-    return cfg.replace(name="gpt2-124m", n_layers=gpt2.n_layers, n_heads=gpt2.n_heads, d_model=gpt2.d_model,
-                       vocab_multiple=1, moe_experts=0, bias=True, norm_eps=gpt2.norm_eps,
-                       n_positions=gpt2.positions, n_vocab=gpt2.vocab_size, tokenizer="bpe",
-                       vocab_size=tokenizer.vocab_size, tokenizer_from=str(folder))
+                        f"vocab_size {vocab} of its config.json; the tokenizer files belong to another model.")
+    cfg = cfg.replace(**hf_model.values, tokenizer="bpe", vocab_size=tokenizer.vocab_size,
+                      tokenizer_from=str(folder))
+    folder_tensors(hf_model, hf_model.family_cfg(cfg.model, cfg.data.seq_len))
+    return cfg
 
 
 def check_layout(cfg: Config) -> None:
-    """Fine-tuning composes with data parallelism and ZeRO-1/2; one sentence for anything else."""
+    """A full fine-tune takes any layout (the base loads before the model is split); adapters
+    compose with data parallelism and ZeRO-1/2: one sentence for anything else."""
     p, f = cfg.parallel, cfg.finetune
-    for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
-                       ("--zero 3", p.zero == 3)):
-        if used:
-            raise UserError(f"{flag} does not combine with --from in this version: fine-tuning runs on data "
-                            f"parallelism and ZeRO-1/2; drop {flag}.")
+    if f.lora_rank:
+        for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
+                           ("--zero 3", p.zero == 3)):
+            if used:
+                raise UserError(f"{flag} does not combine with --lora-rank in this version: adapters train on "
+                                f"data parallelism and ZeRO-1/2; drop {flag}, or --lora-rank for a full "
+                                f"fine-tune.")
     if f.quantize == "nf4" and f.lora_rank < 1:
         raise UserError("--quantize nf4 freezes the base in 4 bits, so only adapters can train; add --lora-rank.")
-    unknown = set(f.lora_targets.split(",")) - {"qkv", "proj", "fc"}
+    words = spec_for(cfg.model.name).lora_aliases
+    unknown = set(f.lora_targets.split(",")) - set(words)
     if unknown:
         raise UserError(f"--lora-targets {f.lora_targets} names {', '.join(sorted(unknown))}; choose among "
-                        f"qkv, proj and fc.")
+                        f"{', '.join(words)}.")
 
 
 @torch.no_grad()
-def start_from_base(model: nn.Module, finetune: FinetuneConfig) -> None:
+def start_from_base(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
     """Load the base weights into ``model``; with ``--lora-rank``, freeze them (in 4 bits
     with ``--quantize nf4``) and add the adapters."""
     source = Path(finetune.base)
     if is_hf_folder(source):
-        tensors = read_hf_weights(source, model.cfg)
+        tensors = read_hf_weights(read_hf_model(source), model.cfg)
     else:
         checkpoint = base_checkpoint(finetune)
         tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
     model.load_state_dict(tensors)
-    add_adapters(model, finetune)
+    add_adapters(model, finetune, family)
 
 
-def add_adapters(model: nn.Module, finetune: FinetuneConfig) -> None:
+def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
     """With ``--lora-rank``: freeze ``model`` (in 4 bits with ``--quantize nf4``) and put the adapters
     beside its target layers; the model a fine-tune trains and checkpoints."""
     if not finetune.lora_rank:
         return
-    targets = finetune.lora_targets.split(",")
+    targets = family.lora_layers(finetune.lora_targets.split(","))
     if finetune.quantize == "nf4":
         from scaletrain.finetune.nf4 import quantize_linears
         quantize_linears(model, targets)

@@ -19,7 +19,7 @@ where F.cross_entropy on fp32 logits keeps its log-softmax output and then
 makes a gradient of the same size beside it.
 
 For a language model the logits are the head's product h W^T of hidden
-states h [N, d] and the (tied) embedding W [V, d], and at GPT-2's vocabulary
+states h [N, d] and the (tied) embedding W [V, d], and at a 50k-token vocabulary
 they dominate the memory of the loss: 8192 tokens x 50304 words are 1.6 GB in
 fp32, and the trainer's ``.float()`` copy and the gradient add as much again
 each. `fused_linear_cross_entropy` never forms them whole (as in Liger Kernel,

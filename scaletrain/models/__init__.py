@@ -1,45 +1,58 @@
-"""Plain models and their presets. Nothing here knows about parallelism."""
+"""Plain models, their presets and their specs. Nothing here knows about parallelism.
+
+Each family is a module and a spec (models/spec.py); ``FAMILIES`` lists them,
+and the rest of scaletrain finds a model's spec by its preset name.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
 
-from scaletrain.config import ModelConfig
 from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.models.gpt_spec import GPT_SPEC
+from scaletrain.models.llama_spec import LLAMA_SPEC
 from scaletrain.models.mlp import MLPClassifier
-from scaletrain.models.moe import MoEConfig
+from scaletrain.models.spec import ModelSpec
 
-# (n_layers, n_heads, d_model). gpt-tiny takes a fraction of a second per step
-# on a laptop CPU (tests); gpt-small trains a few hundred steps in minutes.
-GPT_PRESETS = {
-    "gpt-tiny": (2, 4, 64),
-    "gpt-small": (4, 8, 256),
-    "gpt2-124m": (12, 12, 768),
-}
+if TYPE_CHECKING:
+    from scaletrain.config import ModelConfig
+
+FAMILIES: tuple[ModelSpec, ...] = (GPT_SPEC, LLAMA_SPEC)
+CLASSIFIER = "mlp"  # the digits classifier of the data-parallel exercise: no spec, no text
+PRESETS: dict[str, ModelSpec] = {name: spec for spec in FAMILIES for name in spec.presets}
+PRESET_NAMES: tuple[str, ...] = (*PRESETS, CLASSIFIER)
+DEFAULT_PRESET = "gpt-small"  # what `scaletrain train` trains with no --model
+TINY_PRESET = "gpt-tiny"  # seconds per step on a CPU: `scaletrain parity`'s default
+PLANNED_PRESET = "gpt2-124m"  # what `scaletrain plan` weighs with no --model
 
 
-def gpt_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
-    """The preset, with any size the user set overriding it; ``vocab_size`` is the tokenizer's,
-    which ``--n-vocab`` (a GPT-2 folder's vocab_size) overrides."""
-    layers, heads, width = GPT_PRESETS[cfg.name]
-    width = cfg.d_model or width
-    moe = None
-    if cfg.moe_experts:
-        moe = MoEConfig(experts=cfg.moe_experts, top_k=cfg.moe_top_k, hidden=4 * width // cfg.moe_top_k,
-                        capacity=cfg.moe_capacity, every=cfg.moe_every, aux_coef=cfg.moe_aux_coef,
-                        z_coef=cfg.moe_z_coef)
-    return GPTConfig(vocab_size=cfg.n_vocab or vocab_size, seq_len=seq_len,
-                     n_layers=cfg.n_layers or layers, n_heads=cfg.n_heads or heads,
-                     d_model=width, dropout=cfg.dropout, vocab_multiple=cfg.vocab_multiple, moe=moe,
-                     bias=cfg.bias, norm_eps=cfg.norm_eps, n_positions=cfg.n_positions)
+def spec_for(name: str) -> ModelSpec:
+    """The spec of the family that preset ``name`` belongs to."""
+    return PRESETS[name]
+
+
+def spec_of_hf(model_type: str | None) -> ModelSpec | None:
+    """The family that reads a Hugging Face folder of ``model_type`` (None: a config.json that
+    names none), if any."""
+    return next((spec for spec in FAMILIES if spec.hf and (model_type in spec.hf.model_types if model_type
+                                                           else spec.hf.reads_untyped)), None)
+
+
+def family_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> Any:
+    """The family's own config for the user's ModelConfig (the preset, flags over it)."""
+    return spec_for(cfg.name).configure(cfg, vocab_size, seq_len)
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, n_features: int = 0,
                 n_classes: int = 0) -> nn.Module:
     """A freshly initialized model (call after seeding the RNG)."""
-    if cfg.name == "mlp":
+    if cfg.name == CLASSIFIER:
         return MLPClassifier(n_features, n_classes, cfg.mlp_hidden)
-    return GPT(gpt_config(cfg, vocab_size, seq_len))
+    spec = spec_for(cfg.name)
+    return spec.build(spec.configure(cfg, vocab_size, seq_len))
 
 
-__all__ = ["GPT", "GPTConfig", "MLPClassifier", "GPT_PRESETS", "gpt_config", "build_model"]
+__all__ = ["GPT", "GPTConfig", "MLPClassifier", "FAMILIES", "PRESETS", "PRESET_NAMES", "DEFAULT_PRESET", "TINY_PRESET",
+           "PLANNED_PRESET", "spec_for", "spec_of_hf", "family_config", "build_model"]

@@ -9,9 +9,9 @@ amount to every score of a row, softmax cancels it, and its exact gradient is
 zero; Adam would turn the float noise in that zero into full-size random
 steps. ``bias=True`` gives the four linear layers of each block (qkv, attn.proj,
 mlp.fc, mlp.proj) biases, zero at initialization: GPT-2 has them, so its
-released weights (finetune/hf.py) need them to compute the same function.
-The parallel transforms split bias-free layers only; tensor parallelism
-refuses a model with biases. Layer norms keep their bias; their epsilon is
+released weights (models/gpt_spec.py) need them to compute the same function;
+tensor parallelism splits a column-parallel layer's bias with its outputs and
+adds a row-parallel layer's once, after the sum. Layer norms keep their bias; their epsilon is
 ``norm_eps``. Initialization follows GPT-2: N(0, 0.02), with the two residual
 projections of each block scaled by 1/sqrt(2 * n_layers) so the residual
 stream's variance does not grow with depth. The MLP's GELU is the tanh
@@ -21,7 +21,8 @@ With ``moe`` set, the MLP of every ``moe.every``-th block is a mixture of
 experts instead (models/moe.py), named ``blocks.{i}.moe``.
 
 Parallel transforms (tensor, pipeline, context, expert parallel) rewrite this
-module from the outside by the names of its parts: ``blocks.{i}.attn.qkv``
+module from the outside by the names of its parts, as its spec
+(models/gpt_spec.py) declares them: ``blocks.{i}.attn.qkv``
 (fused query/key/value, laid out as [3, heads, head_dim] along its output),
 ``attn.core`` (causal attention of given queries, keys and values),
 ``attn.proj``, ``mlp.fc``, ``mlp.proj``, ``moe.router``, ``moe.experts.{e}``,
@@ -37,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.decoder import CausalAttention, Decoder
 from scaletrain.models.moe import MoE, MoEConfig
+from scaletrain.models.spec import matmul_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -85,21 +88,6 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
                             self.eps)
-
-
-class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v for q, k, v [batch, heads, seq, head_dim].
-
-    A module of its own, without weights, so that context parallelism can put
-    ring attention in its place (parallel/context.py)."""
-
-    def __init__(self, dropout: float):
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class CausalSelfAttention(nn.Module):
@@ -151,7 +139,7 @@ class Block(nn.Module):
         return x + feed_forward(self.ln2(x))
 
 
-class GPT(nn.Module):
+class GPT(Decoder):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -181,57 +169,10 @@ class GPT(nn.Module):
         # The residual stream is fp32 even when the embeddings are stored in bf16.
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions)).float()
 
-    def unembed(self, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the last block -> logits [batch, seq, vocab]."""
-        return self.head(self.ln_f(x))
-
-    def forward(self, idx: torch.Tensor, *, logits: bool = True) -> torch.Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]; with ``logits=False``
-        the final norm's output [batch, seq, d_model], for a loss that applies the
-        head itself (a fused head and cross-entropy never holds the logits whole)."""
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.unembed(x) if logits else self.ln_f(x)
-
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N + 12 * L * d * s (Kaplan et al. 2020;
-        PaLM, Chowdhery et al. 2022, appendix B).
-
-        6N: forward (2N) and backward (4N) multiply-adds of the N weights that
-        take part in a matrix product. N counts the token embedding once, as
-        the output head's matrix (the lookup itself is free), and leaves out
-        the position embedding, biases and norms, which do no matmul work.
-        In a mixture of experts a token meets only top_k of the E experts, so
-        N counts top_k / E of the experts' weights (the active parameters).
-        12*L*d*s: attention scores and weighted values, QK^T and AV, each
-        2*s*d per token per layer forward, x3 for forward plus backward.
-        """
+        """Training FLOPs per token, 6N + 12 * L * d * s (models/spec.py): N leaves out the
+        position embedding, whose lookup does no matmul work, and counts the tied token
+        embedding once, as the head; a mixture of experts counts top_k / E of the experts."""
         c = self.cfg
-        active = c.moe.top_k / c.moe.experts if c.moe else 1.0
-        matmul_params = sum(p.numel() * (active if ".experts." in name else 1.0)
-                            for name, p in self.named_parameters()
-                            if p.dim() == 2 and name != "pos_emb.weight")
-        return 6 * matmul_params + 12 * c.n_layers * c.d_model * c.seq_len
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.positions:])[:, -1, :self.cfg.vocab_size]
-            idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
-        return idx
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 50,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of last-position ``logits`` [batch, vocab]: top-k, then temperature
-    sampling; temperature 0 takes the most likely token (greedy decoding)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        return matmul_flops_per_token(self, c.n_layers, c.d_model, c.seq_len,
+                                      c.moe.top_k / c.moe.experts if c.moe else 1.0)

@@ -17,7 +17,10 @@ Routing. For a token x (after the block's layer norm) and router weight W_r
                                             so the router still gets a gradient)
     y      = sum_i g_i * expert_{e_i}(x)
 
-Each expert is the dense MLP's shape at its own width: ``proj(gelu(fc(x)))``.
+Each expert is the dense MLP's shape at its own width: ``proj(gelu(fc(x)))``
+(GPT), or with ``activation="swiglu"`` ``proj(silu(gate(x)) * up(x))``, the
+experts of Mixtral (Jiang et al. 2024, "Mixtral of Experts") and of the
+Llama family's MLP (models/llama.py).
 
 Capacity (GShard section 2.2, Switch section 2.2). The routing group is one
 sequence of s tokens: with a capacity factor c, each expert takes at most
@@ -77,20 +80,34 @@ class MoEConfig:
     every: int = 1  # every this-many-th block is a mixture of experts
     aux_coef: float = 0.01  # load-balancing loss weight (Switch: 0.01)
     z_coef: float = 0.0  # router z-loss weight (ST-MoE: 0.001)
+    activation: str = "gelu"  # each expert's MLP: "gelu" (fc, proj) or "swiglu" (gate, up, proj)
 
     def in_block(self, index: int) -> bool:
         return index % self.every == self.every - 1
 
 
-class Expert(nn.Module):
-    """One expert: the dense MLP's shape, ``proj(gelu(fc(x)))``, at width ``hidden``."""
+ACTIVATIONS = ("gelu", "swiglu")
 
-    def __init__(self, d_model: int, hidden: int):
+
+class Expert(nn.Module):
+    """One expert: the dense MLP's shape at width ``hidden``, ``proj(gelu(fc(x)))`` or, with
+    ``activation="swiglu"``, ``proj(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, d_model: int, hidden: int, activation: str = "gelu"):
         super().__init__()
-        self.fc = nn.Linear(d_model, hidden, bias=False)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"an expert's activation is one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        self.swiglu = activation == "swiglu"
+        if self.swiglu:
+            self.gate = nn.Linear(d_model, hidden, bias=False)
+            self.up = nn.Linear(d_model, hidden, bias=False)
+        else:
+            self.fc = nn.Linear(d_model, hidden, bias=False)
         self.proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.proj(F.silu(self.gate(x)) * self.up(x))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -104,8 +121,8 @@ def run_experts(experts: Sequence[nn.Module], rows: torch.Tensor, counts: Sequen
 class Experts(nn.ModuleList):
     """The E experts; ``forward(rows, counts)`` runs each on its group of rows."""
 
-    def __init__(self, d_model: int, hidden: int, n: int):
-        super().__init__(Expert(d_model, hidden) for _ in range(n))
+    def __init__(self, d_model: int, hidden: int, n: int, activation: str = "gelu"):
+        super().__init__(Expert(d_model, hidden, activation) for _ in range(n))
 
     def forward(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         return run_experts(self, rows, counts)
@@ -135,7 +152,7 @@ class MoE(nn.Module):
             raise ValueError(f"top_k must be between 1 and the {cfg.experts} experts, got {cfg.top_k}")
         self.cfg = cfg
         self.router = nn.Linear(d_model, cfg.experts, bias=False)
-        self.experts = Experts(d_model, cfg.hidden, cfg.experts)
+        self.experts = Experts(d_model, cfg.hidden, cfg.experts, cfg.activation)
         self.aux_loss: torch.Tensor | None = None  # None until the layer first runs
         self.tokens_per_expert = torch.zeros(cfg.experts, dtype=torch.int64)
         self.dropped = torch.zeros((), dtype=torch.int64)

@@ -3,7 +3,7 @@
 Decoupled weight decay applies to matrices (linear weights, embeddings) and
 not to biases or normalization gains: decaying a gain toward zero fights the
 normalization it scales, and biases are too few to overfit. This is the
-GPT-2/nanoGPT convention: decay a parameter when it has two or more
+The usual convention (Radford et al. 2019's released code, nanoGPT): decay a parameter when it has two or more
 dimensions. Parameters are taken once even when tied (the output head shares
 the token embedding).
 """

@@ -86,15 +86,18 @@ Inputs in bf16 or fp16 (the qkv projection under autocast) are computed in
 fp32; the output comes back in the input dtype and the gradients in the
 inputs' dtypes. K, V travel in their own dtype.
 
-`parallelize_context` applies this to a GPT in place: every attention core
-becomes a `RingAttention`, and the position embedding looks up this rank's
-global positions; the trainer feeds each rank its positions of the tokens and
-targets (`ContextParallel.local`). Weights are replicated across the cp group
+`parallelize_context` applies this to a decoder in place: every attention
+core becomes a `RingAttention`, and every module that turns positions into
+something (a learned position embedding, rotary embeddings' angles: the spec's
+``position_modules``) is handed this rank's global positions; the trainer
+feeds each rank its positions of the tokens and targets
+(`ContextParallel.local`). Weights are replicated across the cp group
 and their gradients are averaged over it, as over a dp group.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -105,7 +108,7 @@ from torch.autograd import Function
 
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
-from scaletrain.models.gpt import CausalAttention
+from scaletrain.models.decoder import CausalAttention
 
 
 def zigzag_positions(seq_len: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -249,7 +252,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
 
 
 class RingAttention(nn.Module):
-    """In place of `CausalAttention` (models/gpt.py): ring attention over the cp group.
+    """In place of `CausalAttention` (models/decoder.py): ring attention over the cp group.
 
     Without dropout (the command line refuses cp with dropout). With ``local_only``
     set it is plain causal attention of the sequence it is given (text sampling)."""
@@ -282,7 +285,7 @@ class ContextParallel:
         return batch.index_select(1, self.positions.to(batch.device))
 
     def _global_positions(self, module: nn.Module, args: tuple) -> tuple | None:
-        # GPT.embed numbers the local positions 0..s_local-1; the embedding needs the global ones.
+        # The model numbers the local positions 0..s_local-1; a position module needs the global ones.
         if self._generating:
             return None
         return (self.positions[args[0]], *args[1:])
@@ -302,10 +305,13 @@ class ContextParallel:
                 attention.local_only = generating
 
 
-def parallelize_context(model: nn.Module, comm: Comm, group: Group) -> ContextParallel:
-    """Split a GPT's sequence over ``group``, in place (after tensor parallelism, if any)."""
-    device = next(model.parameters()).device
-    cp = ContextParallel(comm, group, zigzag_positions(model.cfg.seq_len, group.size, group.rank, device))
+def parallelize_context(model: nn.Module, comm: Comm, group: Group, *, seq_len: int,
+                        position_modules: tuple[str, ...], device: torch.device | None = None) -> ContextParallel:
+    """Split a decoder's sequence of ``seq_len`` over ``group``, in place (after tensor parallelism,
+    if any); ``position_modules`` are the path patterns of the modules that take positions;
+    ``device`` that of the batches (by default the model's)."""
+    device = device or next(model.parameters()).device
+    cp = ContextParallel(comm, group, zigzag_positions(seq_len, group.size, group.rank, device))
     # Found by type, so the empty placeholders of pruned pipeline stages are passed over.
     for name, module in list(model.named_modules()):
         if isinstance(module, CausalAttention):
@@ -318,6 +324,7 @@ def parallelize_context(model: nn.Module, comm: Comm, group: Group) -> ContextPa
             cp.attentions.append(attention)
     # A pre-hook rather than a replacement: tensor parallelism's embedding may
     # itself take its sequence-parallel chunk of the positions it is given.
-    if getattr(model, "pos_emb", None) is not None:
-        model.pos_emb.register_forward_pre_hook(cp._global_positions)
+    for name, module in model.named_modules():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in position_modules):
+            module.register_forward_pre_hook(cp._global_positions)
     return cp

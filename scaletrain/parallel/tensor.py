@@ -67,8 +67,8 @@ ones (qkv output 3, attention output 1, which is also the projection's input,
 fc output 4, GELU output 4: his 24); with sp every one of them is split.
 tests/test_tensor.py measures these exactly with the memory ledger's meter.
 
-The plan is data: ``GPT_PLAN`` names, by module path, what each part of the
-plain GPT becomes; `parallelize` builds the full model's weights first (same
+The plan is data: a family's spec (models/spec.py) names, by module path,
+what each part of its plain model becomes; `parallelize` builds the full model's weights first (same
 seed, same values as one device) and keeps each rank's slices, so a tp run
 starts from exactly the single-device weights.
 
@@ -104,57 +104,11 @@ from scaletrain.dist.autograd import (
 )
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
-from scaletrain.errors import UserError
+from scaletrain.models.spec import Column, PositionEmbedding, Region, Row, TensorPlan, VocabEmbedding, VocabHead
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, linear
 
 # -- the plan ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VocabEmbedding:
-    """Rows split by vocabulary; the ranks' lookups summed (sp: reduce-scattered)."""
-
-
-@dataclass(frozen=True)
-class PositionEmbedding:
-    """Replicated; under sp each rank looks up its own positions."""
-
-
-@dataclass(frozen=True)
-class Region:
-    """A module whose input enters a tp region: f (sp: all-gather along the sequence)."""
-
-
-@dataclass(frozen=True)
-class Column:
-    """Output features split; ``parts`` equal blocks along the output (q, k, v) each split."""
-
-    parts: int = 1
-
-
-@dataclass(frozen=True)
-class Row:
-    """Input features split; the partial outputs summed: g (sp: reduce-scatter)."""
-
-
-@dataclass(frozen=True)
-class VocabHead:
-    """Its own region: input made whole, rows split by vocabulary (the tied
-    embedding's), logits left split for the vocabulary-parallel loss."""
-
-
-GPT_PLAN = (
-    ("tok_emb", VocabEmbedding()),
-    ("pos_emb", PositionEmbedding()),
-    ("blocks.*.attn", Region()),
-    ("blocks.*.attn.qkv", Column(parts=3)),
-    ("blocks.*.attn.proj", Row()),
-    ("blocks.*.mlp", Region()),
-    ("blocks.*.mlp.fc", Column()),
-    ("blocks.*.mlp.proj", Row()),
-    ("head", VocabHead()),
-)
 
 
 # -- how a weight is split -----------------------------------------------------
@@ -261,18 +215,22 @@ class _SequenceGatheredLinear(Function):
 
 
 class _SlicedLinear(nn.Module):
-    """A linear layer (no bias) holding a tp slice of its weight. Under zero
+    """A linear layer holding a tp slice of its weight (and of a column-parallel
+    bias; a row-parallel bias stays whole, added once after the sum). Under zero
     bubble's split backward its weight gradient waits for W (``store``:
     parallel/pipeline/weight_grad.py), except where sp gathers its input."""
 
     defers_weight_grad = True
     store: WeightGradStore | None = None
 
-    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
         self.tp = tp
         self.out_features, self.in_features = weight.shape  # local sizes: the attention reads them
+
+    def biased(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
 
 class ColumnParallelLinear(_SlicedLinear):
@@ -280,8 +238,8 @@ class ColumnParallelLinear(_SlicedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sequence_parallel:
-            return _SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group)
-        return linear(x, self.weight, self.store)
+            return self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
+        return self.biased(linear(x, self.weight, self.store))
 
 
 class RowParallelLinear(_SlicedLinear):
@@ -290,7 +248,7 @@ class RowParallelLinear(_SlicedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.rng is not None:
             self.tp.rng.exit()
-        return self.tp.leave(linear(x, self.weight, self.store))
+        return self.biased(self.tp.leave(linear(x, self.weight, self.store)))
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -431,7 +389,7 @@ class TensorParallel:
                                comm=self.comm, groups=[self.group])
 
 
-def _matches(plan: tuple, name: str) -> object | None:
+def _matches(plan: TensorPlan, name: str) -> object | None:
     return next((style for pattern, style in plan if fnmatch.fnmatchcase(name, pattern)), None)
 
 
@@ -440,7 +398,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def parallelize(model: nn.Module, plan: tuple, comm: Comm, group: Group, *, sequence_parallel: bool,
+def parallelize(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, *, sequence_parallel: bool,
                 dropout: float) -> TensorParallel:
     """Split ``model`` (built whole, on every rank alike) over ``group`` by ``plan``, in place."""
     rng = RegionRNG(group.rank, next(model.parameters()).device) if dropout > 0 and not sequence_parallel \
@@ -465,10 +423,7 @@ def parallelize(model: nn.Module, plan: tuple, comm: Comm, group: Group, *, sequ
         if isinstance(style, Region):
             module.register_forward_pre_hook(tp._region_entry_hook)
             continue
-        if getattr(module, "bias", None) is not None:  # the sliced layers compute x @ W^T alone
-            raise UserError(f"tensor parallelism splits bias-free layers, but {name} has a bias (a GPT-2 "
-                            f"checkpoint's); use --tp 1.")
-        weight = module.weight
+        weight, bias = module.weight, getattr(module, "bias", None)
         if isinstance(style, VocabEmbedding):
             tp.vocab = vocab_split(weight)
             new = VocabParallelEmbedding(shard(weight, tp.vocab), tp, tp.vocab.start(group.rank))
@@ -478,12 +433,14 @@ def parallelize(model: nn.Module, plan: tuple, comm: Comm, group: Group, *, sequ
         elif isinstance(style, PositionEmbedding):
             new = SequenceShardedEmbedding(weight, tp)
         elif isinstance(style, Column):
-            out = weight.shape[0] // style.parts
-            new = ColumnParallelLinear(
-                shard(weight, Split(tuple(weight.shape), 0, style.parts, split_sizes(out, group.size))), tp)
+            sizes = split_sizes(weight.shape[0] // style.parts, group.size)
+            new = ColumnParallelLinear(shard(weight, Split(tuple(weight.shape), 0, style.parts, sizes)), tp,
+                                       None if bias is None else shard(bias, Split(tuple(bias.shape), 0,
+                                                                                   style.parts, sizes)))
         elif isinstance(style, Row):
             new = RowParallelLinear(
-                shard(weight, Split(tuple(weight.shape), 1, 1, split_sizes(weight.shape[1], group.size))), tp)
+                shard(weight, Split(tuple(weight.shape), 1, 1, split_sizes(weight.shape[1], group.size))), tp,
+                bias)
         else:
             raise TypeError(f"unknown tensor-parallel style {style!r} for {name}")
         _set_module(model, name, new)

@@ -19,7 +19,7 @@ lands in place with no copy). The parameters are views into the unit's
 buffer. Stage 1 and 2 units are gradient buckets of ``--bucket-mb``
 (parallel/data.py); stage 3 units are the model's repeated layers (the
 transformer blocks, the mlp's linear layers) plus a root unit of the rest
-(the GPT's embeddings, final norm and head, one unit because the head's
+(a decoder's embeddings, final norm and head, one unit because the head's
 weight *is* the token embedding's: weight tying).
 
 Per optimizer step, on each rank::
@@ -91,7 +91,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -170,7 +170,7 @@ class Unit:
 def layer_modules(model: nn.Module) -> list[nn.Module]:
     """The repeated layers of a model, in forward order: every parameter-holding
     child of an ``nn.ModuleList`` or ``nn.Sequential`` not inside another such
-    layer (the GPT's blocks, the mlp's linear layers). Stage 3 makes each a
+    layer (a decoder's blocks, the mlp's linear layers). Stage 3 makes each a
     unit and the rest of the model the root unit."""
     layers: list[nn.Module] = []
     inside: set[int] = set()
@@ -204,20 +204,24 @@ class ZeroDataParallel:
     parameters sharded in a unit of their own (stages 1, 2; module docstring).
     ``replica`` (hybrid sharding: ``group`` is a shard group) and ``quantize_weights``
     (int8 gathers): parallel/hybrid.py. Every rank must start from the same weights.
+    ``source`` (stage 3, a model loaded slice by slice: finetune/sliced.py) gives elements
+    [lo, hi) of a weight still on the meta device: each rank reads only its shard of it.
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                  master_device: torch.device | str | None = None, bucket_mb: float = 25.0,
                  own_units: Sequence[nn.Parameter] = (), replica: Group | None = None,
-                 quantize_weights: str = "none"):
+                 quantize_weights: str = "none", device: torch.device | None = None,
+                 source: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
         if stage == 3 and own_units or stage < 3 and quantize_weights != "none":
             raise ValueError("own_units are for stages 1 and 2 (ZeRO-3's follow the layers), int8 gathers for 3")
         self.model, self.comm, self.group, self.stage = model, comm, group, stage
         self.collectives = ShardCollectives(comm, group, replica, quantize_weights)
-        self.device = next(model.parameters()).device
+        self.device = device or next(model.parameters()).device
+        self.source = source
         self.master_device = torch.device(master_device) if master_device is not None else self.device
         self._pinned = self.master_device.type == "cpu" and torch.cuda.is_available()
         self.names = {id(p): name for name, p in model.named_parameters()}
@@ -234,7 +238,11 @@ class ZeroDataParallel:
             rest = [p for p in trainable[::-1] if id(p) not in alone]
             grouped = [(None, params) for params in [*plan_buckets(rest, int(bucket_mb * 2**20), reduce_dtype),
                                                      *([p] for p in own_units if p.requires_grad)]]
-        self.units = [self._build_unit(module, params, param_dtype, reduce_dtype) for module, params in grouped]
+        self.units = []
+        for module, params in grouped:
+            self.units.append(self._build_unit(module, params, param_dtype, reduce_dtype))
+            if stage == 3:  # one unit's full values at a time while building (zero3.py gathers them)
+                self.units[-1].full.untyped_storage().resize_(0)
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_gradient)
@@ -257,7 +265,12 @@ class ZeroDataParallel:
         start = rank * shard_numel
         flat = torch.zeros(shard_numel * n, dtype=torch.float32, device=self.device)
         for p, offset in zip(params, offsets):
-            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            if p.is_meta:  # read from its file: this rank's range only
+                lo, hi = max(offset, start), min(offset + p.numel(), start + shard_numel)
+                if hi > lo:
+                    flat[lo:hi].copy_(self.source(p, lo - offset, hi - offset))
+            else:
+                flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
         # The fp32 master is taken before any rounding to the working dtype.
         full = flat.to(param_dtype)
         own = flat[start:start + shard_numel]
@@ -271,7 +284,10 @@ class ZeroDataParallel:
             self._host_or_device(torch.zeros(shard_numel))
         unit = Unit(params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
         for i, param in enumerate(params):
-            param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
+            if param.is_meta:  # storage of another kind: swapped in, the same Parameter object
+                torch.utils.swap_tensors(param, nn.Parameter(unit.slot(full, i), requires_grad=param.requires_grad))
+            else:
+                param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
             lo, hi = (offsets[i] + end - start for end in unit.span(i, rank))  # within the shard
             if hi > lo:
                 piece = nn.Parameter(master[lo:hi])

@@ -146,7 +146,7 @@ def check_fits(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
         names = ", ".join((missing or extra)[:3])
         raise UserError(f"checkpoint {path} is of another model: {'it lacks' if missing else 'this model has no'} "
                         f"{names}; resume with the model it was saved from, or start a new run.")
-    rows = saved.get("tok_emb.weight"), expected.get("tok_emb.weight")  # the GPT's vocabulary x width
+    rows = saved.get("tok_emb.weight"), expected.get("tok_emb.weight")  # a decoder's vocabulary x width
     if rows[0] and rows[1] and rows[0] != rows[1] and rows[0][1:] == rows[1][1:]:
         raise UserError(f"checkpoint {path} has a vocabulary of {rows[0][0]} tokens, but this run's data and "
                         f"tokenizer give {rows[1][0]}; resume with the data, --tokenizer and --vocab-size it was "

@@ -10,7 +10,7 @@ Tokenizer and token file are cached beside the run folders (``runs/.cache``),
 keyed by the corpus files and tokenizer, so the next run starts at once.
 
 ``--tokenizer-from`` takes the tokenizer of another run (its saved
-``tokenizer.json``) or of a Hugging Face GPT-2 folder instead of making one:
+``tokenizer.json``) or of a Hugging Face model folder instead of making one:
 a fine-tune sets it to its base, so that the new data becomes tokens as the
 base's own data did. Every run saves the tokenizer it trained with as
 ``RUN/tokenizer.json`` (``save_run_tokenizer``), which is what the next
@@ -94,7 +94,7 @@ def save_run_tokenizer(spec: DataSpec, run_dir: Path) -> None:
 
 def tokenizer_from(source: Path) -> AnyTokenizer:
     """``--tokenizer-from``: a Hugging Face folder's tokenizer, or the one a run trained with."""
-    readable_dir("--tokenizer-from", source, "a run folder or a Hugging Face GPT-2 folder")
+    readable_dir("--tokenizer-from", source, "a run folder or a Hugging Face model folder")
     if is_hf_folder(source):
         return load_hf_tokenizer(source)
     if (source / "config.toml").is_file():
@@ -119,7 +119,7 @@ def _save_atomically(tokenizer: BPETokenizer, path: Path) -> None:
 def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
     if cfg.model.name == "mlp":
         if cfg.data.data is not None:
-            raise UserError("--data applies to the GPT models; the mlp trains on scikit-learn's "
+            raise UserError("--data applies to the language models; the mlp trains on scikit-learn's "
                             "bundled digits, so drop --data.")
         return DataSpec(kind="digits")
     files = corpus_files(cfg.data.data)

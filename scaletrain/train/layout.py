@@ -20,6 +20,8 @@ weights, which is what makes parity checkable.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,8 @@ from scaletrain.config import Config
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Mesh
 from scaletrain.finetune.base import start_from_base
-from scaletrain.models import build_model, gpt_config
+from scaletrain.finetune.sliced import flat_reader, folder_source, materialize
+from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.moe import moe_layers
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
 from scaletrain.parallel.context import ContextParallel, parallelize_context
@@ -38,14 +41,15 @@ from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.hybrid import zero_groups
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.pipeline.parallel import PipelineParallel
-from scaletrain.parallel.pipeline.partition import GPT_STAGES
+from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.parallel.pipeline.two_bw import delayed_update
-from scaletrain.parallel.tensor import GPT_PLAN, TensorParallel, parallelize
+from scaletrain.parallel.tensor import TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import compute_dtype
 from scaletrain.recompute import apply_recompute
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state
+from scaletrain.train.metrics import peak_resident_bytes
 from scaletrain.train.replicas import Replicas
 
 
@@ -75,23 +79,36 @@ class Layout:
         self.replicas = Replicas.of(mesh)  # who reads which samples, who holds which copies
         t, p = cfg.train, cfg.parallel
 
+        # The family's spec (models/spec.py) says how to split, cut and shape its model.
+        self.family = None if cfg.model.name == CLASSIFIER else spec_for(cfg.model.name)
+        self.family_cfg = (self.family.configure(cfg.model, spec.vocab_size, cfg.data.seq_len) if self.family
+                           else None)
+        # A full fine-tune from a Hugging Face folder: the model is built on the meta device and
+        # each weight read after the splits below, each rank its own slice (finetune/sliced.py).
+        self.folder = folder_source(cfg, self.family_cfg)
         torch.manual_seed(t.seed)  # the same initial weights on every rank and layout
-        self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
-                                            n_features=n_features, n_classes=n_classes).to(device)
-        if cfg.finetune.base:  # the base run's weights, frozen beside adapters with --lora-rank
-            start_from_base(self.model, cfg.finetune)
+        with torch.device("meta") if self.folder else nullcontext():
+            self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+                                                n_features=n_features, n_classes=n_classes)
+        if not self.folder:
+            self.model.to(device)
+        if cfg.finetune.base and not self.folder:  # the base's weights, frozen beside adapters with --lora-rank
+            start_from_base(self.model, cfg.finetune, self.family)
         self.flops_per_token = self.model.flops_per_token()  # of the whole model, before any split
         # Megatron tensor (and sequence) parallelism: the full weights were
         # just built from the seed, each tp rank keeps its slices of them.
         self.tensor_parallel: TensorParallel | None = None
         if self.tp_group.size > 1:
-            self.tensor_parallel = parallelize(self.model, GPT_PLAN, comm, self.tp_group,
-                                               sequence_parallel=p.sp, dropout=cfg.model.dropout)
+            plan = self.family.tensor_plan(self.family_cfg)
+            self.tensor_parallel = parallelize(self.model, plan, comm, self.tp_group, sequence_parallel=p.sp,
+                                               dropout=cfg.model.dropout)
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
         # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
         self.context_parallel: ContextParallel | None = None
         if self.cp_group.size > 1:
-            self.context_parallel = parallelize_context(self.model, comm, self.cp_group)
+            self.context_parallel = parallelize_context(self.model, comm, self.cp_group, seq_len=cfg.data.seq_len,
+                                                        position_modules=self.family.position_modules,
+                                                        device=device)
         # Expert parallelism: each ep rank keeps its share of every mixture-of-experts block's experts.
         self.expert_parallel: ExpertParallel | None = None
         if self.ep_group.size > 1:
@@ -107,23 +124,37 @@ class Layout:
         # Pipeline parallelism: each pp rank keeps its stages of the model.
         self.micro_batches, _ = p.pipeline_sizes()
         self.pipeline: PipelineParallel | None = None
+        if self.folder and (p.pp_balance == "time" or p.pp_schedule == PIPEDREAM_2BW):
+            self._read_folder()  # timing the blocks, or 2BW's weight versions, need the values
         if self.pp_group.size > 1:
             self.pipeline = self._cut_into_stages(self.local(*first_batch)[0])
+        if self.folder:
+            self._read_folder()
         # Per-block transforms, per pipeline stage (a sqrt segment must not cross a cut).
-        stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [None]
+        stage_blocks = ([s.blocks() for s in self.pipeline.stages] if self.pipeline
+                        else [list(getattr(self.model, self.family.stages.stack))] if self.family else [None])
         for blocks in stage_blocks:
             if t.recompute != "none":
                 apply_recompute(self.model, t.recompute, blocks)
             if t.compile:
                 compile_blocks(self.model, blocks)
-        self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
+        if not self.folder:  # every rank read the same file: equal already
+            self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
         self._hold_optimizer_tensors()
         self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
+        self.host_peak = peak_resident_bytes()  # the model built and loaded, nothing run yet
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.replicas.batch.size * positions
+
+    def _read_folder(self) -> None:
+        """Storage for this rank's meta weights, read from the folder; under ZeRO-3 the weights
+        tensor parallelism left whole stay meta, for ZeRO to read its shard of each."""
+        splits = self.tensor_parallel.splits if self.tensor_parallel else {}
+        later = {id(q) for q in self.model.parameters() if q not in splits} if self.cfg.parallel.zero == 3 else set()
+        materialize(self.model, self.folder, self.device, splits, self.tp_group.rank, skip=later)
 
     def _hold_optimizer_tensors(self) -> None:
         """What the optimizer steps and how gradients reach it: ZeRO's shards (with their own
@@ -142,7 +173,9 @@ class Layout:
                                          param_dtype=compute_dtype(t.param_dtype),
                                          reduce_dtype=compute_dtype(p.reduce_dtype),
                                          master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
-                                         replica=replica, quantize_weights=p.quantize_weights)
+                                         replica=replica, quantize_weights=p.quantize_weights,
+                                         device=self.device,
+                                         source=flat_reader(self.model, self.folder) if self.folder else None)
             groups = self.zero.optimizer_groups(groups)
         self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
         if not self.zero:
@@ -162,19 +195,19 @@ class Layout:
         self.step_params = [q for group in groups for q in group["params"]]
 
     def _cut_into_stages(self, sample: torch.Tensor) -> PipelineParallel:
-        cfg, p = self.cfg, self.cfg.parallel
-        width = gpt_config(cfg.model, vocab_size=self.spec.vocab_size, seq_len=cfg.data.seq_len).d_model
+        p = self.cfg.parallel
+        width = self.family.shape(self.family_cfg).d_model
         _, virtual = p.pipeline_sizes()
 
         def boundary(batch: int, seq: int) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-            # The GPT's residual stream crosses the cuts, in fp32 whatever the precision;
+            # The decoder's residual stream crosses the cuts, in fp32 whatever the precision;
             # with sequence parallelism each tp rank holds its chunk of the (cp rank's) positions.
             if self.tensor_parallel and self.tensor_parallel.sequence_parallel:
                 seq //= self.tp_group.size
             return (batch, seq, width), torch.float32, self.device
 
         return PipelineParallel(
-            self.model, GPT_STAGES, self.comm, self.pp_group, schedule=p.pp_schedule,
+            self.model, self.family.stages, self.comm, self.pp_group, schedule=p.pp_schedule,
             micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
             boundary=boundary, sample=sample, world=self.mesh.group("world"))
 

@@ -9,7 +9,7 @@ Four entries, each in bytes on this rank:
     gradients under ``grads``; ``by_device`` then shows what ``--offload``
     moved to the host. Tensors are
     deduplicated by storage, keyed by (device, ``untyped_storage().data_ptr()``),
-    and a storage counts its full ``nbytes``: a tied weight (the GPT's head and
+    and a storage counts its full ``nbytes``: a tied weight (a tied head and
     token embedding) counts once, and a view counts the storage it looks into,
     since that is what stays allocated. For mixed-precision AdamW in fp32 this
     gives the familiar 4N + 4N + 8N (plus a 4-byte step counter per tensor).
@@ -88,7 +88,7 @@ from torch.overrides import TorchFunctionMode
 from scaletrain.optim.masters import MasterWeights
 
 CATEGORIES = ("params", "grads", "optimizer")
-ROWS = (*CATEGORIES, "activations_peak", "cuda_peak")
+ROWS = (*CATEGORIES, "activations_peak", "cuda_peak", "host_peak_at_start")
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -155,8 +155,12 @@ def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights 
     })
 
 
-def memory_ledger(ledger: dict, meter: ActivationMeter | None = None) -> dict:
-    """A `bytes_by_entry` ledger plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``."""
+def memory_ledger(ledger: dict, meter: ActivationMeter | None = None, host_peak: int | None = None) -> dict:
+    """A `bytes_by_entry` ledger plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``;
+    ``host_peak_at_start``: the process's peak resident set before the first step (the model built
+    and loaded: what a slice-by-slice load keeps small, finetune/sliced.py)."""
+    if host_peak is not None:
+        ledger["host_peak_at_start"] = host_peak
     if meter is not None:
         ledger["activations_peak"] = meter.peak
         if meter.cuda_peak is not None:

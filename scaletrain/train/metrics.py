@@ -5,8 +5,8 @@ that the model's own arithmetic would need at the measured speed:
 
     MFU = tokens_per_s * flops_per_token / (peak_flops_per_device * devices)
 
-with ``flops_per_token`` from the model (6N + 12*L*d*s for the GPT, see
-``GPT.flops_per_token``). Recomputation is not counted: it is overhead, which
+with ``flops_per_token`` from the model (6N + 12*L*d*s for a decoder, see
+models/spec.py). Recomputation is not counted: it is overhead, which
 is exactly what MFU is meant to expose. Peaks are dense (no sparsity) per
 device for the run's precision. On a CPU there is no datasheet figure to
 trust, so the peak is a flag or measured with a large fp32 matmul, and MFU is
@@ -79,6 +79,11 @@ def resident_bytes() -> int:
     except OSError:
         return 0
     return pages * resource.getpagesize()
+
+
+def peak_resident_bytes() -> int:
+    """The largest resident set size this process has had (getrusage; Linux counts KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def step_memory_bytes(device: torch.device) -> int:

@@ -41,7 +41,7 @@ from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
-from scaletrain.models import build_model, gpt_config
+from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.paths import writable_dir
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
@@ -71,25 +71,25 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
         reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         if reason:
             raise UserError(f"--fused triton: {reason}")
-    if cfg.model.name == "mlp":
+    if cfg.model.name == CLASSIFIER:
         for flag, used in (("--recompute", cfg.train.recompute != "none"), ("--compile", cfg.train.compile)):
             if used:
-                raise UserError(f"{flag} applies to the GPT models' blocks; drop it for the mlp.")
+                raise UserError(f"{flag} applies to a decoder's blocks; drop it for the mlp.")
         dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
     else:
-        g = gpt_config(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len)
-        if g.d_model % g.n_heads:
-            raise UserError(f"--d-model {g.d_model} is not divisible by --n-heads {g.n_heads}; "
-                            f"choose sizes where it is.")
-        dims.validate_for_model(n_heads=g.n_heads, n_layers=g.n_layers, seq_len=cfg.data.seq_len,
-                                n_experts=g.moe.experts if g.moe else None)
-        if g.moe and g.moe.every > g.n_layers:
-            raise UserError(f"--moe-every {g.moe.every} skips every one of the model's {g.n_layers} blocks; "
-                            f"choose at most {g.n_layers}.")
+        family = spec_for(cfg.model.name)
+        g = family.configure(cfg.model, 1, cfg.data.seq_len)
+        family.check(g, dims.tp)
+        shape = family.shape(g)
+        dims.validate_for_model(n_heads=shape.n_heads, n_layers=shape.n_layers, seq_len=cfg.data.seq_len,
+                                n_experts=shape.moe_experts or None)
+        if shape.moe_experts and shape.moe_every > shape.n_layers:
+            raise UserError(f"--moe-every {shape.moe_every} skips every one of the model's {shape.n_layers} "
+                            f"blocks; choose at most {shape.n_layers}.")
         _, virtual = cfg.parallel.pipeline_sizes()
-        if dims.pp * virtual > g.n_layers:
+        if dims.pp * virtual > shape.n_layers:
             raise UserError(f"--pp {dims.pp} with --virtual-stages {virtual} cuts the model into "
-                            f"{dims.pp * virtual} stages, but it has {g.n_layers} layers; lower one of the two "
+                            f"{dims.pp * virtual} stages, but it has {shape.n_layers} layers; lower one of the two "
                             f"or raise --n-layers.")
     return cfg.replace(dp=dims.dp), dims
 
@@ -133,7 +133,7 @@ def check_resumable(cfg: Config, spec: DataSpec) -> None:
         model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
         if cfg.finetune.base:
-            add_adapters(model, cfg.finetune)
+            add_adapters(model, cfg.finetune, spec_for(cfg.model.name))
     ckpt.check_fits(latest, {key: tuple(t.shape) for key, t in model.state_dict().items()})
 
 

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 
 import torch
 
-from scaletrain.models.gpt import sample_next
+from scaletrain.models.decoder import sample_next
 from scaletrain.precision import autocast
 
 PROMPT_CHARS = 48

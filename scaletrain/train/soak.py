@@ -1,4 +1,4 @@
-"""Soak test: thousands of steps of gpt-tiny with periodic checkpoints, to show
+"""Soak test: thousands of steps of the tiny preset with periodic checkpoints, to show
 that a long run holds still: flat memory, steady throughput, a bounded
 communication ledger.
 
@@ -93,6 +93,7 @@ from typing import Any
 from scaletrain.bench import machine
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.models import TINY_PRESET
 from scaletrain.train.checkpoint import complete_checkpoints
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import launch
@@ -109,8 +110,8 @@ Key = tuple[str, str, str, str]
 
 
 def soak_config(out: Path, steps: int, checkpoint_every: int, nproc: int, data: str | None) -> Config:
-    """gpt-tiny at a few milliseconds a step, reporting its ledger, with nothing extra at the end."""
-    return Config().replace(name="gpt-tiny", data=data, seq_len=32, micro_batch=4, steps=steps,
+    """The tiny preset at a few milliseconds a step, reporting its ledger, with nothing extra at the end."""
+    return Config().replace(name=TINY_PRESET, data=data, seq_len=32, micro_batch=4, steps=steps,
                             checkpoint_every=checkpoint_every, nproc=nproc, eval_every=0, sample_tokens=0,
                             progress=False, report_comm=True, out=str(out))
 
@@ -370,7 +371,7 @@ def _comm_text(r: dict[str, Any]) -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    head = (f"soak: gpt-tiny, {r['steps']} steps on {r['nproc']} process(es), a checkpoint every "
+    head = (f"soak: {TINY_PRESET}, {r['steps']} steps on {r['nproc']} process(es), a checkpoint every "
             f"{r['checkpoint_every']} steps, in {r['run_dir']}\n"
             f"machine: {r['machine']}; 1-minute load average {r['load_average'][0]:.2f} before the run, "
             f"{r['load_average'][1]:.2f} after")
@@ -381,7 +382,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scaletrain.train.soak",
-                                     description="Soak test: a long gpt-tiny run with periodic checkpoints; "
+                                     description=f"Soak test: a long {TINY_PRESET} run with periodic checkpoints; "
                                                  "memory, throughput and the communication ledger over time.")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--checkpoint-every", type=int, default=250)

@@ -261,7 +261,7 @@ class Trainer:
             layout.zero.publish()
         if self.activation_meter is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
-            self.memory = memory_ledger(layout.bytes_ledger(), self.activation_meter)
+            self.memory = memory_ledger(layout.bytes_ledger(), self.activation_meter, layout.host_peak)
         if layout.masters:
             layout.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         layout.data_parallel.zero_grad()  # the model's
@@ -330,7 +330,7 @@ class Trainer:
         return loss
 
     def sample(self) -> str | None:
-        """A continuation of a line from the validation text (GPT only; train/sampling.py)."""
+        """A continuation of a line from the validation text (language models only; train/sampling.py)."""
         tokenizer = self.data.tokenizer
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None

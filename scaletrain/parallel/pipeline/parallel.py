@@ -1,7 +1,7 @@
 """Pipeline parallelism as the trainer sees it: cut the model, run rounds of
 micro-batches through a schedule, and keep the cut model equal to the whole.
 
-    pipeline = PipelineParallel(model, GPT_STAGES, comm, pp_group, schedule="1f1b", ...)
+    pipeline = PipelineParallel(model, spec.stages, comm, pp_group, schedule="1f1b", ...)
     losses = pipeline.train_round(batch, divisor=M)      forward and backward of M micro-batches
     pipeline.sum_shared_gradients(grad_of)               tied weights: the holders add their parts
     pipeline.clip_grad_norm_(params, max_norm)           each weight counted once over the stages

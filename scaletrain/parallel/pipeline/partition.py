@@ -1,8 +1,8 @@
 """Cutting a plain model into pipeline stages.
 
-A model is a stack of similar layers (the GPT's ``blocks``) with something
-before it (embeddings) and after it (final norm, head). A `StagePlan` names
-these parts, so the model itself knows nothing of stages: the first stage
+A model is a stack of similar layers (a decoder's ``blocks``) with something
+before it (embeddings) and after it (final norm, head). A `StagePlan` (the
+family's spec, models/spec.py) names these parts, so the model itself knows nothing of stages: the first stage
 runs the part before the stack, the last the part after, every stage a
 contiguous, non-empty range of the stack.
 
@@ -19,8 +19,8 @@ replaced by empty modules in the stack, which keeps every remaining
 parameter's name (``blocks.5.mlp.fc.weight`` on whichever rank holds it), so
 checkpoints, the optimizer and parity read the same names as one device.
 
-Tied weights (Press & Wolf 2017). The GPT's head uses the token embedding's
-weight, so the first and the last stage each hold a copy. Both copies must
+Tied weights (Press & Wolf 2017). A head that uses the token embedding's
+weight (tied embeddings), so the first and the last stage each hold a copy. Both copies must
 stay equal: each stage's gradient is only part of the true one (the sum of
 the embedding's and the head's), so the holders add up their gradients
 before the optimizer step (Megatron's "embedding group"), then take the same
@@ -39,22 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class StagePlan:
-    """How to cut a model: its stack of layers, the modules the first stage
-    runs before it and the last stage after it, and the model's methods that
-    run those two parts."""
-
-    stack: str
-    first: tuple[str, ...]
-    last: tuple[str, ...]
-    enter: str
-    leave: str
-
-
-GPT_STAGES = StagePlan(stack="blocks", first=("tok_emb", "pos_emb", "drop"), last=("ln_f", "head"),
-                       enter="embed", leave="unembed")
+from scaletrain.models.spec import StagePlan
 
 
 @dataclass(frozen=True)

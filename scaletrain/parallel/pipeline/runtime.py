@@ -22,7 +22,7 @@ For every step of the list, in order:
 
 Shapes are known ahead: every activation and gradient crossing a stage
 boundary has the shape the caller gives for its micro-batch (``[micro_batch,
-seq, d_model]`` for the GPT), so a receive allocates its buffer and no size is
+seq, d_model]`` for a decoder), so a receive allocates its buffer and no size is
 ever exchanged.
 
 The loss is averaged over micro-batches exactly as on one device: each

@@ -1,0 +1,184 @@
+"""Export as a Hugging Face folder: ``scaletrain export --from RUN --to DIR --format hf``.
+
+The folder is what ``save_pretrained`` writes and what
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads into the
+same function as ours:
+
+    config.json              the family's spec writes it (``HFAdapter.config_to_hf``)
+    model.safetensors        every tensor under the folder's names (a tied head once:
+                             transformers ties it back); past ``SHARD_BYTES``,
+                             model-0000i-of-0000n.safetensors and their index
+    generation_config.json   the special tokens and the longest sequence
+    tokenizer.json, tokenizer_config.json
+                             the run's tokenizer: a base folder's own files as they
+                             were; a BPE the run trained; or, for a byte-level run,
+                             a byte-level BPE without merges whose ids are the bytes
+
+The checkpoint is read whole as one device would hold it (train/checkpoint.py
+gathers any layout: ZeRO shards, tp slices, pipeline stages), a LoRA
+fine-tune's adapters merged first. Rows padded by ``--vocab-multiple`` stay:
+config.json's ``vocab_size`` counts them, so the logits are ours, column for
+column. Layers our model builds without a bias where the format has one
+(a bias-free model exported to a format with biases) get zeros, which compute the same.
+
+The folder is written beside its target under a temporary name and renamed
+into place: a crash leaves no half-written folder under the target's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from scaletrain.config import load_run_config
+from scaletrain.data.tokenizer import ByteTokenizer
+from scaletrain.errors import UserError
+from scaletrain.export import DTYPES, Exported, _prepared, _read, find_checkpoint, without_adapters
+from scaletrain.finetune.hf import is_hf_folder
+from scaletrain.models import CLASSIFIER, spec_for
+from scaletrain.paths import writable_dir
+from scaletrain.train.data_setup import run_tokenizer
+
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_folder_target(target: Path, force: bool) -> None:
+    if target.suffix == ".safetensors":
+        raise UserError(f"--to {target} names a file, but --format hf writes a folder; give a folder name.")
+    writable_dir("--to", target.parent if not target.exists() else target)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"--to {target} is a file; give a folder name for --format hf.")
+    if target.exists() and any(target.iterdir()) and not force:
+        raise UserError(f"--to {target} already holds files; add --force to replace the folder, or choose "
+                        f"another name.")
+
+
+def hf_tensors(ours: dict[str, torch.Tensor], names: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor]:
+    """Our tensors under the folder's names and layouts; a bias we lack is zeros."""
+    tensors = {}
+    for name, (our_name, transposed) in names.items():
+        if our_name in ours:
+            tensor = ours[our_name]
+            tensors[name] = tensor.t() if transposed else tensor
+        elif our_name.endswith(".bias"):
+            weight = ours[our_name.removesuffix(".bias") + ".weight"]
+            tensors[name] = weight.new_zeros(weight.shape[0])
+        else:
+            raise UserError(f"the checkpoint lacks {our_name}, which the exported format needs; export a "
+                            f"complete checkpoint.")
+    return tensors
+
+
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Tensors in file order, a new shard whenever the next would pass SHARD_BYTES."""
+    shards, size = [{}], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    shards = _shards(tensors)
+    metadata = {"format": "pt"}  # what transformers' loader expects in the header
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata=metadata)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Our byte tokenizer as a tokenizers-library file: a BPE without merges over the byte-level
+    alphabet, each byte's id its value, so transformers' tokenizer gives our ids."""
+    vocab = {char: byte for byte, char in _byte_to_char().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _byte_to_char() -> dict[int, str]:
+    """The byte-level alphabet (Radford et al. 2019): printable bytes stand for themselves,
+    the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def write_tokenizer(run_dir: Path, folder: Path) -> dict:
+    """The run's tokenizer files into ``folder``; the special token ids config.json names."""
+    base = load_run_config(run_dir).data.tokenizer_from
+    if base and is_hf_folder(Path(base)):
+        for name in TOKENIZER_FILES:
+            if (Path(base) / name).is_file():
+                shutil.copyfile(Path(base) / name, folder / name)
+        source_config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
+        return {key: source_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if source_config.get(key) is not None}
+    tokenizer = run_tokenizer(run_dir)
+    if isinstance(tokenizer, ByteTokenizer):
+        byte_tokenizer().save(str(folder / "tokenizer.json"))
+    else:
+        (folder / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}, indent=2))
+    return {}
+
+
+def export_hf(source: Path, target: Path, dtype: str | None = None, force: bool = False) -> Exported:
+    """Write the model of ``source`` (a checkpoint or a run folder) as a Hugging Face folder ``target``."""
+    check_folder_target(target, force)
+    checkpoint = find_checkpoint(source)
+    run_dir = checkpoint.parent.parent
+    cfg = load_run_config(run_dir)
+    if cfg.model.name == CLASSIFIER:
+        raise UserError(f"--from {source} is a run of the mlp classifier, which no Hugging Face class loads; "
+                        f"export it with --format safetensors.")
+    family = spec_for(cfg.model.name)
+    family_cfg = family.configure(cfg.model, run_tokenizer(run_dir).vocab_size, cfg.data.seq_len)
+    step, ours = _read(checkpoint)
+    ours = without_adapters(ours, checkpoint)
+    tensors = _prepared(hf_tensors(ours, family.hf.names(family_cfg)), DTYPES[dtype] if dtype else None)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        special = write_tokenizer(run_dir, partial)
+        config = {**family.hf.config_to_hf(family_cfg), **special}
+        config["torch_dtype"] = DTYPE_NAMES[next(iter(tensors.values())).dtype]
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        generation = {"max_length": family_cfg.positions, **special}
+        (partial / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        write_weights(tensors, partial)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Exported(path=target, step=step, tensors=len(tensors),
+                    parameters=sum(t.numel() for t in tensors.values()),
+                    bytes=sum(f.stat().st_size for f in target.iterdir()))

@@ -1,0 +1,107 @@
+"""A Hugging Face folder loaded slice by slice: no full copy of the model anywhere.
+
+The plain way to start from released weights builds the whole model, reads
+every tensor, and only then splits the model over the ranks: each rank holds
+the whole model once (twice, with the freshly initialized weights beside the
+read ones) before it keeps its share. For a 70B model that is 280 GB of host
+memory per rank in fp32.
+
+Here the model is built on the meta device (shapes, no storage), split there
+(tensor parallelism keeps each rank's slices, the pipeline prunes the other
+stages, expert parallelism the other experts, all on meta), and only then
+does each weight get storage, filled straight from the safetensors files
+with the slice this rank keeps:
+
+    a replicated weight          the whole tensor
+    a tp-split weight            its chunks: ``Split.chunks(rank)``, each a
+                                 rectangle of the full tensor, read as a slice
+                                 (safetensors reads a slice from the file's
+                                 mapping without touching the rest)
+    a weight of a pruned stage   nothing: it is gone before anything is read
+    a ZeRO-3 unit                its flat range on this rank (`read_flat`),
+                                 read into the unit as zero.py builds it, one
+                                 unit at a time
+
+so a rank's peak is its own share plus one unit, not the model
+(docs/models.md gives the measured figures and the command). A weight the
+folder stores transposed (a Conv1D layer's [in, out]) is sliced on the transposed
+indices and turned back. Every rank reads the same file, so the replicas
+start equal without a broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.finetune.hf import HFModel, folder_tensors, is_hf_folder, read_hf_model
+
+
+class FolderSource:
+    """Our model's weights as slices of a Hugging Face folder, by our parameter names."""
+
+    def __init__(self, hf_model: HFModel, family_cfg: Any):
+        self.reader, hf_of_ours = folder_tensors(hf_model, family_cfg)
+        transposed = {name for name, (_, t) in hf_model.spec.hf.names(family_cfg).items() if t}
+        self.where = {ours: (name, name in transposed) for name, ours in hf_of_ours.items()}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """``ours[index]`` of our weight ``name`` in its full, single-device layout."""
+        hf_name, transposed = self.where[name]
+        if not transposed:
+            return self.reader.read(hf_name, index)
+        theirs = tuple(reversed((*index, *[slice(None)] * (2 - len(index)))))
+        return self.reader.read(hf_name, theirs).t()
+
+    def read_flat(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of our weight ``name`` (full shape ``shape``) flattened: the rows
+        that hold them are read, the ends cut."""
+        row = math.prod(shape[1:])
+        first, last = lo // row, -(-hi // row)
+        rows = self.read(name, (slice(first, last),)).reshape(-1)
+        return rows[lo - first * row:hi - first * row]
+
+
+def folder_source(cfg, family_cfg: Any) -> FolderSource | None:
+    """The folder a full fine-tune starts from, to read slice by slice; None for any other run
+    (adapters load their base whole: quantizing and freezing it come before any split)."""
+    base = cfg.finetune.base
+    if not base or cfg.finetune.lora_rank or not is_hf_folder(Path(base)):
+        return None
+    return FolderSource(read_hf_model(Path(base)), family_cfg)
+
+
+def materialize(model: nn.Module, source: FolderSource, device: torch.device, splits: dict, tp_rank: int,
+                skip: set[int] = frozenset()) -> None:
+    """Give every meta weight of ``model`` storage on ``device``, filled with this rank's slice
+    from ``source`` (``splits``: tensor parallelism's Split of each split weight); the
+    weights whose ids are in ``skip`` stay meta (ZeRO-3 fills them unit by unit)."""
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta or id(param) in skip:
+            continue
+        split = splits.get(param)
+        if split is None:
+            values = source.read(name, tuple(slice(0, n) for n in param.shape))
+        else:
+            values = torch.cat([source.read(name, tuple(slice(o, o + s) for o, s in zip(offsets, sizes)))
+                                for offsets, sizes, _ in split.chunks(tp_rank)], dim=split.dim)
+        tensor = values.to(device=device, dtype=torch.float32)
+        torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+def flat_reader(model: nn.Module, source: FolderSource):
+    """For ZeRO-3: ``read(param, lo, hi)``, elements [lo, hi) of the meta weight ``param``
+    flattened (one that tensor parallelism left whole)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def read(param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        return source.read_flat(names[id(param)], tuple(param.shape), lo, hi).float()
+
+    return read

@@ -1,0 +1,72 @@
+"""What every decoder-only family shares: causal attention, the forward, sampling.
+
+A decoder is ``embed`` (token ids -> the residual stream), a stack of
+``blocks``, ``ln_f`` and ``head`` (``unembed``). `Decoder` runs that chain and
+samples from it; a family (models/gpt.py, models/llama.py) builds the parts
+and says how ``embed`` works. The parallel transforms find the attention core
+by its type (`CausalAttention`), whatever the family.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v for q, k, v [batch, heads, seq, head_dim].
+
+    A module of its own, without weights, so that context parallelism can put
+    ring attention in its place (parallel/context.py)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
+class Decoder(nn.Module):
+    """``head(ln_f(blocks(embed(ids))))``; a family sets ``cfg`` (with ``positions``, the longest
+    sequence it reads, and ``vocab_size``), the parts, and ``embed``."""
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the last block -> logits [batch, seq, vocab]."""
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, *, logits: bool = True) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]; with ``logits=False``
+        the final norm's output [batch, seq, d_model], for a loss that applies the
+        head itself (a fused head and cross-entropy never holds the logits whole)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(x) if logits else self.ln_f(x)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.positions:])[:, -1, :self.cfg.vocab_size]
+            idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
+        return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 50,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of last-position ``logits`` [batch, vocab]: top-k, then temperature
+    sampling; temperature 0 takes the most likely token (greedy decoding)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)

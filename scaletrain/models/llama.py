@@ -1,0 +1,259 @@
+"""The Llama family (Llama, Qwen2, Mistral, SmolLM; Mixtral-style experts), knowing nothing of parallelism.
+
+LLaMA (Touvron et al. 2023) is the pre-norm decoder of GPT-2 (models/gpt.py)
+with four changes, each from its own paper:
+
+RMSNorm (Zhang & Sennrich 2019) in place of layer norm: no mean, no bias,
+
+    y = w * x / sqrt(mean(x^2) + eps)
+
+computed in fp32 whatever the input's dtype, its output fp32 as the residual
+stream is (gpt.LayerNorm's reason).
+
+Rotary position embeddings (RoPE, Su et al. 2021, "RoFormer") in place of
+learned positions: the queries and keys of position p, each head's pairs of
+features (i, i + d/2) turned by the angle p * f_i, with
+
+    f_i = theta ^ (-2i / d),  i = 0 .. d/2 - 1  (d the head dim, theta 10000 or the model's)
+    rope(x) = x * cos(p f) + rotate_half(x) * sin(p f),  rotate_half([x1, x2]) = [-x2, x1]
+
+so a score q_m . k_n depends on the positions only through m - n. Pairing
+feature i with i + d/2 (two halves, not neighbours) is the layout of the Hugging
+Face checkpoints. Llama 3.1 (Meta 2024, "The Llama 3 Herd of Models") stretches
+long wavelengths for long contexts: with factor s, low and high frequency
+factors l and h and the pretraining context L, a wavelength w_i = 2 pi / f_i
+longer than L / l is divided by s, one shorter than L / h kept, and one between
+blended: f_i <- (1 - a) f_i / s + a f_i, a = (L / w_i - l) / (h - l).
+
+Grouped-query attention (GQA, Ainslie et al. 2023): n_kv_heads key/value
+heads, each shared by n_heads / n_kv_heads query heads (1: multi-query). The
+keys and values are repeated to n_heads before the attention core, so ring
+attention (parallel/context.py) sees as many heads on every side.
+
+A SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer"):
+``proj(silu(gate(x)) * up(x))``, of hidden width ffn_hidden (about 8/3 d_model
+keeps the 4 d_model GELU MLP's parameter count).
+
+The head is untied from the token embedding (``tie_embeddings`` ties them, as
+SmolLM does); Qwen2 adds biases to q, k and v (``bias``); Mistral's sliding
+window equals causal attention for sequences no longer than the window, the
+only ones the spec lets through (models/llama_spec.py). With ``moe`` set, the
+MLP of every ``moe.every``-th block is a mixture of SwiGLU experts, as in
+Mixtral (models/moe.py), named ``blocks.{i}.moe``.
+
+Initialization is GPT-2's (models/gpt.py): N(0, 0.02), residual projections
+(attn.proj, mlp.proj, each expert's proj) N(0, 0.02 / sqrt(2 * n_layers)).
+
+Parallel transforms rewrite this module by the names of its parts, as its
+spec declares them: ``blocks.{i}.attn.q``, ``.k``, ``.v``, ``.proj``,
+``attn.core``, ``attn.rope`` (handed each rank's global positions under
+context parallelism), ``mlp.gate``, ``mlp.up``, ``mlp.proj``, ``tok_emb``,
+``ln_f``, ``head``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models.decoder import CausalAttention, Decoder
+from scaletrain.models.moe import MoE, MoEConfig
+from scaletrain.models.spec import matmul_flops_per_token
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    seq_len: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_model: int
+    ffn_hidden: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.1's frequency scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_scaling: tuple[float, float, float, int] | None = None
+    tie_embeddings: bool = False
+    bias: bool = False  # biases on q, k and v, as Qwen2 has
+    dropout: float = 0.0
+    vocab_multiple: int = 1
+    moe: MoEConfig | None = None
+    n_positions: int | None = None  # the longest sequence the model reads (default: seq_len)
+    sliding_window: int | None = None  # Mistral's and Qwen2's window: longer sequences are refused
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and the head, ``vocab_size`` rounded up to ``vocab_multiple``
+        (GPTConfig.padded_vocab)."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def positions(self) -> int:
+        return self.n_positions or self.seq_len
+
+
+class RMSNorm(nn.Module):
+    """w * x / sqrt(mean(x^2) + eps), in fp32 whatever the input's dtype; the output stays fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        # Normalize, then scale: the order of Hugging Face's LlamaRMSNorm, which the logits match.
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * y
+
+
+class RotaryEmbedding(nn.Module):
+    """Positions [s] -> (cos, sin) of their angles, each [s, head_dim] fp32 (module docstring).
+
+    No parameters and no buffers: the frequencies are computed on every call
+    (d/2 numbers), so a model built on the meta device needs nothing filled in
+    and the state dict holds weights only. Context parallelism hooks this
+    module to replace the local positions it is given by the rank's global ones."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """f_i = theta^(-2i/d), and Llama 3.1's stretch of the long wavelengths when scaled."""
+        exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        inv_freq = 1.0 / self.theta ** exponents
+        if self.scaling is None:
+            return inv_freq
+        factor, low, high, original = self.scaling
+        wavelength = 2 * math.pi / inv_freq
+        blend = (original / wavelength - low) / (high - low)
+        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+        return torch.where(wavelength < original / high, inv_freq,
+                           torch.where(wavelength > original / low, inv_freq / factor, blended))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None]
+        angles = torch.cat((freqs, freqs), dim=-1)  # feature i and i + d/2 share an angle
+        return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, head_dim] turned by the angles of its positions (cos, sin [s, head_dim])."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # q and k keep their dtype (autocast's, if any)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.core = CausalAttention(cfg.dropout)
+        self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the weights, not the config: a tensor-parallel shard
+        # holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
+        heads, kv_heads = self.q.out_features // self.head_dim, self.k.out_features // self.head_dim
+        q = self.q(x).view(b, s, heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
+        # Local positions 0..s-1; under context parallelism a hook makes them the rank's global ones.
+        cos, sin = self.rope(torch.arange(s, device=x.device))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Key/value head j serves query heads j*g .. j*g + g-1 (Hugging Face's repeat_kv).
+        groups = heads // kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = self.core(q, k, v)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, -1)))
+
+
+class SwiGLU(nn.Module):
+    """proj(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.proj = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.silu(self.gate(x)) * self.up(x)))
+
+
+class Block(nn.Module):
+    """``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``, or ``+ moe(ln2(x))`` in a mixture-of-experts block."""
+
+    def __init__(self, cfg: LlamaConfig, experts: bool = False):
+        super().__init__()
+        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if experts:
+            self.moe = MoE(cfg.d_model, cfg.moe)
+        else:
+            self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
+        return x + feed_forward(self.ln2(x))
+
+
+class Llama(Decoder):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
+                                    for i in range(cfg.n_layers))
+        self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        for name, module in self.named_modules():
+            if name.endswith("proj"):  # the residual projections: attn.proj, mlp.proj, each expert's proj
+                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0
+        (fp32, even when the embedding is stored in bf16); positions enter in each attention."""
+        return self.drop(self.tok_emb(idx)).float()
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, 6N + 12 * L * (a * d_head) * s (models/spec.py): N counts
+        the head and the linear layers, the token embedding only when it is the head; a
+        mixture of experts counts top_k / E of the experts."""
+        c = self.cfg
+        return matmul_flops_per_token(self, c.n_layers, c.n_heads * c.head_dim, c.seq_len,
+                                      c.moe.top_k / c.moe.experts if c.moe else 1.0)

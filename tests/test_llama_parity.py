@@ -42,7 +42,7 @@ LAYOUTS = {
     "pp2-pipedream-2bw": dict(nproc=2, pp=2, pp_schedule="pipedream-2bw"),
     "cp2": dict(nproc=2, cp=2),
     "cp2-tp2-sp": dict(nproc=4, cp=2, tp=2, sp=True),
-    "ep2-moe": dict(nproc=2, dp=2, ep=2, **MOE),
+    "ep2-moe": dict(nproc=2, ep=2, **MOE),
     "dp2-pp2-tp2": dict(nproc=8, dp=2, pp=2, tp=2, micro_batch=2),
     "dp2-pp2-tp2-sp-zero1": dict(nproc=8, dp=2, pp=2, tp=2, sp=True, zero=1, micro_batch=2),
     "recompute-full-tp2": dict(nproc=2, tp=2, recompute="full"),

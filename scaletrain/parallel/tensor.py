@@ -376,6 +376,14 @@ class TensorParallel:
         return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start,
                                                 self.comm, self.group)
 
+    def hook_replicated_gradients(self, model: nn.Module) -> None:
+        """Under sp, a replicated weight sees only this rank's positions: its gradient is summed
+        over the group (the module docstring)."""
+        if self.sequence_parallel:
+            for param in model.parameters():
+                if param not in self.splits:
+                    param.register_hook(lambda grad: all_reduced(grad, self.comm, self.group))
+
     def counts(self, param: nn.Parameter) -> bool:
         """Whether this rank counts ``param``'s gradient towards the model's norm
         (optim/clip.py): its own slice of a split weight, or a replicated one on tp rank 0."""
@@ -399,8 +407,10 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, *, sequence_parallel: bool,
-                dropout: float) -> TensorParallel:
-    """Split ``model`` (built whole, on every rank alike) over ``group`` by ``plan``, in place."""
+                dropout: float, hook_gradients: bool = True) -> TensorParallel:
+    """Split ``model`` (built whole, on every rank alike) over ``group`` by ``plan``, in place.
+    ``hook_gradients=False`` leaves `TensorParallel.hook_replicated_gradients` to the caller: a
+    model on the meta device gets its storage later, and a tensor's hooks do not move with it."""
     rng = RegionRNG(group.rank, next(model.parameters()).device) if dropout > 0 and not sequence_parallel \
         else None
     tp = TensorParallel(comm, group, sequence_parallel=sequence_parallel, rng=rng)
@@ -444,8 +454,6 @@ def parallelize(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, *,
         else:
             raise TypeError(f"unknown tensor-parallel style {style!r} for {name}")
         _set_module(model, name, new)
-    if sequence_parallel:
-        for param in model.parameters():
-            if param not in tp.splits:
-                param.register_hook(lambda grad: all_reduced(grad, comm, group))
+    if hook_gradients:
+        tp.hook_replicated_gradients(model)
     return tp

@@ -284,10 +284,10 @@ class ZeroDataParallel:
             self._host_or_device(torch.zeros(shard_numel))
         unit = Unit(params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
         for i, param in enumerate(params):
-            if param.is_meta:  # storage of another kind: swapped in, the same Parameter object
-                torch.utils.swap_tensors(param, nn.Parameter(unit.slot(full, i), requires_grad=param.requires_grad))
-            else:
-                param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
+            if param.is_meta:  # a tensor of another kind swapped in first (its shape, no storage of its own)
+                placeholder = full.new_empty(()).expand(param.shape)
+                torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+            param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
             lo, hi = (offsets[i] + end - start for end in unit.span(i, rank))  # within the shard
             if hi > lo:
                 piece = nn.Parameter(master[lo:hi])

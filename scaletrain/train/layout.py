@@ -101,7 +101,7 @@ class Layout:
         if self.tp_group.size > 1:
             plan = self.family.tensor_plan(self.family_cfg)
             self.tensor_parallel = parallelize(self.model, plan, comm, self.tp_group, sequence_parallel=p.sp,
-                                               dropout=cfg.model.dropout)
+                                               dropout=cfg.model.dropout, hook_gradients=not self.folder)
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
         # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
         self.context_parallel: ContextParallel | None = None
@@ -141,6 +141,8 @@ class Layout:
         if not self.folder:  # every rank read the same file: equal already
             self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
         self._hold_optimizer_tensors()
+        if self.folder and self.tensor_parallel:  # the weights have their storage now, for good
+            self.tensor_parallel.hook_replicated_gradients(self.model)
         self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.

@@ -63,7 +63,8 @@ IN_CI = {"zero3-dp2", "tp2-sp", "pp2-1f1b", "pp2-interleaved", "cp2", "ep2-moe",
 def test_llama_layout_reproduces_single_device_training(tiny_cfg, changes):
     report = run_parity(tiny_cfg.replace(**{**LLAMA, **changes}), tolerance=1e-5)
     assert report.passed, report.to_json()
-    assert all(norm > CLIP for norm in report.reference_grad_norms)  # clipping was active
+    # clipping was active (PipeDream-2BW's first step applies no gradient, so it has no norm)
+    assert all(norm > CLIP for norm in report.reference_grad_norms if norm is not None)
     assert report.reference_losses[0] != report.reference_losses[-1]
 
 

@@ -276,6 +276,10 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = tp.run(cfg, args.warmup), tp.format_table
     elif args.what == "pp":
         result, table = pp.run(cfg, args.warmup), pp.format_table
+    elif args.what == "load":
+        from scaletrain.bench import load
+
+        result, table = load.run(cfg, Path(cfg.finetune.base) if cfg.finetune.base else None), load.format_table
     elif args.what == "adam":
         result, table = adam.run(cfg, args.warmup), adam.format_table
     elif args.what in ("softmax", "cross-entropy"):

@@ -172,7 +172,9 @@ class TensorReader:
         else:
             try:
                 with safe_open(source, framework="pt") as f:
-                    tensor = f.get_slice(name)[index] if index else f.get_tensor(name)
+                    # A copy of its own: what safetensors returns may be a view of the file's mapping,
+                    # whose pages would stay mapped (and shared with the file) while the weight lives.
+                    tensor = (f.get_slice(name)[index] if index else f.get_tensor(name)).clone()
             except READ_ERRORS as exc:
                 raise _unreadable(source, exc) from None
         self.bytes_read += tensor.numel() * tensor.element_size()

@@ -140,14 +140,16 @@ class Layout:
                 compile_blocks(self.model, blocks)
         if not self.folder:  # every rank read the same file: equal already
             self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
+        self.host_peak = peak_resident_bytes()  # the weights built or read, nothing of the optimizer's yet
         self._hold_optimizer_tensors()
+        if self.folder and p.zero == 3:  # its units read their shards: their gradient shards came with them
+            self.host_peak = peak_resident_bytes()
         if self.folder and self.tensor_parallel:  # the weights have their storage now, for good
             self.tensor_parallel.hook_replicated_gradients(self.model)
         self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
-        self.host_peak = peak_resident_bytes()  # the model built and loaded, nothing run yet
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.replicas.batch.size * positions
 

@@ -157,8 +157,10 @@ def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights 
 
 def memory_ledger(ledger: dict, meter: ActivationMeter | None = None, host_peak: int | None = None) -> dict:
     """A `bytes_by_entry` ledger plus ``activations_peak`` and, on a GPU, ``cuda_peak`` from ``meter``;
-    ``host_peak_at_start``: the process's peak resident set before the first step (the model built
-    and loaded: what a slice-by-slice load keeps small, finetune/sliced.py)."""
+    ``host_peak_at_start``: the process's peak resident set once the weights were built or read,
+    before the optimizer's and the gradients' buffers (under ZeRO-3 from a folder, after its units,
+    which read their shards beside their gradient shards): what a slice-by-slice load keeps small
+    (finetune/sliced.py)."""
     if host_peak is not None:
         ledger["host_peak_at_start"] = host_peak
     if meter is not None:

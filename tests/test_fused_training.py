@@ -29,7 +29,8 @@ def _losses(cfg: Config, fused: str) -> list[float]:
     ({}, 1e-6),                                                # fused head+loss, fused AdamW
     pytest.param({"nproc": 2, "pp": 2}, 1e-6, marks=pytest.mark.slow),  # the kernel on the last stage's logits
     ({"precision": "bf16", "param_dtype": "bf16"}, 1e-4),      # AdamW writes the bf16 working copies
-], ids=["plain", "pp2", "bf16-masters"])
+    ({"name": "llama-tiny"}, 1e-6),                            # the untied head of the Llama family
+], ids=["plain", "pp2", "bf16-masters", "llama"])
 def test_fused_kernels_train_as_the_unfused_run(tiny_cfg, changes, rel):
     cfg = tiny_cfg.replace(steps=3, eval_batches=2, **changes)
     fused, plain = _losses(cfg, "triton"), _losses(cfg, "none")

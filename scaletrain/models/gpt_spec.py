@@ -48,9 +48,21 @@ PRESETS = {
 }
 
 
+# What the GPT has no place for: flags of other families, refused rather than ignored.
+OTHER_FAMILIES_FLAGS = {"n_kv_heads": "--n-kv-heads", "ffn_hidden": "--ffn-hidden", "rope_theta": "--rope-theta",
+                        "rope_scaling": "--rope-scaling", "sliding_window": "--sliding-window"}
+
+
 def configure(cfg, vocab_size: int, seq_len: int) -> GPTConfig:
     """The preset, with any size the user set overriding it; ``vocab_size`` is the tokenizer's,
     which ``--n-vocab`` (a GPT-2 folder's vocab_size) overrides."""
+    for field, flag in OTHER_FAMILIES_FLAGS.items():
+        if getattr(cfg, field) is not None:
+            raise UserError(f"{flag} applies to models with rotary positions and grouped-query attention, not "
+                            f"{cfg.name} (docs/models.md); drop it or choose such a --model.")
+    if cfg.tie_embeddings is False:
+        raise UserError(f"{cfg.name} always ties its head to the token embedding; drop --no-tie-embeddings "
+                        f"or choose a --model that unties them.")
     preset = PRESETS[cfg.name]
     width = cfg.d_model or preset["d_model"]
     moe = None

@@ -5,8 +5,9 @@ each rank keeps, and that is decided by code the trainer already has: the
 tensor-parallel plan (parallel/tensor.py) cuts matrices into slices, expert
 parallelism (parallel/experts.py) keeps a share of the experts, and the
 pipeline (parallel/pipeline/partition.py) balances the blocks over stages and
-prunes the rest. The planner runs those same transforms on a GPT built on
-PyTorch's ``meta`` device, where a tensor has a shape and a dtype but no
+prunes the rest. The planner runs those same transforms, as the family's
+spec declares them (its tensor plan and its stage plan: models/spec.py), on
+the model built on PyTorch's ``meta`` device, where a tensor has a shape and a dtype but no
 storage: building even a 70B-parameter model takes milliseconds and no
 memory, and the counts are the trainer's by construction rather than a
 formula that could drift from it (a vocabulary split unevenly over tp ranks,
@@ -22,23 +23,39 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from scaletrain.config import ModelConfig
 from scaletrain.dist.mesh import Group
-from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.models import spec_for
+from scaletrain.models.spec import ModelShape, ModelSpec
 from scaletrain.parallel.experts import parallelize_experts
-from scaletrain.parallel.pipeline.partition import (
-    GPT_STAGES,
-    balance,
-    keep_stages,
-    parameter_costs,
-    shared_parameters,
-)
-from scaletrain.parallel.tensor import GPT_PLAN, parallelize
+from scaletrain.parallel.pipeline.partition import balance, keep_stages, parameter_costs, shared_parameters
+from scaletrain.parallel.tensor import parallelize
 from scaletrain.parallel.zero import layer_modules
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A model as the planner weighs it: its family's spec (how to build, split and cut it)
+    and the family's own config. Equal and hashed by the config alone, whose class is the
+    family's, so that the caches below key on it."""
+
+    spec: ModelSpec = field(compare=False)
+    cfg: Any
+
+    @classmethod
+    def of(cls, model: ModelConfig, vocab_size: int, seq_len: int) -> Planned:
+        spec = spec_for(model.name)
+        return cls(spec, spec.configure(model, vocab_size, seq_len))
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        return self.spec.shape(self.cfg)
 
 
 @dataclass(frozen=True)
@@ -101,44 +118,46 @@ def _first_rank(name: str, size: int) -> Group:
 
 
 @functools.lru_cache(maxsize=64)
-def _split_model(gpt: GPTConfig, tp: int, ep: int) -> tuple[nn.Module, frozenset[str]]:
+def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset[str]]:
     """The whole model as tp rank 0 and ep rank 0 hold it, on the meta device,
     and the names of the weights tp slices."""
     with torch.device("meta"):
-        model = GPT(gpt)
+        whole = model.spec.build(model.cfg)
     sliced: frozenset[str] = frozenset()
     if tp > 1:
-        plan = parallelize(model, GPT_PLAN, None, _first_rank("tp", tp), sequence_parallel=False, dropout=0.0)
-        sliced = frozenset(name for name, p in model.named_parameters() if p in plan.splits)
+        plan = parallelize(whole, model.spec.tensor_plan(model.cfg), None, _first_rank("tp", tp),
+                           sequence_parallel=False, dropout=0.0)
+        sliced = frozenset(name for name, p in whole.named_parameters() if p in plan.splits)
     if ep > 1:
-        parallelize_experts(model, None, _first_rank("ep", ep))
-    return model, sliced
+        parallelize_experts(whole, None, _first_rank("ep", ep))
+    return whole, sliced
 
 
 @functools.lru_cache(maxsize=512)
-def rank_weights(gpt: GPTConfig, split: Split, pp_rank: int) -> RankWeights:
+def rank_weights(model: Planned, split: Split, pp_rank: int) -> RankWeights:
     """What pipeline rank ``pp_rank`` holds under ``split`` (module docstring)."""
-    whole, sliced = _split_model(gpt, split.tp, split.ep)
-    stages = {0: list(range(gpt.n_layers))}
+    whole, sliced = _split_model(model, split.tp, split.ep)
+    stages = {0: list(range(model.shape.n_layers))}
     tied: list[nn.Parameter] = []
-    model = whole
+    held = whole
     if split.pp > 1:
-        ranges = balance(parameter_costs(whole, GPT_STAGES), split.pp * split.virtual)
-        model = copy.deepcopy(whole)
-        tied_names = [name for name, holders in shared_parameters(whole, GPT_STAGES, ranges).items()
+        cut = model.spec.stages
+        ranges = balance(parameter_costs(whole, cut), split.pp * split.virtual)
+        held = copy.deepcopy(whole)
+        tied_names = [name for name, holders in shared_parameters(whole, cut, ranges).items()
                       if len({s % split.pp for s in holders}) > 1]
-        keep_stages(model, GPT_STAGES, ranges, split.stages_of(pp_rank))
-        own = dict(model.named_parameters())
+        keep_stages(held, cut, ranges, split.stages_of(pp_rank))
+        own = dict(held.named_parameters())
         tied = [own[name] for name in tied_names if name in own]
         stages = {s: list(ranges[s]) for s in split.stages_of(pp_rank)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    named = list(model.named_parameters())
+    params = [p for p in held.parameters() if p.requires_grad]
+    named = list(held.named_parameters())
     experts = {id(p) for name, p in named if ".experts." in name}
     replicated = [p for name, p in named if p.requires_grad and name not in sliced] if split.tp > 1 else []
-    return RankWeights(model, params, experts, tied, replicated, layer_modules(model), stages,
+    return RankWeights(held, params, experts, tied, replicated, layer_modules(held), stages,
                        split.pp * split.virtual)
 
 
-def whole_model(gpt: GPTConfig) -> nn.Module:
+def whole_model(model: Planned) -> nn.Module:
     """The unsplit model, weightless: for what is defined on the whole (its FLOPs per token)."""
-    return _split_model(gpt, 1, 1)[0]
+    return _split_model(model, 1, 1)[0]

@@ -85,7 +85,8 @@ class BPETokenizer:
 
     @classmethod
     def from_vocab_merges(cls, vocab: str | Path, merges: str | Path) -> BPETokenizer:
-        """The released byte-level BPE format: the token -> id map (vocab.json) and the merge rules in order (merges.txt)."""
+        """The released byte-level BPE format: the token -> id map (vocab.json) and the merge rules in
+        order (merges.txt)."""
         return cls(_byte_level(models.BPE.from_file(str(vocab), str(merges))))
 
     @property

@@ -215,7 +215,8 @@ def folder_tensors(hf_model: HFModel, family_cfg: Any) -> tuple[TensorReader, di
         want = tuple(reversed(ours[our_name].shape) if transposed else ours[our_name].shape)
         if reader.shape(name) != want:
             raise UserError(f"{folder} holds {files[name][1]} of shape {list(reader.shape(name))}, but its "
-                            f"config.json's sizes give {list(want)}; the weights and config.json are of different models.")
+                            f"config.json's sizes give {list(want)}; the weights and config.json are of different "
+                            f"models.")
     for copy, original in tied.items():
         if copy in files and not torch.equal(reader.read(copy), reader.read(original)):
             raise UserError(f"{folder} holds a {copy} that differs from {original}; this model ties the two, "

@@ -3,9 +3,10 @@
 Decoupled weight decay applies to matrices (linear weights, embeddings) and
 not to biases or normalization gains: decaying a gain toward zero fights the
 normalization it scales, and biases are too few to overfit. This is the
-The usual convention (Radford et al. 2019's released code, nanoGPT): decay a parameter when it has two or more
-dimensions. Parameters are taken once even when tied (the output head shares
-the token embedding).
+convention of Radford et al. 2019's released code and its minimal
+re-implementations: decay a parameter when it has two or more dimensions.
+Parameters are taken once even when tied (a head that shares the token
+embedding).
 """
 
 from __future__ import annotations

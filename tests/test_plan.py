@@ -1,7 +1,9 @@
 """The planner against measurement: for each layout, the per-rank memory it
 predicts is within 5% of the memory ledger of a real run of the same config,
 category by category, and one step's collectives equal the communication
-ledger's exactly (calls, bytes and wire bytes, per op and group)."""
+ledger's exactly (calls, bytes and wire bytes, per op and group). The runs here
+are the GPT's; tests/test_plan_families.py runs the same layouts of the other
+families through `measure_layouts` and `assert_predicted`."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ ONE_PROCESS = {
     "recompute sqrt": {"recompute": "sqrt"},
     "bf16 autocast": {"precision": "bf16"},
     "bf16 weights, fp32 masters": {"precision": "bf16", "param_dtype": "bf16"},
+    "bf16 recompute full": {"precision": "bf16", "recompute": "full"},  # autocast's cached weight copies
     "offload": {"offload": "optimizer"},
 }
 TWO_PROCESSES = {
@@ -36,13 +39,19 @@ TWO_PROCESSES = {
     "tp2": {"tp": 2},
     "tp2 sp": {"tp": 2, "sp": True},
     "tp2 recompute full": {"tp": 2, "recompute": "full"},
+    "bf16 tp2": {"tp": 2, "precision": "bf16"},
+    "bf16 tp2 sp": {"tp": 2, "sp": True, "precision": "bf16"},
+    "bf16 tp2 recompute full": {"tp": 2, "recompute": "full", "precision": "bf16"},
     "pp2 gpipe": {"pp": 2, "pp_schedule": "gpipe", "microbatches": 4},
     "pp2 1f1b": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4},
     "pp2 interleaved": {"pp": 2, "pp_schedule": "interleaved", "microbatches": 4},
     "pp2 zb-h1": {"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4},
     "pp2 zero1": {"pp": 2, "zero": 1, "microbatches": 4},
+    "bf16 pp2 1f1b recompute full": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4, "precision": "bf16",
+                                     "recompute": "full"},
     "cp2": {"cp": 2},
 }
+CASES = [(1, name) for name in ONE_PROCESS] + [(2, name) for name in TWO_PROCESSES]
 
 
 def _measure(rank: int, n: int, configs: dict, spec) -> dict:
@@ -57,13 +66,12 @@ def _measure(rank: int, n: int, configs: dict, spec) -> dict:
     return measured
 
 
-@pytest.fixture(scope="module")
-def measured(corpus, tmp_path_factory) -> dict:
-    """Every layout above, run for two steps: {(n, name): (cfg, ledgers by rank)}."""
-    root = tmp_path_factory.mktemp("plan")
+def measure_layouts(preset: str, corpus: Path, root: Path) -> tuple[dict, int]:
+    """Every layout above of ``preset`` (4 blocks, 32 positions, 4 sequences a micro-batch),
+    run for two steps: ({(n, name): (cfg, ledgers by rank)}, the vocabulary's size)."""
     from scaletrain.config import Config
 
-    base = Config().replace(name="gpt-tiny", n_layers=4, data=str(corpus), seq_len=32, micro_batch=4, steps=2,
+    base = Config().replace(name=preset, n_layers=4, data=str(corpus), seq_len=32, micro_batch=4, steps=2,
                             warmup_steps=1, eval_every=0, eval_batches=1, sample_tokens=0, progress=False,
                             report_memory=True, out=str(root / "run"), cache_dir=str(root / "cache"))
     spec = prepare_data(base, Path(base.data.cache_dir))
@@ -76,14 +84,9 @@ def measured(corpus, tmp_path_factory) -> dict:
     return results, spec.vocab_size
 
 
-CASES = [(1, name) for name in ONE_PROCESS] + [(2, name) for name in TWO_PROCESSES]
-
-
-@pytest.mark.parametrize("case", CASES, ids=[f"{n}-{name}" for n, name in CASES])
-def test_the_planner_predicts_the_ledgers_of_a_real_run(measured, case):
-    results, vocab = measured
-    cfg, ledgers = results[case]
-    n = case[0]
+def assert_predicted(cfg, n: int, vocab: int, ledgers: list) -> None:
+    """Every rank's memory ledger within 5%, category by category, and its communication
+    ledger exactly, as the planner predicts them for ``cfg`` on ``n`` ranks."""
     # The host is the device here: offloaded state counts where the ledger counts it.
     prediction = predict(cfg, n, vocab, Cluster(cpu_device(1.0, 2**40), n, n))
     for rank, (memory, comm) in enumerate(ledgers):
@@ -93,3 +96,15 @@ def test_the_planner_predicts_the_ledgers_of_a_real_run(measured, case):
             assert predicted[predicted_name] == pytest.approx(memory[measured_name], rel=0.05), \
                 f"rank {rank} {measured_name}: predicted {predicted[predicted_name]}, measured {memory[measured_name]}"
         assert prediction.comm[pp_rank] == comm, f"rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def measured(corpus, tmp_path_factory) -> tuple[dict, int]:
+    return measure_layouts("gpt-tiny", corpus, tmp_path_factory.mktemp("plan"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-{name}" for n, name in CASES])
+def test_the_planner_predicts_the_ledgers_of_a_real_run(measured, case):
+    results, vocab = measured
+    cfg, ledgers = results[case]
+    assert_predicted(cfg, case[0], vocab, ledgers)

@@ -19,7 +19,7 @@ from scaletrain.cli import main
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
-from scaletrain.models import family_config as gpt_config
+from scaletrain.models import family_config
 from scaletrain.plan.hardware import DEVICES, Cluster
 from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
 from scaletrain.plan.report import format_table, plot, to_json
@@ -48,7 +48,7 @@ def _sequences(cfg: Config, world: int) -> int:
 def stand_in(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Prediction:
     """A crude memory and time model with the monotonic shape of the real one."""
     p, t = cfg.parallel, cfg.train
-    g = gpt_config(cfg.model, vocab_size, cfg.data.seq_len)
+    g = family_config(cfg.model, vocab_size, cfg.data.seq_len)
     replicas = _dp(cfg, world) * p.cp
     params = 4 * (12 * g.n_layers * g.d_model**2 + vocab_size * g.d_model) // (p.tp * p.pp)
     # A pipeline's first stage holds pp micro-batches of 1/pp of the layers: the whole model's worth.
@@ -341,8 +341,8 @@ def test_plan_on_this_cpu(planner, capsys):
 
 
 @pytest.mark.parametrize("args, phrase", [
-    (["--model", "gpt-huge"], "--model gpt-huge is not a GPT preset"),
-    (["--model", "mlp"], "--model mlp is not a GPT preset"),
+    (["--model", "gpt-huge"], "--model gpt-huge is not a model preset"),
+    (["--model", "mlp"], "--model mlp is not a model preset"),
     (["--gpus", "0"], "--gpus must be at least 1, not 0"),
     (["--layers", "-2"], "--layers must be at least 1, not -2"),
     (["--top", "0"], "--top must be at least 1"),

@@ -9,5 +9,8 @@
     predict.py      one layout
     search.py       every layout of a cluster, ranked; report.py prints them
 
-docs/planner.md sets the predictions against measurements.
+A model is read through its family's spec alone (models/spec.py): built on
+the meta device by ``build``, cut by its tensor and stage plans, sized by its
+``ModelShape``; no module here knows a family. docs/planner.md sets the
+predictions against measurements.
 """

@@ -1,37 +1,58 @@
-"""Saved activations of our GPT, per micro-batch, as the memory ledger's meter counts them.
+"""Saved activations of a decoder, per micro-batch, as the memory ledger's meter counts them.
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4.1) count what one transformer layer keeps for
 backward: ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations, dropout
-masks and the a*s*s attention matrix. Our block differs in ways that change
-the count, so the planner counts our own layers, tensor by tensor (``b``
-sequences of ``s`` positions, width ``h``, ``a`` heads, ``t`` the tp size,
-``e`` bytes per activation: 2 under bf16/fp16 autocast, else 4):
+masks and the a*s*s attention matrix. Our blocks differ in ways that change
+the count, so the planner counts them tensor by tensor from the family's
+`ModelShape` (models/spec.py), every term measured with the ledger's meter
+(tests/test_plan.py, tests/test_plan_families.py). ``b`` sequences of ``s``
+positions (the rank's), width ``h``, ``a`` query heads of ``d`` features
+(``a*d`` the attention's width), ``f`` the MLP's hidden width, ``t`` the tp
+size, ``e`` bytes per activation (2 under bf16/fp16 autocast, else 4), ``c``
+the block's column-parallel layers (each reads a norm's output: a fused qkv
+and fc, 2; q, k, v, gate and up, 5):
 
-    ln1 input (the fp32 residual stream)      4*b*s*h          /t with sp
-    ln1 mean and rstd (fp32)                  8*b*s            /t with sp
-    qkv input (ln1 output, cast to e)         e*b*s*h          /t with sp (its own chunk; backward re-gathers it)
-    q, k, v (one tensor, qkv's output)        3*e*b*s*h/t
-    attention output                          e*b*s*h/t        (its transpose is proj's input: a view)
-    attention log-sum-exp (fp32)              4*b*a*s/t        (a fused kernel: no a*s*s matrix)
-    ln2 input, mean and rstd                  as ln1
-    fc input (ln2 output, cast to e)          e*b*s*h          /t with sp
-    GELU input (fc's output)                  4*e*b*s*h/t
-    proj input (GELU's output)                4*e*b*s*h/t
-    under autocast of fp32 weights: their e-byte copies (qkv, proj, fc, proj): 12*e*h*h/t
+    each norm (two a block), on the fp32 residual stream         /t with sp
+      layer norm: its input, mean and 1/std                     4*b*s*h + 8*b*s
+      RMSNorm: its input, 1/rms, and x/rms (the weight's        8*b*s*h + 4*b*s
+      gradient needs the normalized input: w * (x/rms))
+    the column layers' inputs (the norms' outputs)               /t with sp
+      fp32 without sp: one tensor per norm, which they share    2*4*b*s*h
+      else each its own (autocast's cast; sp's saved chunk)     c*e*b*s*h
+    q, k, v as attention saves them                             3*e*b*s*a*d/t
+      (grouped-query k and v are repeated to a heads first; the
+      n_kv_heads-wide k and v are saved by nothing: rotary's
+      products keep only cos and sin, the repeat keeps nothing)
+    attention output (its transpose is proj's input: a view)    e*b*s*a*d/t
+    attention log-sum-exp (fp32)                                4*b*a*s/t   (a fused kernel: no a*s*s matrix)
+    rotary's cos and sin, without learned positions             8*s*d       (fp32: one pair for q and k;
+                                                                             autocast: a 16-bit pair each)
+    the MLP: 2 tensors per input matrix                         2*i*e*b*s*f/t
+      GELU (i = 1): fc's output and GELU's
+      SwiGLU (i = 2): gate's and up's outputs, silu's, and the product (proj's input)
+    under autocast of fp32 weights: their e-byte copies         e*(2*a*d*h + 2*k*d*h + (i+1)*h*f)/t
+      (q and proj a*d*h each, k and v k*d*h each with k the key/value heads, the MLP (i+1)*h*f;
+      with sp only the projections': a column layer that gathers its input saves the weight
+      itself and casts it again in backward, the head too)
 
-fp32 without tp: ``64*b*s*h + 16*b*s + 4*a*b*s`` bytes per layer; bf16
-autocast: ``36*b*s*h`` + the same small terms + the weight copies (against
+A block of layer norms, a fused qkv and a 4h GELU MLP in fp32
+without tp saves ``64*b*s*h + 16*b*s + 4*a*b*s`` bytes, under bf16 autocast
+``36*b*s*h`` + the same small terms + the weight copies (against
 Korthikanti's 34: our residual stream and norms stay fp32, there are no
-dropout masks and no attention matrix). With context parallelism ``s`` is a
-rank's ``s/cp`` positions, and ring attention returns its output laid out by
-heads, so proj's input is a copy: ``+e*b*s*h/t``.
+dropout masks and no attention matrix). A block of RMSNorms, separate q,
+k and v and a SwiGLU MLP of width f in fp32: ``40*b*s*h + 16*b*s*f + 8*b*s +
+4*a*b*s + 8*s*d``; under bf16 autocast ``34*b*s*h + 8*b*s*f`` + the same small
+terms + the weight copies. With context parallelism ``s`` is a
+rank's ``s/cp`` positions, and ring attention returns its output laid out
+by heads, so proj's input is a copy: ``+e*b*s*a*d/t``.
 
-Outside the blocks: the token ids and positions (int64) on the first stage,
-and on the tp group the vocabulary embedding's local ids and mask; on the
-last stage ln_f as a norm, the head's input, and the loss: log-softmax keeps
-its fp32 output ``4*b*s*V`` (vocabulary-parallel: the softmax ``4*b*s*V/t``
-with local ids and mask), plus the targets.
+Outside the blocks: the token ids (int64), and the positions a learned
+position embedding looks up, on the first stage, and on the tp group the
+vocabulary embedding's local ids and mask; on the last stage the final norm,
+the head's input, and the loss: log-softmax keeps its fp32 output ``4*b*s*V``
+(vocabulary-parallel: the softmax ``4*b*s*V/t`` with local ids and mask),
+plus the targets.
 
 Recomputation (recompute.py) changes which of these are alive at the peak:
 
@@ -44,6 +65,16 @@ Recomputation (recompute.py) changes which of these are alive at the peak:
     sqrt        segments of ceil(sqrt L) blocks as units: segment inputs, plus
                 one whole segment in backward
 
+Under autocast of fp32 weights recomputation keeps more in the forward than
+its inputs: autocast caches each weight's 16-bit copy until the forward
+leaves autocast (before the loss), and a recomputed block's copies are held
+by that cache though the block drops what it saved. At the end of such a
+forward the R recomputed blocks hold their inputs and ``R`` x the block's
+weight copies, the last one also what it is computing (the residual stream
+and the f-wide tensors of its MLP's last product): for a large model this,
+not the backward, is the peak (a block's copies are about ``e*12*h*h/t``
+bytes, against its ``4*b*s*h`` input).
+
 A pipeline rank holds several micro-batches at once: the schedule's
 ``live_activations`` (schedules.py) count how many of its chunks' forward
 activations are alive at most, which the planner multiplies by one chunk's.
@@ -51,7 +82,7 @@ activations are alive at most, which the planner multiplies by one chunk's.
 Left out: dropout (masks and SDPA's math path; the planner assumes
 ``--dropout 0``), and the mixture-of-experts layers' routed copies, whose size
 depends on the routing (the planner counts an expert layer as the dense MLP
-it replaces, plus the router's fp32 probabilities).
+it replaces).
 """
 
 from __future__ import annotations
@@ -59,18 +90,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scaletrain.models.gpt import GPTConfig
+from scaletrain.models.spec import Column, ModelShape, Region, TensorPlan
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One micro-batch on one rank: ``b`` sequences of ``s`` (the rank's) positions."""
+    """One micro-batch on one rank: ``b`` sequences of ``s`` (the rank's) positions through
+    a model of ``model``'s sizes, whose blocks hold ``columns`` column-parallel layers."""
 
     b: int
     s: int
-    h: int
-    heads: int
-    vocab: int  # padded rows of the head
+    model: ModelShape
+    columns: int
     tp: int = 1
     sp: bool = False
     cp: int = 1
@@ -78,15 +109,43 @@ class Shape:
     cast_weights: bool = False  # autocast saves 16-bit copies of fp32 weights
 
     @property
+    def h(self) -> int:
+        return self.model.d_model
+
+    @property
+    def width(self) -> int:
+        """The attention's width, a*d: its q (and the repeated k and v) and its output."""
+        return self.model.n_heads * self.model.head_dim
+
+    @property
+    def vocab(self) -> int:
+        return self.model.vocab
+
+    @property
     def bsh(self) -> int:
         return self.b * self.s * self.h
 
+    @property
+    def attention_columns(self) -> int:
+        """The attention's column layers (a fused qkv: 1; q, k, v: 3); the MLP's are its inputs."""
+        return self.columns - self.model.ffn_inputs
 
-def shape_of(gpt: GPTConfig, micro_batch: int, tp: int, sp: bool, cp: int, precision: str,
-             param_dtype: str) -> Shape:
+
+def block_columns(plan: TensorPlan | None, model: ModelShape) -> int:
+    """The column-parallel layers a block's tp regions hold (their patterns lie under a region's);
+    a family without a tensor plan: one fused attention projection and the MLP's inputs."""
+    if plan is None:
+        return 1 + model.ffn_inputs
+    regions = [pattern for pattern, style in plan if isinstance(style, Region)]
+    return sum(1 for pattern, style in plan if isinstance(style, Column)
+               and any(pattern.startswith(region + ".") for region in regions))
+
+
+def shape_of(model: ModelShape, plan: TensorPlan | None, micro_batch: int, tp: int, sp: bool, cp: int,
+             precision: str, param_dtype: str) -> Shape:
     autocast = precision in ("bf16", "fp16")
-    return Shape(b=micro_batch, s=gpt.seq_len // cp, h=gpt.d_model, heads=gpt.n_heads, vocab=gpt.padded_vocab,
-                 tp=tp, sp=sp, cp=cp, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32")
+    return Shape(b=micro_batch, s=model.seq_len // cp, model=model, columns=block_columns(plan, model), tp=tp,
+                 sp=sp, cp=cp, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32")
 
 
 def block_input(x: Shape) -> int:
@@ -94,94 +153,138 @@ def block_input(x: Shape) -> int:
     return 4 * x.bsh // (x.tp if x.sp else 1)
 
 
+def norm(x: Shape) -> int:
+    """One norm's saved tensors on the fp32 residual stream (module docstring)."""
+    rows = x.b * x.s // (x.tp if x.sp else 1)
+    if x.model.norm_with_mean:
+        return 4 * rows * x.h + 8 * rows
+    return 8 * rows * x.h + 4 * rows
+
+
+def column_inputs(x: Shape, columns: int, norms: int) -> int:
+    """What ``columns`` column layers reading ``norms`` norms' outputs save of their inputs:
+    one shared fp32 tensor per norm, or under autocast or sp each layer its own copy."""
+    copies = columns if x.e < 4 or x.sp else norms
+    return copies * x.e * x.bsh // (x.tp if x.sp else 1)
+
+
 def block(x: Shape) -> int:
-    """Bytes one transformer block saves for backward (module docstring)."""
-    t, e = x.tp, x.e
-    seq_split = t if x.sp else 1
-    norm = 4 * x.bsh // seq_split + 8 * x.b * x.s // seq_split
-    linear_input = e * x.bsh // seq_split
-    total = 2 * norm + 2 * linear_input
-    total += 3 * e * x.bsh // t + e * x.bsh // t + attention_stats(x)  # q, k, v; output; lse
-    total += 8 * e * x.bsh // t  # GELU's input and output
-    if x.cast_weights:
-        total += 12 * e * x.h * x.h // t
+    """Bytes one block saves for backward (module docstring)."""
+    m, t, e = x.model, x.tp, x.e
+    rows = x.b * x.s
+    total = 2 * norm(x) + column_inputs(x, x.columns, 2)
+    total += 3 * e * rows * x.width // t + e * rows * x.width // t + attention_stats(x)  # q, k, v; output; lse
+    if not m.learned_positions:
+        total += 8 * x.s * m.head_dim  # rotary's cos and sin
+    total += 2 * m.ffn_inputs * e * rows * m.ffn_hidden // t
+    total += weight_copies(x)
     if x.cp > 1:
-        total += e * x.bsh // t  # ring attention's output, copied into proj's layout
+        total += e * rows * x.width // t  # ring attention's output, copied into proj's layout
     return total
+
+
+def weight_copies(x: Shape) -> int:
+    """One block's autocast copies of its fp32 weights (module docstring); none without them."""
+    if not x.cast_weights:
+        return 0
+    m = x.model
+    projections = x.width * x.h + m.ffn_hidden * x.h  # row-parallel: the attention's and the MLP's proj
+    columns = x.width * x.h + 2 * m.n_kv_heads * m.head_dim * x.h + m.ffn_inputs * x.h * m.ffn_hidden
+    return x.e * (projections + (0 if x.sp else columns)) // x.tp
+
+
+def in_flight(x: Shape) -> int:
+    """The most a recomputed block's forward holds beyond its input, as the meter sees it: the
+    residual stream after the attention, and the MLP's f-wide tensors its last product reads
+    (GELU's output; silu's and up's). Everything else it saved is dropped as soon as made."""
+    return block_input(x) + x.model.ffn_inputs * x.e * x.b * x.s * x.model.ffn_hidden // x.tp
 
 
 def attention_stats(x: Shape) -> int:
     """The attention's fp32 log-sum-exp: what selective recomputation drops."""
-    return 4 * x.b * x.heads * x.s // x.tp
+    return 4 * x.b * x.model.n_heads * x.s // x.tp
 
 
 def inputs(x: Shape) -> int:
-    """The first stage's int64 token ids and positions (and the vocabulary embedding's ids and mask)."""
-    ids = 8 * x.b * x.s + 8 * x.s
+    """The first stage's int64 token ids and the positions a learned position embedding looks
+    up (and the vocabulary embedding's local ids and mask)."""
+    ids = 8 * x.b * x.s + (8 * x.s if x.model.learned_positions else 0)
     if x.tp > 1:
         ids += 9 * x.b * x.s
     return ids
 
 
+def head(x: Shape) -> int:
+    """The last stage's final norm and head input (and the head's weight copy)."""
+    weight = x.e * x.vocab * x.h // x.tp if x.cast_weights and not x.sp else 0
+    return norm(x) + column_inputs(x, 1, 1) + weight
+
+
 def head_and_loss(x: Shape) -> int:
-    """The last stage's final norm, head input and loss (module docstring), targets included."""
-    seq_split = x.tp if x.sp else 1
-    norm = 4 * x.bsh // seq_split + 8 * x.b * x.s // seq_split
-    head_input = x.e * x.bsh // seq_split + (x.e * x.vocab * x.h // x.tp if x.cast_weights else 0)
+    """The last stage's `head` and loss (module docstring), targets included."""
     rows = x.b * x.s
     loss = 4 * rows * math.ceil(x.vocab / x.tp) + 8 * rows
     loss += 9 * rows if x.tp > 1 else 4  # local ids and mask; or nll's total weight
-    return norm + head_input + loss
+    return head(x) + loss
 
 
-def chunk_peak(x: Shape, blocks: int, first: bool, last: bool, recompute: str) -> tuple[int, int]:
-    """(bytes alive after a chunk's forward, the most alive at once while it goes
-    backward) for one micro-batch through ``blocks`` blocks, under ``recompute``."""
+def chunk_peak(x: Shape, blocks: int, first: bool, last: bool, recompute: str) -> tuple[int, int, int]:
+    """(bytes alive after a chunk's forward, the most alive at once during it, and while it
+    goes backward) for one micro-batch through ``blocks`` blocks, under ``recompute``.
+
+    Recomputed blocks drop what they save, but not autocast's copies of their weights:
+    autocast keeps every copy it made until the forward leaves it (before the loss), so at
+    the end of a recomputed forward each recomputed block holds its input and its copies."""
     ends = (inputs(x) if first else 0) + (head_and_loss(x) if last else 0)
     kept_ids = (inputs(x) if first else 0) + (8 * x.b * x.s if last else 0)  # alive until the end
     full, one = block(x), block_input(x)
     if recompute == "none" or blocks == 0:
         after = blocks * full + ends
-        return after, after
+        return after, after, after
     if recompute == "selective":
         after = blocks * (full - attention_stats(x)) + ends
-        return after, after
+        return after, after, after
     if recompute == "sqrt":
         segment = math.ceil(math.sqrt(blocks))
-        segments = math.ceil(blocks / segment)
-        after = segments * one + ends
-        return after, segments * one + segment * full - one + kept_ids
-    every = 1 if recompute == "full" else int(recompute.split(":")[1])
-    checkpointed = [i % every == 0 for i in range(blocks)]
-    kept = [one if c else full for c in checkpointed]
+        kept, recomputed = [one] * math.ceil(blocks / segment), blocks
+        during = sum(kept) + segment * full - one + kept_ids
+    else:
+        every = 1 if recompute == "full" else int(recompute.split(":")[1])
+        checkpointed = [i % every == 0 for i in range(blocks)]
+        kept, recomputed = [one if c else full for c in checkpointed], sum(checkpointed)
+        # In backward, block i reruns with the blocks before it still holding their share.
+        during = max(sum(kept[:i]) + full + kept_ids for i in range(blocks) if checkpointed[i])
     after = sum(kept) + ends
-    # In backward, block i reruns with the blocks before it still holding their share.
-    during = max(sum(kept[:i]) + full + kept_ids for i in range(blocks) if checkpointed[i])
-    return after, max(after, during)
+    forward = sum(kept) + (inputs(x) if first else 0) + recomputed * weight_copies(x) + \
+        max(in_flight(x), head(x) if last else 0)
+    return after, max(after, forward), max(after, during)
 
 
 def weight_grad_inputs(x: Shape, blocks: int, last: bool) -> int:
     """What a split backward keeps from B to W (pipeline/weight_grad.py): the inputs of
     the linear layers whose weight gradient waits, attention and MLP projections and,
-    unless sp computes them at once with their re-gathered input, qkv, fc and the head."""
-    rows = x.e * x.bsh
-    per_block = rows // x.tp + 4 * rows // x.tp + (0 if x.sp else 2 * rows)
-    return blocks * per_block + (rows if last and not x.sp else 0)
+    unless sp computes them at once with their re-gathered input, the column layers and
+    the head (autocast casts each column layer's input on its own)."""
+    rows = x.e * x.b * x.s
+    per_block = rows * x.width // x.tp + rows * x.model.ffn_hidden // x.tp
+    if not x.sp:
+        per_block += column_inputs(x, x.columns, 2)
+    return blocks * per_block + (rows * x.h if last and not x.sp else 0)
 
 
-def schedule_peak(order: list, stage_bytes: dict[int, tuple[int, int, int]]) -> int:
+def schedule_peak(order: list, stage_bytes: dict[int, tuple[int, int, int, int]]) -> int:
     """The most saved bytes a rank holds while running ``order`` (its compute
     actions, one micro-batch each), with ``stage_bytes[stage]`` = `chunk_peak`
-    and `weight_grad_inputs` of each of its stages: a forward adds the chunk's
-    bytes, a backward's peak sits on top of what the other micro-batches hold,
-    and the bytes go when the backward is complete; a split backward (zero
-    bubble) keeps the weight gradients' inputs from B until W."""
+    and `weight_grad_inputs` of each of its stages: a forward's and a backward's
+    peaks sit on top of what the other micro-batches hold, a forward leaves the
+    chunk's bytes, and they go when its backward is complete; a split backward
+    (zero bubble) keeps the weight gradients' inputs from B until W."""
     live = peak = 0
     for action in order:
-        after, during, kept = stage_bytes[action.stage]
+        after, forward, during, kept = stage_bytes[action.stage]
         if action.kind == "F":
+            peak = max(peak, live + forward)
             live += after
-            peak = max(peak, live)
         elif action.kind in ("BW", "B"):
             peak = max(peak, live - after + during)
             live -= after if action.kind == "BW" else after - kept

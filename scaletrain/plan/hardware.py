@@ -29,7 +29,7 @@ a few large ones of the same FLOPs.
 
 Achievable fractions. No training step runs at the datasheet peak: the
 planner multiplies the peak by ``efficiency`` (0.5 on GPUs, near what
-Megatron-LM reports for large GPT runs; 0.6 of the measured matmul peak on a
+Megatron-LM reports for large decoder runs; 0.6 of the measured matmul peak on a
 CPU, whose smaller layers run far from it) and the bandwidths by 0.8 (bus
 bandwidth that NCCL's all-reduce tests reach of the link's rate).
 """

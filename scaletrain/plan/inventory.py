@@ -32,7 +32,7 @@ from torch import nn
 from scaletrain.config import ModelConfig
 from scaletrain.dist.mesh import Group
 from scaletrain.models import spec_for
-from scaletrain.models.spec import ModelShape, ModelSpec
+from scaletrain.models.spec import ModelShape, ModelSpec, TensorPlan
 from scaletrain.parallel.experts import parallelize_experts
 from scaletrain.parallel.pipeline.partition import balance, keep_stages, parameter_costs, shared_parameters
 from scaletrain.parallel.tensor import parallelize
@@ -57,6 +57,10 @@ class Planned:
     def shape(self) -> ModelShape:
         return self.spec.shape(self.cfg)
 
+    @property
+    def tensor_plan(self) -> TensorPlan | None:
+        return self.spec.tensor_plan(self.cfg) if self.spec.tensor_plan else None
+
 
 @dataclass(frozen=True)
 class Split:
@@ -72,7 +76,7 @@ class Split:
         return [chunk * self.pp + pp_rank for chunk in range(self.virtual)]
 
 
-@dataclass
+@dataclass(eq=False)  # one object per rank and split (`rank_weights` caches it): hashed by identity
 class RankWeights:
     """One pipeline rank's part of the model (first tp and ep rank), weightless.
 
@@ -125,7 +129,7 @@ def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset
         whole = model.spec.build(model.cfg)
     sliced: frozenset[str] = frozenset()
     if tp > 1:
-        plan = parallelize(whole, model.spec.tensor_plan(model.cfg), None, _first_rank("tp", tp),
+        plan = parallelize(whole, model.tensor_plan, None, _first_rank("tp", tp),
                            sequence_parallel=False, dropout=0.0)
         sliced = frozenset(name for name, p in whole.named_parameters() if p in plan.splits)
     if ep > 1:
@@ -134,6 +138,26 @@ def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset
 
 
 @functools.lru_cache(maxsize=512)
+def _stage_ranges(model: Planned, tp: int, ep: int, stages: int) -> tuple[list[range], dict[str, list[int]]]:
+    """The pipeline's cut into ``stages`` (the trainer's balance of parameters), and the
+    parameters more than one stage uses: the same for every pipeline rank."""
+    whole, _ = _split_model(model, tp, ep)
+    ranges = balance(parameter_costs(whole, model.spec.stages), stages)
+    return ranges, shared_parameters(whole, model.spec.stages, ranges)
+
+
+def _prunable_copy(whole: nn.Module, stack: str) -> nn.Module:
+    """``whole`` as `keep_stages` may prune it, ``whole`` left as it is: a module of its own
+    with its own table of children and its own stack, holding the same layers (pruning
+    replaces children and layers, never changes them). A deep copy of a 70B model's meta
+    tensors would take a quarter second for every pipeline rank of every layout."""
+    held = copy.copy(whole)
+    held._modules = dict(whole._modules)
+    setattr(held, stack, nn.ModuleList(getattr(whole, stack)))
+    return held
+
+
+@functools.lru_cache(maxsize=4096)
 def rank_weights(model: Planned, split: Split, pp_rank: int) -> RankWeights:
     """What pipeline rank ``pp_rank`` holds under ``split`` (module docstring)."""
     whole, sliced = _split_model(model, split.tp, split.ep)
@@ -142,10 +166,9 @@ def rank_weights(model: Planned, split: Split, pp_rank: int) -> RankWeights:
     held = whole
     if split.pp > 1:
         cut = model.spec.stages
-        ranges = balance(parameter_costs(whole, cut), split.pp * split.virtual)
-        held = copy.deepcopy(whole)
-        tied_names = [name for name, holders in shared_parameters(whole, cut, ranges).items()
-                      if len({s % split.pp for s in holders}) > 1]
+        ranges, shared = _stage_ranges(model, split.tp, split.ep, split.pp * split.virtual)
+        held = _prunable_copy(whole, cut.stack)
+        tied_names = [name for name, holders in shared.items() if len({s % split.pp for s in holders}) > 1]
         keep_stages(held, cut, ranges, split.stages_of(pp_rank))
         own = dict(held.named_parameters())
         tied = [own[name] for name in tied_names if name in own]

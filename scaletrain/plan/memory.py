@@ -40,6 +40,7 @@ and outside the figures here.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from torch import nn
@@ -75,8 +76,10 @@ def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str) -> i
     return total
 
 
+@functools.lru_cache(maxsize=4096)
 def zero_units(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype: str) -> list[list[nn.Parameter]]:
-    """The parameters of each ZeRO unit, as parallel/zero.py groups them."""
+    """The parameters of each ZeRO unit, as parallel/zero.py groups them (the memory and the
+    traffic of every layout of a split read them: cached)."""
     if stage == 3:
         in_layers = {id(p) for layer in weights.layers for p in layer.parameters()}
         root = [p for p in weights.params if id(p) not in in_layers]

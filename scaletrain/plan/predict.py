@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 
 from scaletrain.config import Config
-from scaletrain.models import gpt_config
-from scaletrain.models.gpt import GPTConfig
-from scaletrain.parallel.pipeline.schedules import Action, build
+from scaletrain.models.spec import matmul_flops_per_token
+from scaletrain.parallel.pipeline.schedules import Action, compute_orders
 from scaletrain.plan import activations
 from scaletrain.plan.hardware import Cluster
-from scaletrain.plan.inventory import RankWeights, Split, rank_weights, whole_model
+from scaletrain.plan.inventory import Planned, RankWeights, Split, rank_weights, whole_model
 from scaletrain.plan.memory import ALLOWANCE, weight_memory
 from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
 from scaletrain.plan.step_time import collective_seconds, step_seconds
@@ -20,25 +19,26 @@ from scaletrain.plan.traffic import Groups, step_traffic
 def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Prediction:
     """Memory, communication and time of training ``cfg`` on ``world`` ranks of ``cluster``."""
     p, t = cfg.parallel, cfg.train
-    gpt = gpt_config(cfg.model, vocab_size, cfg.data.seq_len)
+    model = Planned.of(cfg.model, vocab_size, cfg.data.seq_len)
     micro, virtual = p.pipeline_sizes()
     split = Split(tp=p.tp, ep=p.ep, pp=p.pp, virtual=virtual)
-    x = activations.shape_of(gpt, t.micro_batch, p.tp, p.sp, p.cp, t.precision, t.param_dtype)
+    x = activations.shape_of(model.shape, model.tensor_plan, t.micro_batch, p.tp, p.sp, p.cp, t.precision,
+                             t.param_dtype)
     groups = Groups.of(cfg, world)
     shards = groups.sizes[groups.zero_shard]
     host_is_device = cluster.device.name == "cpu"
     stages, traffics = [], []
     for pp_rank in range(p.pp):
-        weights = rank_weights(gpt, split, pp_rank)
+        weights = rank_weights(model, split, pp_rank)
         held = weight_memory(cfg, weights, shards, host_is_device)
         saved = _activation_peak(cfg, weights, x, micro, pp_rank)
         stages.append(_rank_memory(held, saved, x, weights))
-        traffics.append(step_traffic(cfg, world, gpt, weights, x, list(weights.stages), weights.n_stages))
+        traffics.append(step_traffic(cfg, world, weights, x, list(weights.stages), weights.n_stages))
     busiest = max(range(p.pp), key=lambda r: stages[r]["total"])
-    tokens = t.micro_batch * t.grad_accum * (micro if p.pp > 1 else 1) * groups.sizes[groups.batch] * gpt.seq_len
     micro_batches = t.grad_accum * (micro if p.pp > 1 else 1)
-    block_runs = micro_batches * max(len(rank_weights(gpt, split, r).blocks) for r in range(p.pp))
-    time = step_seconds(cfg, world, _flops(gpt, t.recompute, tokens),
+    tokens = micro_batches * t.micro_batch * groups.sizes[groups.batch] * model.shape.seq_len
+    block_runs = micro_batches * max(len(rank_weights(model, split, r).blocks) for r in range(p.pp))
+    time = step_seconds(cfg, world, _flops(model, t.recompute, tokens),
                         _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs)
     return Prediction(cfg=cfg, world=world, memory=stages[busiest], stages=stages, comm=traffics,
                       time=time, tokens_per_step=tokens, fits=stages[busiest]["total"] <= cluster.device.memory_bytes)
@@ -71,25 +71,43 @@ def _activation_peak(cfg: Config, weights: RankWeights, x: activations.Shape, mi
     return activations.schedule_peak(order, per_stage)
 
 
-@functools.lru_cache(maxsize=1024)
 def _compute_order(schedule: str, pp: int, micro: int, virtual: int, pp_rank: int) -> list[Action]:
-    return build(schedule, pp, micro, virtual).compute(pp_rank)
+    return _compute_orders(schedule, pp, micro, virtual)[pp_rank]
 
 
-def _flops(gpt: GPTConfig, recompute: str, tokens: int) -> dict[str, float]:
-    """FLOPs of the step: the model's (the trainer's MFU formula), recomputation's, attention's."""
-    per_token = whole_model(gpt).flops_per_token()
-    attention = 12 * gpt.n_layers * gpt.d_model * gpt.seq_len
-    matmuls_per_block = (per_token - attention) / 6 / gpt.n_layers  # embeddings' share spread over blocks
-    if recompute == "selective":
-        extra = 4 * gpt.n_layers * gpt.d_model * gpt.seq_len
-    elif recompute == "none":
+@functools.lru_cache(maxsize=256)
+def _compute_orders(schedule: str, pp: int, micro: int, virtual: int) -> list[list[Action]]:
+    """Every rank's computations, made once for all of them (a 64-stage schedule of 512
+    micro-batches is tens of thousands of actions)."""
+    return compute_orders(schedule, pp, micro, virtual)
+
+
+def _flops(model: Planned, recompute: str, tokens: int) -> dict[str, float]:
+    """FLOPs of the step: the model's (its ``flops_per_token``, the trainer's MFU formula),
+    recomputation's, and attention's (QK^T and AV: 4*a*d*s per token and block forward,
+    12*a*d*s with backward)."""
+    return {name: per_token * tokens for name, per_token in _flops_per_token(model, recompute).items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _flops_per_token(model: Planned, recompute: str) -> dict[str, float]:
+    """`_flops` per token. A recomputed block reruns its forward: 2 FLOPs per weight of its
+    linear layers, an expert's at top_k/E (the third of the 6N that the spec's
+    `matmul_flops_per_token` counts for them), and its attention's 4*a*d*s; ``selective``
+    reruns the attention core alone, 4*a*d*s."""
+    m = model.shape
+    whole = whole_model(model)
+    core = 4 * m.n_heads * m.head_dim * m.seq_len
+    if recompute == "none":
         extra = 0.0
+    elif recompute == "selective":
+        extra = float(m.n_layers * core)
     else:
         every = int(recompute.split(":")[1]) if recompute.startswith("every:") else 1
-        blocks = len(range(0, gpt.n_layers, every))
-        extra = blocks * (2 * matmuls_per_block + 4 * gpt.d_model * gpt.seq_len)
-    return {"model": per_token * tokens, "recompute": extra * tokens, "attention": attention * tokens}
+        share = m.moe_top_k / m.moe_experts if m.moe_experts else 1.0
+        blocks = getattr(whole, model.spec.stages.stack)
+        extra = sum(matmul_flops_per_token(blocks[i], 0, 0, 0, share) / 3 + core for i in range(0, m.n_layers, every))
+    return {"model": whole.flops_per_token(), "recompute": extra, "attention": 3.0 * m.n_layers * core}
 
 
 def _slowest(traffics: list[dict], sizes: dict, cfg: Config, world: int, cluster: Cluster) -> dict:

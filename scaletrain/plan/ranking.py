@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import Config
+from scaletrain.models import DEFAULT_PRESET
 from scaletrain.plan.hardware import Cluster, cpu_device
 from scaletrain.plan.predict import predict
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.metrics import measure_peak_tflops
 
-# gpt-small, 128 positions, 16 sequences per step on two ranks.
-BASE = {"model": "gpt-small", "seq-len": "128", "eval-every": "0", "eval-batches": "1", "sample-tokens": "0"}
+# The default preset, 128 positions, 16 sequences per step on two ranks.
+BASE = {"model": DEFAULT_PRESET, "seq-len": "128", "eval-every": "0", "eval-batches": "1", "sample-tokens": "0"}
 LAYOUTS = {
     "dp2": {"micro-batch": "8"},
     "dp2 zero1": {"micro-batch": "8", "zero": "1"},
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in LAYOUTS:
         predicted = predict(_config(name, root), args.nproc, vocab, cluster).step_s
         rows.append((name, statistics.median(measured[name]), predicted))
-    print(f"measured matmul peak {peak:.3f} TFLOP/s; {args.nproc} processes, gpt-small, 16 x 128 tokens a step")
+    print(f"measured matmul peak {peak:.3f} TFLOP/s; {args.nproc} processes, {DEFAULT_PRESET}, "
+          f"16 x 128 tokens a step")
     print(f"{'layout':<22}{'measured s':>12}{'predicted s':>13}{'rank meas':>11}{'rank pred':>11}")
     by_measured = sorted(rows, key=lambda r: r[1])
     by_predicted = sorted(rows, key=lambda r: r[2])

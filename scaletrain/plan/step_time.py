@@ -1,8 +1,9 @@
 """Seconds per optimizer step: compute, recomputation, exposed communication, pipeline bubble.
 
 Compute. The step's FLOPs are the trainer's MFU numerator (train/metrics.py,
-``GPT.flops_per_token``: ``6N + 12*L*d*s`` per token, N the matmul weights,
-experts at top_k/E) times the global batch's tokens, spread evenly over the
+the model's ``flops_per_token``: ``6N + 12*L*a*d*s`` per token, N the linear
+layers' weights, grouped-query attention's narrower k and v as they are,
+experts at top_k/E; models/spec.py) times the global batch's tokens, spread evenly over the
 world (tp splits every matmul, pp the layers, cp the positions, dp and ep the
 sequences), at the device's achievable rate (plan/hardware.py):
 
@@ -10,8 +11,9 @@ sequences), at the device's achievable rate (plan/hardware.py):
 
 plus the launch overhead of every block of every micro-batch on the busiest
 rank (plan/hardware.py). Recomputation adds the forward of what it reruns: a recomputed block's
-``2*N_block + 4*d*s`` per token (the block's matmuls and its attention), and
-under ``selective`` only the attention's ``4*d*s``.
+``2*N_block + 4*a*d*s`` per token (its linear layers' weights, counted as
+``flops_per_token`` counts them, and its attention), and under ``selective``
+only the attention's ``4*a*d*s``.
 
 Communication. Each collective of the step (plan/traffic.py) costs
 ``steps * alpha + wire_bytes / beta`` on the slowest link its group spans
@@ -59,6 +61,7 @@ def bubble_share(schedule: str, pp: int, microbatches: int, virtual: int) -> flo
     return bubble(simulate(build(schedule, pp, microbatches, virtual)))
 
 
+@functools.lru_cache(maxsize=4096)
 def spans_nodes(dims: ParallelDims, group: str, gpus_per_node: int) -> bool:
     """Whether the group (by ledger name, e.g. ``dp_cp``, ``dp_shard``) of rank 0 has ranks on two nodes."""
     ranks = dims.named_group_ranks(group, 0)

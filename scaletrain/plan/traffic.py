@@ -20,26 +20,34 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 (``r`` x unit / N) over the replica group (parallel/hybrid.py); with
                 ``--quantize-weights int8`` ZeRO-3's gathers move N x
                 ``int8_shard_bytes(unit / N)``.
-tensor parallel per micro-batch and block: forward all-reduces of the attention and
-                MLP outputs (``e*b*s*h``), backward all-reduces of their inputs'
-                gradients (``4*b*s*h``, the fp32 norm outputs); the embedding's output
-                (``w``), the head's input gradient, the loss's max and sums
-                (``4*b*s`` and ``8*b*s``). With sp each all-reduce becomes a
-                reduce-scatter and an all-gather of the same full size, the column
-                layers gather their input again in backward (``e*b*s*h``), and the
-                gradients of the weights every rank holds whole are all-reduced
-                every micro-batch. Recomputing a block runs its forward again up
-                to its last saved tensor (PyTorch stops a recomputation there):
-                the attention's collectives again, not the MLP's output's.
+tensor parallel per micro-batch and block, two regions (parallel/tensor.py): the
+                attention, and the MLP unless a mixture of experts replaces it.
+                Forward all-reduces of each region's output (``e*b*s*h``), backward
+                all-reduces of its input's gradient (``4*b*s*h``, the fp32 norm
+                output): a region crosses the group once each way whatever it
+                holds, so grouped-query attention's narrower k and v change no
+                size, nor do a SwiGLU's two input matrices. Outside the blocks: the
+                embedding's output (``w``), the head's input gradient, the loss's
+                max and sums (``4*b*s`` and ``8*b*s``). With sp each all-reduce
+                becomes a reduce-scatter and an all-gather of the same full size,
+                every column layer gathers its input again in backward
+                (``e*b*s*h`` each: a fused qkv once, separate q, k and v three
+                times, a SwiGLU's gate and up twice), and the gradients of the
+                weights every rank holds whole are all-reduced every micro-batch.
+                Recomputing a block runs its forward again up to its last saved
+                tensor (PyTorch stops a recomputation there): the attention's
+                collectives and the MLP's entry again, not the MLP's output's.
 pipeline        per micro-batch and stage boundary: the activation forward and its
                 gradient backward, ``4*b*s*h`` (/t with sp), a send on one side and a
                 receive on the other; the tied embedding's gradient exchanged once per
                 step between the first and last stage; the loss broadcast from the
                 last stage (4 bytes).
 context         per micro-batch and block, ring attention (parallel/context.py): cp-1
-                sends of each K/V pair forward (``2*e*b*s*h/t``), cp-1 in backward
+                sends of each K/V pair forward (``2*e*b*s*a*d/t``: k and v reach
+                the ring repeated to the a query heads), cp-1 in backward
                 plus cp of the fp32 dK/dV pair; as many receives.
-experts         per micro-batch and expert layer: an all-gather of the routing counts
+experts         per micro-batch and expert layer (the blocks ``ModelShape.moe_in_block``
+                names, with its E experts and top-k k): an all-gather of the routing counts
                 (``ep*E*8``), and four all-to-alls (dispatch, combine, and their
                 backward) of the routed rows. How many rows a rank sends depends on
                 the router; the planner gives the mean over the ep ranks,
@@ -54,12 +62,12 @@ Evaluation, sampling and checkpoints are not part of a step and not counted.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from scaletrain.config import Config
 from scaletrain.dist.comm import FIELDS, wire_bytes_of
 from scaletrain.dist.mesh import group_name, hybrid_group_name
-from scaletrain.models.gpt import GPTConfig
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import int8_shard_bytes
 from scaletrain.plan.activations import Shape
@@ -116,8 +124,8 @@ class Groups:
         return cls(sizes, *names, zero_shard=shard, zero_replica=replica)
 
 
-def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, x: Shape,
-                 stages: list[int], n_stages: int) -> dict:
+def step_traffic(cfg: Config, world: int, weights: RankWeights, x: Shape, stages: list[int],
+                 n_stages: int) -> dict:
     """One optimizer step's collectives on the rank holding ``weights`` (module docstring)."""
     p, t = cfg.parallel, cfg.train
     groups = Groups.of(cfg, world)
@@ -128,22 +136,22 @@ def step_traffic(cfg: Config, world: int, gpt: GPTConfig, weights: RankWeights, 
     w, r = dtype_bytes(t.param_dtype), dtype_bytes(p.reduce_dtype)
     blocks = len(weights.blocks)
     recomputed = _recomputed_blocks(t.recompute, weights.blocks)
-    moe_layers = sum(1 for i in weights.blocks if gpt.moe and gpt.moe.in_block(i))
+    m = x.model
+    moe_layers = sum(1 for i in weights.blocks if m.moe_in_block(i))
 
     if p.tp > 1:
         _tensor_parallel(traffic, x, weights, blocks, blocks - moe_layers, recomputed, k, w)
     if p.cp > 1:
-        pair = 2 * x.b * x.s * x.h // x.tp  # elements of a K/V (or dK/dV) pair
+        pair = 2 * x.b * x.s * x.width // x.tp  # elements of a K/V (or dK/dV) pair, k and v repeated to a heads
         for op in ("send", "recv"):
             traffic.add(op, "cp", x.e * pair, calls=k * (p.cp - 1) * (2 * blocks + recomputed))
             traffic.add(op, "cp", 4 * pair, calls=k * p.cp * blocks)
     if p.ep > 1 and moe_layers:
-        experts = gpt.moe.experts
-        traffic.add("all_gather", "ep", p.ep * experts * 8, calls=k * moe_layers)
-        rows = x.b * x.s * gpt.moe.top_k * x.h * x.e
+        traffic.add("all_gather", "ep", p.ep * m.moe_experts * 8, calls=k * moe_layers)
+        rows = x.b * x.s * m.moe_top_k * x.h * x.e
         traffic.add("all_to_all", "ep", rows, calls=4 * k * moe_layers)
-    if gpt.moe and moe_layers:
-        traffic.add("all_reduce", batch, 8 * (moe_layers * gpt.moe.experts + moe_layers))
+    if moe_layers:
+        traffic.add("all_reduce", batch, 8 * (moe_layers * m.moe_experts + moe_layers))
         traffic.add("all_reduce", batch, 4)
     if p.pp > 1:
         boundary = 4 * x.b * x.s * x.h // (x.tp if x.sp else 1)
@@ -197,7 +205,8 @@ def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: i
         for nbytes, calls in reduces:
             traffic.add("all_reduce", "tp", nbytes, calls=k * calls)
         return
-    gathers = [(full, regions + 2 * recomputed), (act, 2 * regions)]  # enter; leave's backward, re-gathers
+    columns = blocks * x.attention_columns + mlps * x.model.ffn_inputs
+    gathers = [(full, regions + 2 * recomputed), (act, regions + columns)]  # enter; leave's backward, re-gathers
     scatters = [(act, regions + recomputed), (full, regions)]  # leave; enter's backward
     if weights.first:
         scatters.append((w * x.b * x.s * x.h, 1))
@@ -221,13 +230,14 @@ def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, groups: Groups, k
     units = zero_units(weights, stage, p.bucket_mb, p.reduce_dtype)
     padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
     scatters = 1 if stage == 1 else k
-    for size in padded:
-        traffic.add("reduce_scatter", group, r * size, calls=scatters)
+    # Units of one size (a model's equal blocks) are added at once: the ledger sums them alike.
+    for size, count in Counter(padded).items():
+        traffic.add("reduce_scatter", group, r * size, calls=scatters * count)
         if replica:
-            traffic.add("all_reduce", replica, r * size // n, calls=scatters)
+            traffic.add("all_reduce", replica, r * size // n, calls=scatters * count)
     if stage < 3:
-        for size in padded:
-            traffic.add("all_gather", group, w * size)
+        for size, count in Counter(padded).items():
+            traffic.add("all_gather", group, w * size, calls=count)
         return
 
     def gathered(size: int) -> int:
@@ -235,5 +245,5 @@ def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, groups: Groups, k
 
     root, *layers = padded
     traffic.add("all_gather", group, gathered(root), calls=k)
-    for size in layers:
-        traffic.add("all_gather", group, gathered(size), calls=2 * k)
+    for size, count in Counter(layers).items():
+        traffic.add("all_gather", group, gathered(size), calls=2 * k * count)

@@ -75,9 +75,9 @@ and the f-wide tensors of its MLP's last product): for a large model this,
 not the backward, is the peak (a block's copies are about ``e*12*h*h/t``
 bytes, against its ``4*b*s*h`` input).
 
-A pipeline rank holds several micro-batches at once: the schedule's
-``live_activations`` (schedules.py) count how many of its chunks' forward
-activations are alive at most, which the planner multiplies by one chunk's.
+A pipeline rank holds several micro-batches at once: `schedule_peak` walks
+its schedule's actions (schedules.py), each forward and backward peaking on
+top of what the rank's other micro-batches hold at that moment.
 
 Left out: dropout (masks and SDPA's math path; the planner assumes
 ``--dropout 0``), and the mixture-of-experts layers' routed copies, whose size

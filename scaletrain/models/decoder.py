@@ -9,6 +9,8 @@ by its type (`CausalAttention`), whatever the family.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,12 +31,40 @@ class CausalAttention(nn.Module):
                                               dropout_p=self.dropout if self.training else 0.0)
 
 
+class PreNormBlock(nn.Module):
+    """``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``, or ``+ moe(ln2(x))`` in a mixture-of-experts
+    block: a family hands in its norms, attention and feed-forward layer."""
+
+    def __init__(self, ln1: nn.Module, attn: nn.Module, ln2: nn.Module, feed_forward: nn.Module, experts: bool):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = ln1, attn, ln2
+        if experts:
+            self.moe = feed_forward
+        else:
+            self.mlp = feed_forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
+        return x + feed_forward(self.ln2(x))
+
+
 class Decoder(nn.Module):
     """``head(ln_f(blocks(embed(ids))))``; a family sets ``cfg`` (with ``positions``, the longest
     sequence it reads, and ``vocab_size``), the parts, and ``embed``."""
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def init_weights(self, n_layers: int) -> None:
+        """GPT-2's initialization (Radford et al. 2019): N(0, 0.02) for linear and embedding
+        weights, zero biases, and the residual projections (attn.proj, mlp.proj, each expert's
+        proj) at 0.02 / sqrt(2 * n_layers), so the residual stream's variance does not grow
+        with depth."""
+        self.apply(_normal_weights_zero_biases)  # children first: the order the draws were always made in
+        for name, module in self.named_modules():
+            if name.endswith("proj"):
+                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * n_layers))
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after the last block -> logits [batch, seq, vocab]."""
@@ -57,6 +87,13 @@ class Decoder(nn.Module):
             logits = self(idx[:, -self.cfg.positions:])[:, -1, :self.cfg.vocab_size]
             idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
         return idx
+
+
+def _normal_weights_zero_biases(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 50,

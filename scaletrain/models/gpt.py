@@ -31,14 +31,13 @@ module from the outside by the names of its parts, as its spec
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.decoder import CausalAttention, Decoder
+from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock
 from scaletrain.models.moe import MoE, MoEConfig
 from scaletrain.models.spec import matmul_flops_per_token
 
@@ -120,23 +119,11 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
-class Block(nn.Module):
+def block(cfg: GPTConfig, experts: bool = False) -> PreNormBlock:
     """``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``, or ``+ moe(ln2(x))`` in a mixture-of-experts block."""
-
-    def __init__(self, cfg: GPTConfig, experts: bool = False):
-        super().__init__()
-        self.ln1 = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        if experts:
-            self.moe = MoE(cfg.d_model, cfg.moe)
-        else:
-            self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
-        return x + feed_forward(self.ln2(x))
+    feed_forward = MoE(cfg.d_model, cfg.moe) if experts else MLP(cfg)
+    return PreNormBlock(LayerNorm(cfg.d_model, eps=cfg.norm_eps), CausalSelfAttention(cfg),
+                        LayerNorm(cfg.d_model, eps=cfg.norm_eps), feed_forward, experts)
 
 
 class GPT(Decoder):
@@ -146,22 +133,12 @@ class GPT(Decoder):
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.positions, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
+        self.blocks = nn.ModuleList(block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
                                     for i in range(cfg.n_layers))
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        for name, module in self.named_modules():
-            if name.endswith("proj"):  # the residual projections: attn.proj, mlp.proj, each expert's proj
-                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.init_weights(cfg.n_layers)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0."""

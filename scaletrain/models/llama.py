@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.decoder import CausalAttention, Decoder
+from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock
 from scaletrain.models.moe import MoE, MoEConfig
 from scaletrain.models.spec import matmul_flops_per_token
 
@@ -202,23 +202,11 @@ class SwiGLU(nn.Module):
         return self.drop(self.proj(F.silu(self.gate(x)) * self.up(x)))
 
 
-class Block(nn.Module):
+def block(cfg: LlamaConfig, experts: bool = False) -> PreNormBlock:
     """``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``, or ``+ moe(ln2(x))`` in a mixture-of-experts block."""
-
-    def __init__(self, cfg: LlamaConfig, experts: bool = False):
-        super().__init__()
-        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        if experts:
-            self.moe = MoE(cfg.d_model, cfg.moe)
-        else:
-            self.mlp = SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        feed_forward = self.moe if hasattr(self, "moe") else self.mlp
-        return x + feed_forward(self.ln2(x))
+    feed_forward = MoE(cfg.d_model, cfg.moe) if experts else SwiGLU(cfg)
+    return PreNormBlock(RMSNorm(cfg.d_model, cfg.norm_eps), Attention(cfg), RMSNorm(cfg.d_model, cfg.norm_eps),
+                        feed_forward, experts)
 
 
 class Llama(Decoder):
@@ -227,23 +215,13 @@ class Llama(Decoder):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
+        self.blocks = nn.ModuleList(block(cfg, experts=cfg.moe is not None and cfg.moe.in_block(i))
                                     for i in range(cfg.n_layers))
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        for name, module in self.named_modules():
-            if name.endswith("proj"):  # the residual projections: attn.proj, mlp.proj, each expert's proj
-                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.init_weights(cfg.n_layers)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0

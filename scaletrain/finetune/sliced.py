@@ -49,9 +49,6 @@ class FolderSource:
         transposed = {name for name, (_, t) in hf_model.spec.hf.names(family_cfg).items() if t}
         self.where = {ours: (name, name in transposed) for name, ours in hf_of_ours.items()}
 
-    def has(self, name: str) -> bool:
-        return name in self.where
-
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """``ours[index]`` of our weight ``name`` in its full, single-device layout."""
         hf_name, transposed = self.where[name]

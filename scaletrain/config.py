@@ -73,8 +73,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    data: str | None = _opt(None, "text file or folder of text files (default: the Python standard "
-                                  "library's own source, present on every machine)")
+    data: str | list[str] | None = _opt(None, "text file or folder; .jsonl/.json/.parquet records; a datasets "
+                                        "save_to_disk folder; a scaletrain prepare folder; repeat it to mix "
+                                        "sources, each PATH:WEIGHT (docs/data.md; default: the Python standard "
+                                        "library's own source, present on every machine)")
+    text_field: str = _opt("text", "the records' field that holds the text")
+    sft: bool = _opt(False, "instruction fine-tuning: records are chats (messages) or Alpaca instructions, "
+                            "rendered with the tokenizer's chat template; the loss is on the answers only")
+    pack: bool | None = _opt(None, "several documents per sequence, attention kept inside each (default: on "
+                                   "with --sft)")
+    too_long: str = _opt("truncate", "an example longer than --seq-len: cut it to fit (and count it) or refuse "
+                                     "the data", choices=("truncate", "refuse"))
+    val_data: str | None = _opt(None, "a separate validation set, in any --data form (default: the last "
+                                      "--val-fraction of the data)")
+    workers: int = _opt(1, "processes that tokenize records into the cache (as scaletrain prepare --workers)")
     tokenizer: str = _opt("byte", "byte-level, or a BPE trained locally on the corpus",
                           choices=("byte", "bpe"))
     vocab_size: int = _opt(4096, "vocabulary size of the BPE tokenizer")
@@ -279,6 +291,8 @@ for _section, _cls in SECTIONS.items():
 def _base_type(fld: dataclasses.Field) -> type:
     """The scalar type behind an annotation such as ``int | None``."""
     text = str(fld.type)
+    if "list[str]" in text:
+        return list
     for name, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if text.split(" |")[0] == name:
             return typ
@@ -290,6 +304,11 @@ def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
     typ = _base_type(fld)
     if value is None:
         return None
+    if typ is list:  # a repeatable flag: one string, or a list of them
+        if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise UserError(f"config key '{key}' must be a string or a list of strings, not {value!r}; fix the "
+                            f"TOML file.")
+        return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
@@ -315,6 +334,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             if typ is bool:
                 group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction,
                                    default=None, help=help_text)
+            elif typ is list:
+                group.add_argument(flag, dest=key, action="append", default=None, help=help_text, metavar="PATH")
             else:
                 group.add_argument(flag, dest=key, type=typ, default=None,
                                    choices=fld.metadata.get("choices"), help=help_text,
@@ -353,6 +374,8 @@ def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
         values.update(load_toml(args.config))
     for key, (_, fld) in _FIELDS_BY_FLAG.items():
         given = getattr(args, key, None)
+        if isinstance(given, list) and len(given) == 1:  # a repeatable flag given once: its one value
+            given = given[0]
         if given is not None:
             values[fld.name] = given
     return (base or Config()).replace(**values)

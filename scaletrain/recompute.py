@@ -132,13 +132,14 @@ class _Segment:
         self.blocks = tuple(blocks)
         self.handed_on = None
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, *packed: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = type(block).forward(block, x)
+            x = type(block).forward(block, x, *packed)
         return x
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = checkpoint(self._run, x, use_reentrant=False)
+    def __call__(self, x: torch.Tensor, *packed: torch.Tensor) -> torch.Tensor:
+        # packed: a packed micro-batch's documents (models/decoder.py), which the recomputation needs too
+        out = checkpoint(self._run, x, *packed, use_reentrant=False)
         self.handed_on = weakref.ref(out)
         return out
 
@@ -150,13 +151,13 @@ class _SegmentMember:
         self.segment = segment
         self.block = block
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *packed: torch.Tensor) -> torch.Tensor:
         handed_on = self.segment.handed_on
         if handed_on is not None and handed_on() is x:
             if self.block is self.segment.blocks[-1]:
                 self.segment.handed_on = None
             return x
-        return type(self.block).forward(self.block, x)
+        return type(self.block).forward(self.block, x, *packed)
 
 
 class _AttentionCoreRecomputed:
@@ -165,9 +166,9 @@ class _AttentionCoreRecomputed:
     def __init__(self, attn: nn.Module):
         self.attn = attn
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *packed: torch.Tensor) -> torch.Tensor:
         with _CheckpointAttentionCore():
-            return type(self.attn).forward(self.attn, x)
+            return type(self.attn).forward(self.attn, x, *packed)
 
 
 class _CheckpointAttentionCore(TorchFunctionMode):

@@ -223,7 +223,7 @@ def _autocast_run(rank: int, n: int) -> dict:
     context_parallel = parallelize_context(model, comm, group, **POSITIONS)
     seen = set()
     model.blocks[0].attn.core.register_forward_hook(
-        lambda module, args, out: seen.update(t.dtype for t in (*args, out)))
+        lambda module, args, out: seen.update(t.dtype for t in (*args, out) if t is not None))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(model(context_parallel.local(x)), context_parallel.local(y))
     loss.backward()

@@ -23,12 +23,20 @@ import torch
 
 from scaletrain.errors import UserError
 
+# A target the loss leaves out (a prompt token, padding, a document's end in a packed row):
+# torch's ignore_index, which every loss of the trainer honours.
+IGNORE_INDEX = -100
+
 # Keeps the per-epoch seeds of nearby run seeds apart (seed 1 epoch 0 vs seed 0 epoch 1).
 _EPOCH_SEED_STRIDE = 1_000_003
 
 
 class _Batches:
     """Ordering over `n` items; subclasses gather the items themselves."""
+
+    # Whether every target counts in the loss (none is IGNORE_INDEX): the trainer then knows
+    # the number of trained tokens without counting them (train/trainer.py).
+    every_target_trained = True
 
     def __init__(self, n: int, seed: int, shuffle: bool):
         self._n = n
@@ -72,6 +80,14 @@ class _Batches:
     def get(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples `first .. first + count - 1` of the endless stream, as (inputs, targets)."""
         return self._gather(self._items(first, count))
+
+    def get_samples(self, samples: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The samples of the endless stream at the given indices (data/mixture.py draws them)."""
+        items = torch.empty(len(samples), dtype=torch.long)
+        for i, sample in enumerate(samples.tolist()):
+            epoch, position = divmod(sample, self._n)
+            items[i] = self._epoch_order(epoch)[position]
+        return self._gather(items)
 
     def eval_batches(
         self, batch_size: int, max_batches: int | None = None

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 
-from scaletrain.data.tokenizer import BPETokenizer
+from scaletrain.data.tokenizer import BPETokenizer, TokenizerConfig
 from scaletrain.errors import UserError
 from scaletrain.models import family_config, spec_of_hf
 from scaletrain.models.spec import ModelSpec, tied_parameters
@@ -252,15 +253,87 @@ def load_hf_model(folder: Path) -> tuple[torch.nn.Module, Any]:
     return model.eval(), family_cfg
 
 
+TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP = "tokenizer_config.json", "special_tokens_map.json"
+TEMPLATE_FILE, TEMPLATE_JSON = "chat_template.jinja", "chat_template.json"
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        given = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} cannot be read as JSON ({_reason(exc)}); restore the model's own "
+                        f"{path.name}.") from None
+    if not isinstance(given, dict):
+        raise UserError(f"{path} holds no JSON object; restore the model's own {path.name}.")
+    return given
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's fields."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _default_template(value: Any, path: Path) -> str | None:
+    """A ``chat_template`` entry: one template, or a list of ``{name, template}`` of which
+    transformers applies the one named "default" unless told otherwise."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise UserError(f"the chat_template of {path} is neither a template nor a list holding one named "
+                    f"\"default\"; restore the model's own {path.name}.")
+
+
+def read_hf_tokenizer_config(folder: Path) -> TokenizerConfig | None:
+    """The folder's special tokens and chat template, found where transformers looks; None if it
+    names neither.
+
+    Tokens come from tokenizer_config.json, overridden by an older special_tokens_map.json when
+    the config has no ``added_tokens_decoder`` (transformers reads the map only then). The
+    template comes from chat_template.jinja, which newer folders keep it in and which wins over
+    the config's ``chat_template``; a processor's chat_template.json comes last.
+    """
+    config_file, tokens_file = folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP
+    template_file = folder / TEMPLATE_FILE
+    given = _json_object(config_file) if config_file.is_file() else {}
+    if "added_tokens_decoder" not in given and tokens_file.is_file():
+        given = {**given, **_json_object(tokens_file)}
+    if template_file.is_file():
+        try:
+            template = template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{template_file} cannot be read ({_reason(exc)}); restore the model's own "
+                            f"{TEMPLATE_FILE}.") from None
+    else:
+        template = _default_template(given.get("chat_template"), config_file)
+        if template is None and (folder / TEMPLATE_JSON).is_file():
+            template = _default_template(_json_object(folder / TEMPLATE_JSON).get("chat_template"),
+                                         folder / TEMPLATE_JSON)
+    # Keys such as add_bos_token end in _token too, but hold no token text, so they drop out here.
+    tokens = {key: text for key, value in given.items() if key.endswith("_token") and (text := _token_text(value))}
+    if not tokens and template is None:
+        return None
+    return TokenizerConfig(bos_token=tokens.pop("bos_token", None), eos_token=tokens.pop("eos_token", None),
+                           pad_token=tokens.pop("pad_token", None), chat_template=template, extra_tokens=tokens)
+
+
 def load_hf_tokenizer(folder: Path) -> BPETokenizer:
-    """The folder's tokenizer: tokenizer.json, or a byte-level BPE's vocab.json and merges.txt."""
+    """The folder's tokenizer: tokenizer.json, or a byte-level BPE's vocab.json and merges.txt, with
+    its special tokens and chat template (``read_hf_tokenizer_config``)."""
     folder = Path(folder)
     whole, vocab, merges = folder / "tokenizer.json", folder / "vocab.json", folder / "merges.txt"
     if not whole.is_file() and not (vocab.is_file() and merges.is_file()):
         raise UserError(f"{folder} holds no tokenizer (tokenizer.json, or vocab.json with merges.txt); copy "
                         f"the model's tokenizer files into it.")
+    config = read_hf_tokenizer_config(folder)
     try:
-        return BPETokenizer.load(whole) if whole.is_file() else BPETokenizer.from_vocab_merges(vocab, merges)
+        if whole.is_file():
+            return BPETokenizer(Tokenizer.from_file(str(whole)), config)
+        return BPETokenizer.from_vocab_merges(vocab, merges, config)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
         raise UserError(f"the tokenizer in {folder} cannot be read ({_reason(exc)}); copy the model's own "
                         f"tokenizer files into it.") from None

@@ -5,6 +5,10 @@ The mean cross-entropy of logits z [N, V] against targets t [N] is
     loss = 1/N sum_i (log sum_j exp(z_ij) - z_i,t_i)
     dloss/dz_ij = (softmax(z_i)_j - [j = t_i]) / N
 
+where a row whose target is negative (IGNORE_INDEX: a prompt token, padding)
+adds nothing, to the sum or the gradient, and still counts in N: the trainer
+rescales by the positions over the trained tokens (train/trainer.py).
+
 A Triton program per row makes one read of the row for its maximum and sum of
 exponentials together (online softmax, Milakov & Gimelshein 2018; the helper
 is softmax.py's), and a second read in which it writes the gradient above,
@@ -55,15 +59,17 @@ def _cross_entropy_rows(z_ptr, z_stride, targets_ptr, loss_ptr, grad_ptr, grad_s
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     target = tl.load(targets_ptr + row)
+    trained = target >= 0  # a negative target (IGNORE_INDEX) is left out: loss 0, gradient 0
     m, d = online_max_sum(z_row, n_cols, BLOCK)
-    tl.store(loss_ptr + row, tl.log(d) + m - tl.load(z_row + target).to(tl.float32))
+    z_target = tl.load(z_row + tl.where(trained, target, 0)).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(trained, tl.log(d) + m - z_target, 0.0))
     if WRITE_GRAD:
         grad_row = grad_ptr + row * grad_stride
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(z - m) / d - tl.where(cols == target, 1.0, 0.0)
+            grad = tl.where(trained, tl.exp(z - m) / d - tl.where(cols == target, 1.0, 0.0), 0.0)
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -190,9 +196,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The formula in plain PyTorch, in fp32: mean of logsumexp(z_i) - z_i,t_i."""
+    """The formula in plain PyTorch, in fp32: mean of logsumexp(z_i) - z_i,t_i, ignored rows 0."""
     z = logits.float()
-    return (torch.logsumexp(z, dim=-1) - z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).mean()
+    trained = targets >= 0
+    picked = z.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return ((torch.logsumexp(z, dim=-1) - picked) * trained).mean()
 
 
 def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor,

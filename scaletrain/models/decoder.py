@@ -5,6 +5,20 @@ A decoder is ``embed`` (token ids -> the residual stream), a stack of
 samples from it; a family (models/gpt.py, models/llama.py) builds the parts
 and says how ``embed`` works. The parallel transforms find the attention core
 by its type (`CausalAttention`), whatever the family.
+
+Packed documents. A row may hold several documents one after another
+(data/packing.py); ``documents`` [batch, seq] then numbers each position's
+document within its row (0, 0, 0, 1, 1, 2, ...). Attention stays inside a
+document, a block-diagonal causal mask,
+
+    allowed(i, j) = j <= i  and  documents[i] == documents[j],
+
+and positions restart at 0 with each document (`document_positions`), so a
+packed row computes, position by position, what each document would alone
+(Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination").
+``documents`` always covers the whole sequence, even where a rank holds only
+some of its positions (context parallelism): the ring needs other ranks'
+documents too.
 """
 
 from __future__ import annotations
@@ -26,9 +40,34 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, documents, dropout=self.dropout if self.training else 0.0)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                     dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of a whole sequence, kept inside each document when ``documents`` is given."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, documents, causal=True),
+                                          dropout_p=dropout)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each position's index within its document [batch, seq], from documents [batch, seq]
+    (non-decreasing along a row): the distance to the first position of its document."""
+    first = torch.searchsorted(documents.contiguous(), documents.contiguous())
+    return torch.arange(documents.shape[-1], device=documents.device) - first
+
+
+def document_mask(query_documents: torch.Tensor, key_documents: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Which keys each query may see [batch, 1, queries, keys]: those of its own document, and
+    with ``causal`` (queries and keys at the same positions, in order) only up to itself."""
+    allowed = query_documents[:, None, :, None] == key_documents[:, None, None, :]
+    if causal:
+        allowed &= torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
+    return allowed
 
 
 class PreNormBlock(nn.Module):
@@ -43,8 +82,8 @@ class PreNormBlock(nn.Module):
         else:
             self.mlp = feed_forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), documents)
         feed_forward = self.moe if hasattr(self, "moe") else self.mlp
         return x + feed_forward(self.ln2(x))
 
@@ -53,7 +92,7 @@ class Decoder(nn.Module):
     """``head(ln_f(blocks(embed(ids))))``; a family sets ``cfg`` (with ``positions``, the longest
     sequence it reads, and ``vocab_size``), the parts, and ``embed``."""
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def init_weights(self, n_layers: int) -> None:
@@ -70,13 +109,15 @@ class Decoder(nn.Module):
         """The residual stream after the last block -> logits [batch, seq, vocab]."""
         return self.head(self.ln_f(x))
 
-    def forward(self, idx: torch.Tensor, *, logits: bool = True) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, *, logits: bool = True,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; with ``logits=False``
         the final norm's output [batch, seq, d_model], for a loss that applies the
-        head itself (a fused head and cross-entropy never holds the logits whole)."""
-        x = self.embed(idx)
+        head itself (a fused head and cross-entropy never holds the logits whole);
+        ``documents``: the rows are packed (module docstring)."""
+        x = self.embed(idx, documents)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, documents)
         return self.unembed(x) if logits else self.ln_f(x)
 
     @torch.no_grad()

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock
+from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock, document_positions
 from scaletrain.models.moe import MoE, MoEConfig
 from scaletrain.models.spec import matmul_flops_per_token
 
@@ -98,13 +98,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head count is read from the weight, not the config, so that a
         # tensor-parallel shard holding heads/tp heads runs the same code.
         heads = self.qkv.out_features // 3 // (x.shape[-1] // self.n_heads)
         q, k, v = self.qkv(x).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v, documents)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, -1)))
 
 
@@ -140,9 +140,11 @@ class GPT(Decoder):
         self.head.weight = self.tok_emb.weight
         self.init_weights(cfg.n_layers)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def embed(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0;
+        in packed rows positions restart with each document (models/decoder.py)."""
+        positions = torch.arange(idx.shape[1], device=idx.device) if documents is None \
+            else document_positions(documents)
         # The residual stream is fp32 even when the embeddings are stored in bf16.
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions)).float()
 

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock
+from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock, document_positions
 from scaletrain.models.moe import MoE, MoEConfig
 from scaletrain.models.spec import matmul_flops_per_token
 
@@ -117,7 +117,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Positions [s] -> (cos, sin) of their angles, each [s, head_dim] fp32 (module docstring).
+    """Positions [s] (or [b, s]) -> (cos, sin) of their angles, each [s, head_dim] (or [b, s, head_dim])
+    fp32 (module docstring).
 
     No parameters and no buffers: the frequencies are computed on every call
     (d/2 numbers), so a model built on the meta device needs nothing filled in
@@ -142,7 +143,7 @@ class RotaryEmbedding(nn.Module):
                            torch.where(wavelength > original / low, inv_freq / factor, blended))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)
         angles = torch.cat((freqs, freqs), dim=-1)  # feature i and i + d/2 share an angle
         return angles.cos(), angles.sin()
 
@@ -153,8 +154,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, head_dim] turned by the angles of its positions (cos, sin [s, head_dim])."""
+    """x [b, heads, s, head_dim] turned by the angles of its positions (cos, sin [s, head_dim],
+    or [b, s, head_dim] when each row has positions of its own)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # q and k keep their dtype (autocast's, if any)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -170,7 +174,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the weights, not the config: a tensor-parallel shard
         # holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
@@ -178,13 +182,14 @@ class Attention(nn.Module):
         q = self.q(x).view(b, s, heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
-        # Local positions 0..s-1; under context parallelism a hook makes them the rank's global ones.
-        cos, sin = self.rope(torch.arange(s, device=x.device))
+        # Local positions 0..s-1, or in packed rows each document's own [b, s] (models/decoder.py);
+        # under context parallelism a hook makes them the rank's.
+        cos, sin = self.rope(torch.arange(s, device=x.device) if documents is None else document_positions(documents))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Key/value head j serves query heads j*g .. j*g + g-1 (Hugging Face's repeat_kv).
         groups = heads // kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v, documents)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, -1)))
 
 
@@ -223,7 +228,7 @@ class Llama(Decoder):
             self.head.weight = self.tok_emb.weight
         self.init_weights(cfg.n_layers)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0
         (fp32, even when the embedding is stored in bf16); positions enter in each attention."""
         return self.drop(self.tok_emb(idx)).float()

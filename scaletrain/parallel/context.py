@@ -82,6 +82,13 @@ Communication per attention call, per rank, with a K, V pair of
     forward    N-1 sends of a K, V pair (in the input dtype)
     backward   N-1 sends of a K, V pair, plus N sends of a dK, dV pair in fp32
 
+Packed documents (models/decoder.py). With ``documents`` [b, s] given for
+the whole sequence, every rank knows the document of every position, hence of
+the queries it holds and of the keys of whichever block the ring brings: a
+block's mask is then "same document" (and causal on the diagonal block). A
+query may meet no key of its document in a block; that block's row gives
+nothing (its lse is -inf, its output 0), which the merge absorbs exactly.
+
 Inputs in bf16 or fp16 (the qkv projection under autocast) are computed in
 fp32; the output comes back in the input dtype and the gradients in the
 inputs' dtypes. K, V travel in their own dtype.
@@ -102,13 +109,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Group
-from scaletrain.models.decoder import CausalAttention
+from scaletrain.models.decoder import CausalAttention, causal_attention, document_mask
 
 
 def zigzag_positions(seq_len: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -124,27 +130,34 @@ def zigzag_positions(seq_len: int, size: int, rank: int, device: torch.device | 
 # -- one block of attention, in fp32 ---------------------------------------------
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+            allowed: torch.Tensor | None) -> torch.Tensor:
     scores = (q @ k.transpose(-2, -1)) * scale
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return scores
 
 
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of queries on one block of keys: (output, log-sum-exp of each row's scores)."""
-    scores = _scores(q, k, scale, causal)
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of queries on one block of keys: (output, log-sum-exp of each row's scores);
+    ``allowed`` [b, 1, queries, keys]: which keys each query may see besides the causal rule
+    (a row that may see none gives output 0 and lse -inf)."""
+    scores = _scores(q, k, scale, causal, allowed)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    # exp(-inf - 0) = 0 for a row without keys, where exp(-inf - -inf) would be NaN.
+    return torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1)) @ v, lse
 
 
 def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                             lse: torch.Tensor, delta: torch.Tensor, scale: float,
-                             causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's share of (dq, dk, dv), its probabilities recomputed from the saved lse."""
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+                             lse: torch.Tensor, delta: torch.Tensor, scale: float, causal: bool,
+                             allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of (dq, dk, dv), its probabilities recomputed from the saved lse
+    (the merged one: finite, since every query sees at least itself)."""
+    p = torch.exp(_scores(q, k, scale, causal, allowed) - lse.unsqueeze(-1))
     dv = p.transpose(-2, -1) @ dout
     ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
@@ -157,6 +170,18 @@ def _block(rank: int, src: int, chunk: int) -> tuple[slice, slice, bool]:
     if src < rank:
         return slice(None), slice(0, chunk), False
     return slice(chunk, None), slice(None), False
+
+
+def _allowed(documents: torch.Tensor | None, rank: int, src: int, size: int, rows: slice,
+             cols: slice) -> torch.Tensor | None:
+    """The document mask of one block: rank's queries ``rows`` against src's keys ``cols``
+    (the causal rule of the diagonal block is `_scores`' own)."""
+    if documents is None:
+        return None
+    seq = documents.shape[-1]
+    queries = documents[:, zigzag_positions(seq, size, rank, documents.device)][:, rows]
+    keys = documents[:, zigzag_positions(seq, size, src, documents.device)][:, cols]
+    return document_mask(queries, keys, causal=False)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -185,7 +210,7 @@ def _pass_on(tensor: torch.Tensor, comm: Comm, group: Group) -> Callable[[], tor
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, group):
+    def forward(ctx, q, k, v, comm, group, documents):
         rank, size, chunk = group.rank, group.size, q.shape[-2] // 2
         scale = q.shape[-1] ** -0.5
         kv = torch.stack([k, v])  # one contiguous buffer per hop
@@ -194,10 +219,11 @@ class _RingAttention(Function):
             q32 = q.float()
             for step in range(size):
                 next_kv = _pass_on(kv, comm, group) if step < size - 1 else None
-                rows, cols, causal = _block(rank, (rank - step) % size, chunk)
+                src = (rank - step) % size
+                rows, cols, causal = _block(rank, src, chunk)
                 kv32 = kv.float()
                 block_out, block_lse = attention_block(q32[:, :, rows], kv32[0][:, :, cols], kv32[1][:, :, cols],
-                                                       scale, causal)
+                                                       scale, causal, _allowed(documents, rank, src, size, rows, cols))
                 if step == 0:
                     out, lse = block_out, block_lse  # the causal block covers every row
                 else:
@@ -205,13 +231,13 @@ class _RingAttention(Function):
                 if next_kv is not None:
                     kv = next_kv()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
         ctx.comm, ctx.group, ctx.scale = comm, group, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents = ctx.saved_tensors
         comm, group, scale = ctx.comm, ctx.group, ctx.scale
         rank, size, chunk = group.rank, group.size, q.shape[-2] // 2
         kv = torch.stack([k, v])
@@ -222,11 +248,12 @@ class _RingAttention(Function):
             next_dkv = None  # the dK, dV accumulators in flight
             for step in range(size):
                 next_kv = _pass_on(kv, comm, group) if step < size - 1 else None
-                rows, cols, causal = _block(rank, (rank - step) % size, chunk)
+                src = (rank - step) % size
+                rows, cols, causal = _block(rank, src, chunk)
                 kv32 = kv.float()
                 dq_block, dk_block, dv_block = attention_block_backward(
                     q32[:, :, rows], kv32[0][:, :, cols], kv32[1][:, :, cols], dout32[:, :, rows],
-                    lse[:, :, rows], delta[:, :, rows], scale, causal)
+                    lse[:, :, rows], delta[:, :, rows], scale, causal, _allowed(documents, rank, src, size, rows, cols))
                 dq[:, :, rows] += dq_block
                 # The accumulators of this K, V, from the ranks it visited before.
                 dkv = torch.zeros_like(kv32) if next_dkv is None else next_dkv()
@@ -236,19 +263,21 @@ class _RingAttention(Function):
                 if next_kv is not None:
                     kv = next_kv()
             dkv = next_dkv()  # the last hop brings this rank's own accumulators home
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, group: Group,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this rank's zigzag positions.
 
     q, k, v: [batch, heads, s_local, head_dim], the rank's positions as `zigzag_positions`
-    gives them; the result equals full-sequence causal attention at those positions."""
+    gives them; the result equals full-sequence causal attention at those positions;
+    ``documents`` [batch, s] of the whole sequence keeps attention inside each packed document."""
     if group.size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return causal_attention(q, k, v, documents)
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention needs the two zigzag chunks of a rank, got {q.shape[-2]} positions")
-    return _RingAttention.apply(q, k, v, comm, group)
+    return _RingAttention.apply(q, k, v, comm, group, documents)
 
 
 class RingAttention(nn.Module):
@@ -262,10 +291,11 @@ class RingAttention(nn.Module):
         self.comm, self.group = comm, group
         self.local_only = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.local_only:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return ring_attention(q, k, v, self.comm, self.group)
+            return causal_attention(q, k, v, documents)
+        return ring_attention(q, k, v, self.comm, self.group, documents)
 
 
 # -- the transform ------------------------------------------------------------------
@@ -285,10 +315,14 @@ class ContextParallel:
         return batch.index_select(1, self.positions.to(batch.device))
 
     def _global_positions(self, module: nn.Module, args: tuple) -> tuple | None:
-        # The model numbers the local positions 0..s_local-1; a position module needs the global ones.
+        # The model numbers the local positions 0..s_local-1 [s_local]; a position module needs the
+        # global ones. Packed rows come with each document's positions over the whole sequence
+        # [b, s] (models/decoder.py), of which this rank takes its own.
         if self._generating:
             return None
-        return (self.positions[args[0]], *args[1:])
+        positions = args[0]
+        mine = self.positions[positions] if positions.dim() == 1 else positions[:, self.positions]
+        return (mine, *args[1:])
 
     @contextmanager
     def generation(self) -> Iterator[None]:

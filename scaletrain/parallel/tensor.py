@@ -95,6 +95,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.dist.autograd import (
     all_reduced,
     copy_to_group,
@@ -283,8 +284,8 @@ class SequenceShardedEmbedding(nn.Module):
         self.tp = tp
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if self.tp.sequence_parallel:
-            positions = positions.chunk(self.tp.group.size)[self.tp.group.rank]
+        if self.tp.sequence_parallel:  # [s] or, in packed rows, [b, s]: cut along the sequence
+            positions = positions.chunk(self.tp.group.size, dim=-1)[self.tp.group.rank]
         return F.embedding(positions, self.weight)
 
 
@@ -305,17 +306,18 @@ class _VocabParallelCrossEntropy(Function):
         sums = torch.stack([exp.sum(dim=-1), z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside])
         comm.all_reduce(sums, group)
         exp.div_(sums[0].unsqueeze(-1))  # now the softmax
-        ctx.save_for_backward(exp, local, inside)
+        trained = targets != IGNORE_INDEX  # a masked target adds nothing, to the loss or the gradient
+        ctx.save_for_backward(exp, local, inside, trained)
         ctx.dtype = logits.dtype
-        return (sums[0].log() - sums[1]).mean()
+        return ((sums[0].log() - sums[1]) * trained).sum() / targets.shape[0]
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, inside = ctx.saved_tensors
+        softmax, local, inside, trained = ctx.saved_tensors
         grad_logits = softmax.clone()
         rows = torch.arange(local.shape[0], device=local.device)
         grad_logits[rows, local] -= inside.to(grad_logits.dtype)
-        grad_logits.mul_(grad / local.shape[0])
+        grad_logits.mul_(trained.unsqueeze(-1) * (grad / local.shape[0]))
         return grad_logits.to(ctx.dtype), None, None, None, None
 
 
@@ -371,7 +373,8 @@ class TensorParallel:
 
     # loss and gradients
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over every position, from vocabulary-split logits."""
+        """The cross-entropy summed over the trained positions (targets not IGNORE_INDEX) and divided by
+        the number of positions, from vocabulary-split logits (train/layout.py's `loss_fn`)."""
         start = self.vocab.start(self.group.rank)
         return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start,
                                                 self.comm, self.group)

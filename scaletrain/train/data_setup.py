@@ -29,6 +29,12 @@ from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBat
                              files_fingerprint, load_digits, load_tokenizer, load_tokens, split_tokens,
                              token_lower_bound, unigram_entropy_nats)
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
+from scaletrain.data.mixture import Mixture
+from scaletrain.data.packing import SequenceBatches
+from scaletrain.data.shards import is_prepared, open_prepared
+from scaletrain.data.sources import (cached_folder, check_prepared, is_text_source, mixed, parse_sources,
+                                     prepared_tokenizer, records_tokenizer, sft_batches, text_batches,
+                                     tokenizer_identity)
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.paths import readable_dir, writable_dir
@@ -40,17 +46,22 @@ RUN_TOKENIZER = "tokenizer.json"  # in the run folder: the tokenizer its data wa
 @dataclass(frozen=True)
 class DataSpec:
     kind: str  # "text" or "digits"
-    tokens_path: str | None = None
+    tokens_path: str | None = None  # the plain-text cache (corpus.py); None for prepared folders
     tokenizer_path: str | None = None
     vocab_size: int = 0
     n_tokens: int = 0
     unigram_entropy: float | None = None
+    prepared: tuple[str, ...] = ()  # records and prepared sources (data/sources.py), as prepared folders
+    weights: tuple[float, ...] = ()  # their mixing weights
+    val_prepared: str | None = None  # --val-data, prepared
+    sft: bool = False
+    pack: bool = False
 
 
 @dataclass
 class OpenedData:
-    train: TokenBatches | ArrayBatches
-    val: TokenBatches | ArrayBatches
+    train: TokenBatches | ArrayBatches | SequenceBatches | Mixture
+    val: TokenBatches | ArrayBatches | SequenceBatches | Mixture
     tokenizer: ByteTokenizer | BPETokenizer | None
     n_features: int = 0
     n_classes: int = 0
@@ -68,9 +79,9 @@ def _legacy_run_tokenizer(cfg: Config, run_dir: Path) -> AnyTokenizer:
     if cfg.data.tokenizer == ByteTokenizer.name:
         return ByteTokenizer()
     try:
-        files = corpus_files(cfg.data.data)
+        files = corpus_files(_single_text_path(cfg))
     except UserError:
-        raise UserError(f"the run in {run_dir} trained its BPE on {cfg.data.data}, which is no longer there, and "
+        raise UserError(f"the run in {run_dir} trained its BPE on {_single_text_path(cfg)}, which is no longer there, and "
                         f"its cached tokenizer is found by that corpus; restore the corpus.") from None
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir.parent / ".cache"  # as training chose
     path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files)
@@ -116,13 +127,29 @@ def _save_atomically(tokenizer: BPETokenizer, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _single_text_path(cfg: Config) -> str | None:
+    """The one plain-text --data (None: the built-in corpus)."""
+    sources = parse_sources(cfg.data.data)
+    return sources[0].path if sources else None
+
+
+def _reads_records(cfg: Config) -> bool:
+    """Whether the data goes through prepared folders (data/sources.py) rather than the
+    plain-text cache: records, prepared folders, several sources, SFT, packing, --val-data."""
+    sources = parse_sources(cfg.data.data)
+    plain = len(sources) <= 1 and all(is_text_source(s.path) for s in sources)
+    return not plain or cfg.data.sft or bool(cfg.data.pack) or cfg.data.val_data is not None
+
+
 def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
     if cfg.model.name == "mlp":
         if cfg.data.data is not None:
             raise UserError("--data applies to the language models; the mlp trains on scikit-learn's "
                             "bundled digits, so drop --data.")
         return DataSpec(kind="digits")
-    files = corpus_files(cfg.data.data)
+    if _reads_records(cfg):
+        return prepare_records(cfg, cache_dir)
+    files = corpus_files(_single_text_path(cfg))
     writable_dir("--cache-dir", cache_dir)
     if cfg.data.tokenizer_from:
         bpe_path, tokenizer = None, tokenizer_from(Path(cfg.data.tokenizer_from))
@@ -150,8 +177,77 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
                     unigram_entropy=unigram_entropy_nats(train, tokenizer.vocab_size))
 
 
+def _run_tokenizer_choice(cfg: Config, record_paths: list[Path], folders: list[Path], cache_dir: Path):
+    """The tokenizer of a run on records: --tokenizer-from's, the prepared folders' own, or a new one."""
+    if cfg.data.tokenizer_from:
+        return tokenizer_from(Path(cfg.data.tokenizer_from))
+    if folders and not record_paths:
+        return prepared_tokenizer(folders)
+    if folders:
+        raise UserError("--data mixes records with prepared folders and no --tokenizer-from; give the tokenizer "
+                        "the folders were prepared with as --tokenizer-from, or prepare every source.")
+    return records_tokenizer(record_paths, cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.sft,
+                             cfg.data.text_field, cache_dir)
+
+
+def prepare_records(cfg: Config, cache_dir: Path) -> DataSpec:
+    """Records and prepared folders (data/sources.py): each source prepared once into the cache, every
+    check (sizes, long examples, tokenizers, kinds) made before training."""
+    d = cfg.data
+    sources = parse_sources(d.data)
+    if not sources:
+        raise UserError("--sft, --pack and --val-data need --data: records (.jsonl, .json, .parquet), a datasets "
+                        "folder, or a scaletrain prepare folder.")
+    paths = [Path(s.path) for s in sources] + ([Path(d.val_data)] if d.val_data else [])
+    for path in paths:
+        if is_text_source(path):
+            raise UserError(f"--data {path} is plain text, which trains alone; give records (.jsonl, .json, "
+                            f".parquet), a datasets folder or a scaletrain prepare folder to mix sources or to use "
+                            f"--sft, --pack or --val-data.")
+    folders = [p for p in paths if is_prepared(p)]
+    record_paths = [p for p in paths if not is_prepared(p)]
+    writable_dir("--cache-dir", cache_dir)
+    tokenizer = _run_tokenizer_choice(cfg, record_paths, folders, cache_dir)
+    if cfg.model.n_vocab is not None and cfg.model.n_vocab < tokenizer.vocab_size:
+        raise UserError(f"--n-vocab {cfg.model.n_vocab} is below the {tokenizer.vocab_size} tokens of the "
+                        f"tokenizer; give at least {tokenizer.vocab_size}, or leave --n-vocab out.")
+    prepared = [path if is_prepared(path) else
+                cached_folder(path, tokenizer, d.sft, d.text_field, cache_dir, d.workers, cfg.run.progress)
+                for path in paths]
+    opened = [check_prepared(folder, tokenizer, d.sft) for folder in prepared]
+    tokenizer_path = cache_dir / f"tokenizer-{tokenizer_identity(tokenizer)[:16]}.json"
+    if not tokenizer_path.exists():
+        tokenizer.save(tokenizer_path)
+    spec = DataSpec(kind="text", tokenizer_path=str(tokenizer_path), vocab_size=tokenizer.vocab_size,
+                    n_tokens=sum(len(p.tokens) for p in opened[:len(sources)]),
+                    prepared=tuple(str(p) for p in prepared[:len(sources)]),
+                    weights=tuple(s.weight for s in sources),
+                    val_prepared=str(prepared[-1]) if d.val_data else None, sft=d.sft,
+                    pack=d.sft if d.pack is None else d.pack)
+    data = open_data(spec, cfg)  # every size and length refusal, before training
+    if isinstance(data.train, SequenceBatches) and data.train.truncated:
+        print(f"{data.train.truncated} examples longer than --seq-len {d.seq_len} were cut to fit.")
+    return spec
+
+
+def _open_prepared_batches(spec: DataSpec, cfg: Config):
+    d, seed = cfg.data, cfg.train.seed
+    val = open_prepared(spec.val_prepared) if spec.val_prepared else None
+    pairs = []
+    for folder in spec.prepared:
+        prepared = open_prepared(folder)
+        if spec.sft:
+            pairs.append(sft_batches(prepared, val, d.seq_len, d.val_fraction, seed, spec.pack, d.too_long))
+        else:
+            pairs.append(text_batches(prepared, val, d.seq_len, d.val_fraction, seed))
+    return mixed(pairs, list(spec.weights), seed)
+
+
 def open_data(spec: DataSpec, cfg: Config) -> OpenedData:
     seed = cfg.train.seed
+    if spec.prepared:
+        train, val = _open_prepared_batches(spec, cfg)
+        return OpenedData(train=train, val=val, tokenizer=load_tokenizer(spec.tokenizer_path))
     if spec.kind == "digits":
         digits = load_digits(seed=seed)
         return OpenedData(train=ArrayBatches(digits.train_x, digits.train_y, seed=seed, shuffle=True),

@@ -28,6 +28,7 @@ from torch import nn
 
 from scaletrain.compile import compile_blocks
 from scaletrain.config import Config
+from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Mesh
 from scaletrain.finetune.base import start_from_base
@@ -54,8 +55,11 @@ from scaletrain.train.replicas import Replicas
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position (token or sample)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    """The cross-entropy summed over the trained positions (token or sample; a target of
+    IGNORE_INDEX is left out) and divided by the number of positions, trained or not: the
+    trainer turns it into the mean over the global batch's trained tokens (train/trainer.py)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum") / targets.numel()
 
 
 def fused_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -215,15 +219,16 @@ class Layout:
             micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
             boundary=boundary, sample=sample, world=self.mesh.group("world"))
 
-    def local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch on this rank's device; with cp, only this rank's positions of it."""
+    def local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A batch (inputs, targets[, documents]) on this rank's device; with cp, only this rank's
+        positions of the inputs and targets (a packed row's documents stay whole: models/decoder.py)."""
         if self.device.type == "cuda":  # page-locked, so the copy is queued, not waited for
-            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+            batch = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in batch)
         else:
-            x, y = x.to(self.device), y.to(self.device)
+            batch = tuple(t.to(self.device) for t in batch)
         if self.context_parallel:
-            return self.context_parallel.local(x), self.context_parallel.local(y)
-        return x, y
+            return (*(self.context_parallel.local(t) for t in batch[:2]), *batch[2:])
+        return batch
 
     def stepped(self, param: nn.Parameter) -> torch.Tensor:
         """The tensor the optimizer steps for ``param``: its fp32 master, where there is one."""

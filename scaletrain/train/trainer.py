@@ -59,6 +59,7 @@ import torch
 
 from scaletrain.compress_activations import ActivationCompression
 from scaletrain.config import Config
+from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
@@ -124,7 +125,7 @@ class Trainer:
         self.peak = peak_tflops(t.peak_tflops, self.device)
 
     # -- one optimizer step --------------------------------------------------
-    def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
         layout = self.layout
         t = self.cfg.train
         per_step = t.grad_accum * layout.micro_batches
@@ -134,25 +135,46 @@ class Trainer:
                              layout.replicas.batch.rank, t.micro_batch)
         return layout.local(*self.data.train.get(first, t.micro_batch))
 
-    def _forward_backward(self, step: int) -> tuple[torch.Tensor, RoutingStats | None]:
-        """Forward and backward of the step's micro-batches; the sum of their losses / grad_accum
-        (the cross-entropy alone), and with a mixture of experts what the routers did."""
+    def _step_batches(self, step: int) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, torch.Tensor | None]:
+        """The step's micro-batches on this rank, read before any forward; the divisor of each
+        micro-batch's loss and the global batch's count of trained tokens (None: all are).
+
+        Each loss is the sum over its trained tokens / its positions P (train/layout.py). With
+        T trained tokens in the whole global batch and R ranks averaging the gradients (dp x
+        ep x cp: replicas.py), dividing by D = T / (P * R) makes the averaged gradient that of
+        the sum over every trained token / T: the mean over the global batch's trained tokens,
+        however masking and packing spread them over micro-batches and ranks (one all-reduce of
+        a count). Where every target is trained, T = P * R * micro-batches, and D is their number."""
+        layout = self.layout
+        batches = [self._micro_batch(step, micro) for micro in range(self.cfg.train.grad_accum * layout.micro_batches)]
+        if self.data.train.every_target_trained:
+            return batches, torch.tensor(float(len(batches)), device=self.device), None
+        trained = sum((batch[1] != IGNORE_INDEX).sum() for batch in batches)
+        self.comm.all_reduce(trained, layout.replicas.dense)
+        positions = batches[0][1].numel() * layout.replicas.dense.size
+        # No trained token at all (every answer cut away): a zero loss, not 0 / 0.
+        return batches, (trained.clamp(min=1).double() / positions).float(), trained
+
+    def _forward_backward(self, step: int) -> tuple[torch.Tensor, RoutingStats | None, torch.Tensor | None]:
+        """Forward and backward of the step's micro-batches; the sum of their losses / divisor
+        (the cross-entropy alone: the mean over the trained tokens), with a mixture of experts what
+        the routers did, and the count of trained tokens (`_step_batches`)."""
         layout = self.layout
         t = self.cfg.train
         loss_sum = torch.zeros((), device=self.device)
         routing = RoutingStats.empty(layout.moe_layers, self.device) if layout.moe_layers else None
-        for micro in range(t.grad_accum):
-            x, y = self._micro_batch(step, micro)
+        batches, divisor, trained = self._step_batches(step)
+        for micro, (x, y, *packed) in enumerate(batches):
             final = micro == t.grad_accum - 1
             with self._meter_first_micro_batch(micro), \
                     (nullcontext() if final else layout.data_parallel.no_sync()):
-                loss = self._loss(x, y) / t.grad_accum
+                loss = self._loss(x, y, *packed) / divisor
                 aux = auxiliary_loss(layout.model) / t.grad_accum if routing else 0.0
                 self.scaler.scale(loss + aux).backward()
             loss_sum += loss.detach()
             if routing:
                 routing.add(layout.moe_layers, aux)
-        return loss_sum, routing
+        return loss_sum, routing, trained
 
     @contextmanager
     def _forward_context(self):
@@ -160,14 +182,16 @@ class Trainer:
         with autocast(self.cfg.train.precision, self.device), self.compression:
             yield
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of one micro-batch (forward included)."""
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The cross-entropy of one micro-batch, summed over its trained tokens / its positions
+        (forward included); ``documents``: its rows are packed (models/decoder.py)."""
         layout = self.layout
+        packed = {} if documents is None else {"documents": documents}
         with self._forward_context():
             if layout.fused_head_loss:
                 from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
-                return fused_linear_cross_entropy(layout.model(x, logits=False), layout.model.head.weight, y)
-            logits = layout.model(x)
+                return fused_linear_cross_entropy(layout.model(x, logits=False, **packed), layout.model.head.weight, y)
+            logits = layout.model(x, **packed)
         return self._loss_of(logits, y)
 
     def _loss_of(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -175,14 +199,16 @@ class Trainer:
         with self.compression:
             return self.layout.loss_fn(logits, y)
 
-    def _pipeline_forward_backward(self, step: int, record: bool) -> torch.Tensor:
+    def _pipeline_forward_backward(self, step: int, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``--grad-accum`` rounds of the pipeline schedule over the step's
         micro-batches, gradients synchronised after the last; the loss, as the
-        last stage has it, on every pp rank. ``record``: keep the first round's
-        timeline, its clock started together on every pp rank."""
+        last stage has it, on every pp rank, and the count of trained tokens.
+        ``record``: keep the first round's timeline, its clock started together
+        on every pp rank."""
         layout = self.layout
         t = self.cfg.train
         loss_sum = torch.zeros((), device=self.device)
+        batches, divisor, trained = self._step_batches(step)
         with layout.data_parallel.no_sync():
             for round_ in range(t.grad_accum):
                 clock = None
@@ -191,14 +217,14 @@ class Trainer:
                     clock = timer()
                 with self._meter_first_micro_batch(round_):
                     loss, spans = layout.pipeline.train_round(
-                        lambda m, r=round_: self._micro_batch(step, r * layout.micro_batches + m),
-                        loss_fn=self._loss_of, divisor=t.grad_accum * layout.micro_batches,
+                        lambda m, r=round_: batches[r * layout.micro_batches + m],
+                        loss_fn=self._loss_of, divisor=divisor,
                         backward_scale=self.scaler.scale,
                         forward_context=self._forward_context, clock=clock)
                 loss_sum += loss
                 if clock:
                     self.timeline = spans
-        return layout.pipeline.from_last_stage(loss_sum)
+        return layout.pipeline.from_last_stage(loss_sum), trained
 
     def train_step(self, step: int, record: bool = False) -> dict[str, float]:
         """One optimizer step, its numbers read at once (``fit`` reads them a window at a time)."""
@@ -219,9 +245,9 @@ class Trainer:
         layout.model.train()
         routing = None
         if layout.pipeline:
-            loss_sum = self._pipeline_forward_backward(step, record)
+            loss_sum, trained = self._pipeline_forward_backward(step, record)
         else:
-            loss_sum, routing = self._forward_backward(step)
+            loss_sum, routing, trained = self._forward_backward(step)
         layout.data_parallel.finish_gradient_sync()
         if layout.delayed and not layout.delayed.exchange(layout.data_parallel.gradient):
             return self._before_first_update(step, loss_sum)
@@ -270,8 +296,10 @@ class Trainer:
             host.update(routing.summed(self.comm, layout.replicas.batch))
         if t.precision == "fp16":
             host.update(loss_scale=self.scaler.scale_value)
-        return PendingStep(step + 1, host, {"loss": loss_sum, "grad_norm": grad_norm},
-                           nonfinite=flag if late else None)
+        device = {"loss": loss_sum, "grad_norm": grad_norm}
+        if trained is not None:  # masked or packed data: how many tokens the step trained on
+            device["trained_tokens"] = trained
+        return PendingStep(step + 1, host, device, nonfinite=flag if late else None)
 
     @property
     def _reads_flag_late(self) -> bool:
@@ -314,27 +342,28 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """The mean loss over the validation batches' trained tokens."""
         layout = self.layout
         layout.model.eval()
-        batches = [layout.local(x, y) for x, y in
+        batches = [layout.local(*batch) for batch in
                    self.data.val.eval_batches(self.cfg.train.micro_batch, self.cfg.train.eval_batches)]
-        if layout.pipeline:
-            loss = layout.pipeline.evaluate(batches, layout.loss_fn,
-                                            lambda: autocast(self.cfg.train.precision, self.device))
+        if layout.pipeline:  # the mean over batches of each one's summed loss
+            summed = layout.pipeline.evaluate(batches, lambda logits, y: layout.loss_fn(logits, y) * y.numel(),
+                                              lambda: autocast(self.cfg.train.precision, self.device)) * len(batches)
         else:
-            loss = sum(self._loss(x, y).item() for x, y in batches) / len(batches)
-        if layout.context_parallel:  # each cp rank has the mean over its positions
-            mean = torch.tensor(loss, device=self.device)
-            self.comm.all_reduce(mean, layout.cp_group, op="avg")
-            loss = mean.item()
-        return loss
+            summed = sum(self._loss(*batch).item() * batch[1].numel() for batch in batches)
+        totals = torch.tensor([summed, sum((batch[1] != IGNORE_INDEX).sum().item() for batch in batches)],
+                              dtype=torch.float64, device=self.device)
+        if layout.context_parallel:  # each cp rank has its positions' share
+            self.comm.all_reduce(totals, layout.cp_group)
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     def sample(self) -> str | None:
         """A continuation of a line from the validation text (language models only; train/sampling.py)."""
         tokenizer = self.data.tokenizer
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None
-        window, _ = self.data.val.get(0, 1)
+        window = self.data.val.get(0, 1)[0]
         continuation = generate(self.layout, line_prompt(tokenizer, window[0]), self.cfg.run.sample_tokens)
         return tokenizer.decode(continuation.tolist())
 

@@ -44,7 +44,7 @@ from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Schedule, Span
 from scaletrain.parallel.pipeline.two_bw import WeightVersions
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, targets), or (inputs, targets, documents) for packed rows
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -106,7 +106,7 @@ class PipelineParallel:
 
     # -- training ------------------------------------------------------------------
     def train_round(self, batch: Callable[[int], Batch], *, loss_fn: LossFn,
-                    divisor: float, backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                    divisor: float | torch.Tensor, backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                     forward_context: Callable[[], AbstractContextManager] = nullcontext,
                     clock: Callable[[], float] | None = None) -> tuple[torch.Tensor, list[Span]]:
         """Forward and backward of the schedule's micro-batches; ``batch(m)`` is
@@ -122,7 +122,7 @@ class PipelineParallel:
                 read[m] = batch(m)
             return read[m]
 
-        x0, _ = micro(0)
+        x0 = micro(0)[0]
         schedule, first = self.schedule, 0
         if self.versions:  # this step's micro-batches are numbered from rounds x M on
             schedule, first = two_bw_step(self.group.size, self.schedule.micro_batches, self.rounds), \
@@ -130,6 +130,7 @@ class PipelineParallel:
             self.versions.begin(self.rounds)
         losses, spans = self.training_runtime.run(
             schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m - first)[0],
+            documents=lambda m: _documents(micro(m - first)),
             loss=lambda m, logits: loss_fn(logits, micro(m - first)[1]) / divisor, backward_scale=backward_scale,
             forward_context=forward_context, clock=clock, versions=self.versions)
         if self.versions:
@@ -175,10 +176,11 @@ class PipelineParallel:
     def evaluate(self, batches: list[Batch], loss_fn: LossFn,
                  forward_context: Callable[[], AbstractContextManager] = nullcontext) -> float:
         """The mean loss over ``batches``, on every rank."""
-        x0, _ = batches[0]
+        x0 = batches[0][0]
         losses, _ = self.runtime.run(
             forward_only(self.group.size, len(batches), self.schedule.virtual_stages),
             boundary=lambda m: self.boundary(*batches[m][0].shape[:2]), inputs=lambda m: batches[m][0],
+            documents=lambda m: _documents(batches[m]),
             loss=lambda m, logits: loss_fn(logits, batches[m][1]), forward_context=forward_context)
         mean = torch.stack([losses[m] for m in sorted(losses)]).mean() if losses \
             else torch.zeros((), device=x0.device)
@@ -200,3 +202,8 @@ class PipelineParallel:
                 else torch.empty((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
             idx = torch.cat([idx, self.from_last_stage(next_id)], dim=1)
         return idx
+
+
+def _documents(batch: Batch) -> torch.Tensor | None:
+    """A micro-batch's documents, where its rows are packed."""
+    return batch[2] if len(batch) > 2 else None

@@ -140,11 +140,14 @@ class Stage:
         stack = getattr(self.model, self.plan.stack)
         return [stack[i] for i in self.layers]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's layers on ``x``; ``documents``: the micro-batch's packed rows
+        (models/decoder.py), which every stage's attention needs."""
+        packed = () if documents is None else (documents,)
         if self.is_first:
-            x = getattr(self.model, self.plan.enter)(x)
+            x = getattr(self.model, self.plan.enter)(x, *packed)
         for block in self.blocks():
-            x = block(x)
+            x = block(x, *packed)
         if self.is_last:
             x = getattr(self.model, self.plan.leave)(x)
         return x

@@ -63,12 +63,14 @@ class PipelineRuntime:
 
     def run(self, schedule: Schedule, *, boundary: Callable[[int], tuple[tuple[int, ...], torch.dtype, torch.device]],
             inputs: Callable[[int], torch.Tensor], loss: Callable[[int, torch.Tensor], torch.Tensor] | None,
+            documents: Callable[[int], torch.Tensor | None] = lambda m: None,
             backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
             forward_context: Callable[[], AbstractContextManager] = nullcontext,
             clock: Callable[[], float] | None = None,
             versions: WeightVersions | None = None) -> tuple[dict[int, torch.Tensor], list[Span]]:
         """Execute this rank's list of ``schedule``. ``inputs(m)`` is micro-batch
-        m's input to the first stage, ``loss(m, output)`` its loss on the last
+        m's input to the first stage, ``documents(m)`` its packed rows' documents (None: not
+        packed) for every stage, ``loss(m, output)`` its loss on the last
         (None: forward only, the outputs are returned), ``boundary(m)`` the
         (shape, dtype, device) of its activations between stages; ``versions``:
         PipeDream-2BW's weights. Returns the last stage's
@@ -84,7 +86,7 @@ class PipelineRuntime:
             start = clock() if clock else 0.0
             with versions.computing(step) if versions else nullcontext():
                 if step.kind == "F":
-                    result = self._forward(step, inputs, loss, forward_context, training)
+                    result = self._forward(step, inputs, documents, loss, forward_context, training)
                     if result is not None:
                         results[step.micro] = result
                 elif step.kind in ("BW", "B"):
@@ -101,7 +103,7 @@ class PipelineRuntime:
         return results, spans
 
     # -- computations ----------------------------------------------------------
-    def _forward(self, a: Action, inputs, loss, forward_context, training: bool) -> torch.Tensor | None:
+    def _forward(self, a: Action, inputs, documents, loss, forward_context, training: bool) -> torch.Tensor | None:
         stage = self.stages[a.stage]
         if stage.is_first:
             x = inputs(a.micro)
@@ -111,7 +113,7 @@ class PipelineRuntime:
                 x.requires_grad_(True)
                 self._inputs[a.micro, a.stage] = x
         with forward_context():
-            y = stage(x)
+            y = stage(x, documents(a.micro))
         if not stage.is_last:
             self._outputs[a.micro, a.stage] = y
             return None

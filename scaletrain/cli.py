@@ -1,4 +1,4 @@
-"""The ``scaletrain`` command: train, finetune, parity, bench, schedule, plan, export, generate.
+"""The ``scaletrain`` command: train, finetune, parity, bench, schedule, plan, export, generate, prepare.
 
 User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
 exit with code 2, without a traceback; see CLI.md for the contract. A job
@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cast floating tensors to this dtype [as saved: fp32]")
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
 
+    from scaletrain.prepare_command import add_prepare_parser
+
+    add_prepare_parser(commands)
+
     generate = commands.add_parser(
         "generate", help="continue a prompt with a trained model or released weights",
         description="Continue --prompt with a model and print the prompt and its continuation. The model is "
@@ -213,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=1234, metavar="N",
                           help="seed of the sampling: the same seed gives the same text [1234]")
     return parser
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from scaletrain.prepare_command import run_prepare
+
+    return run_prepare(args)
 
 
 def _finetune(args: argparse.Namespace) -> int:
@@ -428,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "finetune": _finetune, "parity": _parity, "bench": _bench, "schedule": _schedule,
-                "export": _export, "generate": _generate, "plan": _plan}[args.command](args)
+                "export": _export, "generate": _generate, "plan": _plan, "prepare": _prepare}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

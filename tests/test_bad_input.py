@@ -26,6 +26,7 @@ TINY = ("--model", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps
 # folder with that mode, FINISHED a copy of a run that trained all of TINY's three steps.
 READ_ONLY = 0o500
 FINISHED = "finished"
+PREPARED_CORRUPT = "prepared-corrupt"  # a scaletrain prepare folder with one byte of a shard changed
 CONFIG = b'[model]\nname = "gpt-tiny"\n'
 NOT_A_FOLDER = {"taken": b"a file"}
 GPT2_CONFIG = b'{"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 300}'
@@ -244,6 +245,27 @@ CASES = [
          command="parity"),
     case("parity-empty-data", ["--nproc", "2", "--data", "{tmp}/empty.txt"], "is empty", {"empty.txt": b""},
          command="parity"),
+    # records, instruction data and prepared folders (docs/data.md)
+    case("records-without-the-field", ["--data", "{tmp}/d.jsonl"], "no field 'text'",
+         {"d.jsonl": b'{"text": "fine"}\n{"content": "no text field"}\n'}),
+    case("records-empty-file", ["--data", "{tmp}/d.jsonl"], "is empty", {"d.jsonl": b"\n"}),
+    case("records-not-json", ["--data", "{tmp}/d.jsonl"], "is not JSON", {"d.jsonl": b'{"text": "a"}\nnot json\n'}),
+    case("records-unknown-extension", ["--data", "{tmp}/d.jsonl", "--data", "{tmp}/d.xml:0.5"], "d.xml",
+         {"d.jsonl": b'{"text": "a"}\n', "d.xml": b"<a/>"}),
+    case("records-weight", ["--data", "{tmp}/d.jsonl:lots"], "is not a number", {"d.jsonl": b'{"text": "a"}\n'}),
+    case("sft-without-an-answer", ["--sft", "--data", "{tmp}/d.jsonl"], "not an assistant answer",
+         {"d.jsonl": b'{"messages": [{"role": "user", "content": "hi"}]}\n'}),
+    case("sft-without-output", ["--sft", "--data", "{tmp}/d.jsonl"], "no output",
+         {"d.jsonl": b'{"instruction": "say hi"}\n'}),
+    case("sft-too-long", ["--sft", "--too-long", "refuse", "--data", "{tmp}/d.jsonl"], "longer than --seq-len 32",
+         {"d.jsonl": b'{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "' + b"long " * 20
+          + b'"}\n'}),
+    case("sft-on-plain-text", ["--sft"], "plain text"),
+    case("prepared-corrupt", ["--data", "{tmp}/prepared"], "corrupt", {"prepared": PREPARED_CORRUPT}),
+    case("prepare-bad-record", ["--data", "{tmp}/d.jsonl", "--out", "{tmp}/prepared"], "no field 'text'",
+         {"d.jsonl": b'{"text": "a"}\n{"body": "b"}\n'}, command="prepare"),
+    case("prepare-out-taken", ["--data", "{tmp}/d.jsonl", "--out", "{tmp}/taken"], "taken",
+         {"d.jsonl": b'{"text": "a"}\n', "taken/notes.txt": b"mine"}, command="prepare"),
 ]
 
 
@@ -255,12 +277,26 @@ def finished_run(corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def prepared_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("prepared")
+    (folder / "d.jsonl").write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(50)))
+    assert main(["prepare", "--data", str(folder / "d.jsonl"), "--out", str(folder / "out"), "--no-progress"]) == 0
+    return folder / "out"
+
+
 def _create(root: Path, files: dict, request) -> None:
     for name, content in files.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         if content == FINISHED:  # trained only when a case needs it
             shutil.copytree(request.getfixturevalue("finished_run"), path)
+        elif content == PREPARED_CORRUPT:
+            shutil.copytree(request.getfixturevalue("prepared_folder"), path)
+            shard = path / "shard-00000.bin"
+            data = bytearray(shard.read_bytes())
+            data[0] ^= 1
+            shard.write_bytes(bytes(data))
         elif isinstance(content, bytes):
             path.write_bytes(content)
         else:
@@ -274,7 +310,10 @@ def _listing(root: Path) -> list[str]:
 
 
 def _argv(command: str, args: list[str], corpus: Path, tmp_path: Path) -> list[str]:
-    valid = [*TINY, "--data", str(corpus), "--cache-dir", str(tmp_path / "cache")]
+    """The valid tiny run, then the case's flags; --data, which repeats to mix sources, only once."""
+    if command == "prepare":
+        return [command, "--no-progress", *(arg.format(tmp=tmp_path) for arg in args)]
+    valid = [*TINY, *([] if "--data" in args else ["--data", str(corpus)]), "--cache-dir", str(tmp_path / "cache")]
     return [command, *valid, *(arg.format(tmp=tmp_path) for arg in args)]
 
 

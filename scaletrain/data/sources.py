@@ -69,14 +69,14 @@ def parse_sources(values: list[str] | str | None) -> list[Source]:
 
 def is_text_source(path: str | Path) -> bool:
     """Plain text (corpus.py) rather than records or a prepared folder: a file of another
-    extension than the records', a folder holding any such file."""
+    extension than the records', a folder holding any such file (or none at all)."""
     path = Path(path)
-    if path.is_file():
+    if not path.is_dir():  # a missing path too: it is refused in the words of the kind its name suggests
         return path.suffix.lower() not in _RECORD_SUFFIXES
-    if not path.is_dir() or is_prepared(path) or _has_saved_dataset(path):
+    if is_prepared(path) or _has_saved_dataset(path):
         return False
     files = [f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.parts)]
-    return any(f.suffix.lower() not in _RECORD_SUFFIXES for f in files)
+    return not files or any(f.suffix.lower() not in _RECORD_SUFFIXES for f in files)
 
 
 def _has_saved_dataset(path: Path) -> bool:

@@ -20,6 +20,7 @@ fine-tune and ``generate`` read (``run_tokenizer``).
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,9 +205,24 @@ def prepare_records(cfg: Config, cache_dir: Path) -> DataSpec:
             raise UserError(f"--data {path} is plain text, which trains alone; give records (.jsonl, .json, "
                             f".parquet), a datasets folder or a scaletrain prepare folder to mix sources or to use "
                             f"--sft, --pack or --val-data.")
+    writable_dir("--cache-dir", cache_dir)
+    created = next((p for p in reversed([cache_dir, *cache_dir.parents]) if not p.exists()), None)
+    before = set(cache_dir.iterdir()) if cache_dir.is_dir() else set()
+    try:
+        return _prepare_records(cfg, sources, paths, cache_dir)
+    except UserError:  # a refused run leaves no cache of its own behind: nothing half-done to trip over
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif cache_dir.is_dir():
+            for entry in set(cache_dir.iterdir()) - before:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        raise
+
+
+def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: Path) -> DataSpec:
+    d = cfg.data
     folders = [p for p in paths if is_prepared(p)]
     record_paths = [p for p in paths if not is_prepared(p)]
-    writable_dir("--cache-dir", cache_dir)
     tokenizer = _run_tokenizer_choice(cfg, record_paths, folders, cache_dir)
     if cfg.model.n_vocab is not None and cfg.model.n_vocab < tokenizer.vocab_size:
         raise UserError(f"--n-vocab {cfg.model.n_vocab} is below the {tokenizer.vocab_size} tokens of the "

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from scaletrain.config import load_run_config
+from scaletrain.data.chat import ChatTemplate
 from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import UserError
 from scaletrain.export import DTYPES, Exported, _prepared, _read, find_checkpoint, without_adapters
@@ -46,7 +47,7 @@ from scaletrain.paths import writable_dir
 from scaletrain.train.data_setup import run_tokenizer
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -143,8 +144,15 @@ def write_tokenizer(run_dir: Path, folder: Path) -> dict:
         byte_tokenizer().save(str(folder / "tokenizer.json"))
     else:
         (folder / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}, indent=2))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    special = tokenizer.config
+    if special is not None:
+        config.update({name: value for name, value in (("bos_token", special.bos_token),
+                                                       ("eos_token", special.eos_token),
+                                                       ("pad_token", special.pad_token)) if value is not None})
+    if load_run_config(run_dir).data.sft:  # the template the answers were trained in, for apply_chat_template
+        config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return {}
 
 

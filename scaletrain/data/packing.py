@@ -123,6 +123,8 @@ class SequenceBatches(_Batches):
     def trained_tokens(self) -> int:
         """Targets the loss counts, over every example once. The mask is read in chunks, and each
         example's count is a difference of its running sum at the ends of its kept pairs."""
+        if self._mask is None:  # documents of plain text: every target inside them is trained
+            return int(self._kept.sum())
         ends = np.concatenate([self._first + 1, self._first + 1 + self._kept])
         order = np.argsort(ends, kind="stable")
         sorted_ends, running = ends[order], np.zeros(len(ends), dtype=np.int64)
@@ -144,7 +146,8 @@ class SequenceBatches(_Batches):
             for index, example in enumerate(members.tolist()):
                 first, n = int(self._first[example]), int(self._kept[example])
                 ids = np.asarray(self._tokens[first: first + n + 1], dtype=np.int64)
-                trained = np.asarray(self._mask[first + 1: first + n + 1]) != 0
+                trained = np.ones(n, bool) if self._mask is None else \
+                    np.asarray(self._mask[first + 1: first + n + 1]) != 0
                 inputs[r, at: at + n] = ids[:-1]
                 targets[r, at: at + n] = np.where(trained, ids[1:], IGNORE_INDEX)
                 documents[r, at: at + n] = index

@@ -9,8 +9,9 @@ memory-maps them, exactly as it would the folder ``scaletrain prepare``
 writes by hand. Several sources mix by weight, ``PATH:WEIGHT``
 (data/mixture.py).
 
-The kind is "text" (documents joined into one stream, cut into windows) or
-"sft" (instruction examples with their loss masks, packed or one per row:
+The kind is "text" (documents joined into one stream, cut into windows; with ``--pack``
+whole documents packed into rows, each attending to itself alone) or "sft"
+(instruction examples with their loss masks, packed or one per row:
 data/packing.py).
 """
 
@@ -181,9 +182,11 @@ def text_batches(prepared: Prepared, val: Prepared | None, seq_len: int, val_fra
                                                                               shuffle=False)
 
 
-def sft_batches(prepared: Prepared, val: Prepared | None, seq_len: int, val_fraction: float, seed: int,
-                pack: bool, too_long: str) -> tuple[SequenceBatches, SequenceBatches]:
-    """Rows of examples: the last ``val_fraction`` of the examples held out, or a separate set."""
+def example_batches(prepared: Prepared, val: Prepared | None, seq_len: int, val_fraction: float, seed: int,
+                    pack: bool, too_long: str) -> tuple[SequenceBatches, SequenceBatches]:
+    """Rows of examples (instruction examples with their masks, or with ``--pack`` the documents of
+    text records, every target in them trained): the last ``val_fraction`` of the examples held
+    out, or a separate set."""
     n = len(prepared.starts) - 1
     options = dict(pack=pack, too_long=too_long, seed=seed)
     if val is None:

@@ -34,7 +34,7 @@ from scaletrain.data.mixture import Mixture
 from scaletrain.data.packing import SequenceBatches
 from scaletrain.data.shards import is_prepared, open_prepared
 from scaletrain.data.sources import (cached_folder, check_prepared, is_text_source, mixed, parse_sources,
-                                     prepared_tokenizer, records_tokenizer, sft_batches, text_batches,
+                                     prepared_tokenizer, records_tokenizer, example_batches, text_batches,
                                      tokenizer_identity)
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
@@ -252,8 +252,8 @@ def _open_prepared_batches(spec: DataSpec, cfg: Config):
     pairs = []
     for folder in spec.prepared:
         prepared = open_prepared(folder)
-        if spec.sft:
-            pairs.append(sft_batches(prepared, val, d.seq_len, d.val_fraction, seed, spec.pack, d.too_long))
+        if spec.sft or spec.pack:
+            pairs.append(example_batches(prepared, val, d.seq_len, d.val_fraction, seed, spec.pack, d.too_long))
         else:
             pairs.append(text_batches(prepared, val, d.seq_len, d.val_fraction, seed))
     return mixed(pairs, list(spec.weights), seed)

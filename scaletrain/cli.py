@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "run, with its memory ledger and loss, in one process. dp: our data parallelism "
                     "against torch DistributedDataParallel on --nproc ranks. allreduce: the ring "
                     "all-reduce against the backend's, bus bandwidth from 4 KiB to 64 MiB on --nproc "
-                    "ranks (--steps timed calls per size), plotted. Defaults differ from train: "
+                    "ranks (--steps timed calls per size), plotted. prepare: scaletrain prepare's tokens/s "
+                    "with 1 and --workers processes and its peak memory, on generated corpora of --gigabytes. "
+                    "Defaults differ from train: "
                     "--steps 20 --eval-batches 4 --cache-dir runs/.cache.")
     bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
     bench.add_argument("--techniques", metavar="A,B", help=f"a subset of: {', '.join(TECHNIQUES)} "
@@ -93,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="first steps left out of the timing (metering, compilation) [3]")
     bench.add_argument("--plot", metavar="FILE", default=str(Path("runs", "bench-allreduce.png")),
                        help="where bench allreduce draws its figure [runs/bench-allreduce.png]")
+    bench.add_argument("--gigabytes", default="0.5,3", metavar="A,B",
+                       help="bench prepare's generated corpus sizes, in GB [0.5,3]")
+    bench.add_argument("--folder", metavar="DIR", help="where bench prepare writes its corpora [a temporary folder]")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     _add_train_flags(bench)
 
@@ -292,6 +297,12 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = load.run(cfg, Path(cfg.finetune.base) if cfg.finetune.base else None), load.format_table
     elif args.what == "adam":
         result, table = adam.run(cfg, args.warmup), adam.format_table
+    elif args.what == "prepare":
+        from scaletrain.bench import prepare
+
+        result = prepare.run(_sizes(args.gigabytes), (1, max(2, cfg.data.workers)), cfg.data.tokenizer,
+                             cfg.data.vocab_size, Path(args.folder) if args.folder else None)
+        table = prepare.format_table
     elif args.what in ("softmax", "cross-entropy"):
         from scaletrain.bench import softmax  # its kernels import Triton, which only these need
 
@@ -303,6 +314,13 @@ def _bench(args: argparse.Namespace) -> int:
         table = allreduce.format_table
     print(json.dumps(result) if args.json else table(result))
     return 0
+
+
+def _sizes(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--gigabytes {text} is not a list of numbers; write sizes such as 0.5,3.") from None
 
 
 def _schedule(args: argparse.Namespace) -> int:

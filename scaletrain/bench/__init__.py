@@ -139,4 +139,5 @@ def largest_relative_gap(values: Sequence[float], reference: Sequence[float]) ->
     return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
-BENCHMARKS = ("techniques", "dp", "zero", "tp", "pp", "allreduce", "adam", "softmax", "cross-entropy", "load")
+BENCHMARKS = ("techniques", "dp", "zero", "tp", "pp", "allreduce", "adam", "softmax", "cross-entropy", "load",
+              "prepare")

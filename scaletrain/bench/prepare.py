@@ -21,7 +21,6 @@ or a BPE trained here on the first 16 MB of the smallest corpus's text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -145,22 +144,3 @@ def format_table(result: dict) -> str:
     lines.append("peak: getrusage's ru_maxrss, the interpreter and its imports included; the parent's "
                  "(RUSAGE_SELF) and the largest worker's (RUSAGE_CHILDREN); one worker runs in the parent.")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m scaletrain.bench.prepare``: the table (or ``--json``) for the sizes and workers given."""
-    parser = argparse.ArgumentParser(prog="python -m scaletrain.bench.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--gigabytes", type=float, nargs="+", default=[0.5, 3.0], help="corpus sizes [0.5 3]")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts [1 2]")
-    parser.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="of the BPE [4096]")
-    parser.add_argument("--folder", type=Path, help="where the corpora are written [the system's temporary folder]")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    result = run(tuple(args.gigabytes), tuple(args.workers), args.tokenizer, args.vocab_size, args.folder)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -65,6 +65,7 @@ class Unit:
     weight: int
     group: int = 0
     cache_dir: str | None = None
+    stamp: tuple[int, int] = (0, 0)  # an arrow folder's size and modification time when the unit was cut
 
 
 def _first_char(path: Path) -> str:
@@ -120,8 +121,9 @@ def describe_source(path: Path) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def _open_dataset(path: Path, fmt: str, cache_dir: str | None):
-    """The arrow data set of a folder, opened once per process (workers read many units of it)."""
+def _open_dataset(path: Path, fmt: str, cache_dir: str | None, stamp: tuple[int, int]):
+    """The arrow data set of a folder, opened once per process (workers read many units of it) and
+    again when ``stamp`` says the folder changed."""
     import datasets  # imported here: it is slow to import and only folders need it
 
     if fmt == "saved":
@@ -172,13 +174,15 @@ def source_units(path: Path, unit_bytes: int = UNIT_BYTES, cache_dir: str | Path
         if row == 0:
             raise UserError(f"--data {path} holds no rows; give a Parquet file that holds records.")
         return units
-    table = _open_dataset(path, fmt, cache)
+    described = describe_source(path)
+    stamp = (described["bytes"], described["mtime_ns"])
+    table = _open_dataset(path, fmt, cache, stamp)
     n, nbytes = len(table), table.data.nbytes
     if n == 0:
         raise UserError(f"--data {path} holds no records; give a data set that holds some.")
     rows = max(1, unit_bytes * n // max(nbytes, 1))
     return [Unit(path, fmt, start, min(start + rows, n), nbytes * (min(start + rows, n) - start) // n,
-                 cache_dir=cache) for start in range(0, n, rows)]
+                 cache_dir=cache, stamp=stamp) for start in range(0, n, rows)]
 
 
 def _line_number(path: Path, offset: int) -> int:
@@ -275,7 +279,7 @@ def _batches(unit: Unit) -> Iterator[list[dict]]:
         for batch in _parquet(unit.source).iter_batches(batch_size=per_batch, row_groups=[unit.group]):
             yield batch.to_pylist()
         return
-    table = _open_dataset(unit.source, unit.format, unit.cache_dir)
+    table = _open_dataset(unit.source, unit.format, unit.cache_dir, unit.stamp)
     for start in range(unit.start, unit.stop, per_batch):
         columns = table[start : min(start + per_batch, unit.stop)]
         yield [dict(zip(columns, values)) for values in zip(*columns.values())]

@@ -233,6 +233,7 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
     opened = [check_prepared(folder, tokenizer, d.sft) for folder in prepared]
     tokenizer_path = cache_dir / f"tokenizer-{tokenizer_identity(tokenizer)[:16]}.json"
     if not tokenizer_path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(tokenizer_path)
     spec = DataSpec(kind="text", tokenizer_path=str(tokenizer_path), vocab_size=tokenizer.vocab_size,
                     n_tokens=sum(len(p.tokens) for p in opened[:len(sources)]),

@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "always the most likely token [0.8]")
     generate.add_argument("--top-k", type=int, default=50, metavar="K",
                           help="sample among the K most likely tokens (0: among all) [50]")
+    generate.add_argument("--chat", action="store_true",
+                          help="the prompt is a user's question in the model's chat template; print the answer "
+                               "alone, up to its end (a model fine-tuned with --sft)")
     generate.add_argument("--seed", type=int, default=1234, metavar="N",
                           help="seed of the sampling: the same seed gives the same text [1234]")
     return parser
@@ -357,7 +360,7 @@ def _export(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from scaletrain.generate import generate
 
-    print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.chat))
     return 0
 
 

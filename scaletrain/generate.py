@@ -10,6 +10,11 @@ vocabulary included) and the text goes through the run's tokenizer: the
 for runs older than that file, bytes or the BPE training cached beside the
 run folders, found by its corpus's fingerprint).
 
+With ``--chat`` the prompt is a user's question rendered by the model's chat
+template (a fine-tune with ``--sft`` learned to answer in it: docs/data.md),
+and what comes back is the answer, cut at the end-of-text token or the
+built-in template's end-of-turn marker.
+
 Sampling is the model's own ``generate``: top-k, then temperature (0: the
 most likely token each time), one seeded generator, so a seed gives the same
 text again on the same device. There is no key/value cache: every new token
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import load_run_config
+from scaletrain.data.chat import BUILTIN_TEMPLATE, END_OF_TURN, ChatTemplate
 from scaletrain.errors import UserError
 from scaletrain.export import find_checkpoint, without_adapters
 from scaletrain.finetune.hf import is_hf_folder, load_hf_model, load_hf_tokenizer
@@ -95,13 +101,38 @@ def load_model(source: Path) -> tuple[nn.Module, AnyTokenizer]:
     return load_run_model(checkpoint)
 
 
+def chat_prompt(tokenizer: AnyTokenizer, prompt: str) -> tuple[list[int], str | None]:
+    """``prompt`` as a user's turn in the tokenizer's chat template (the built-in one when it has
+    none; data/chat.py), ending in the assistant's header, as the model saw its questions in
+    instruction fine-tuning; and the text that ends an answer where no end-of-text id does."""
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ends = END_OF_TURN if template.source == BUILTIN_TEMPLATE else None
+    return tokenizer.encode(text, special_tokens=False).tolist(), ends
+
+
+def _answer(tokenizer: AnyTokenizer, new: list[int], ends: str | None) -> str:
+    """The sampled ids up to the end of the answer: the end-of-text id, or the template's marker."""
+    eos = tokenizer.eos_id
+    if eos is not None and eos in new:
+        new = new[:new.index(eos)]
+    text = tokenizer.decode(new)
+    return text.split(ends)[0] if ends else text
+
+
 def generate(source: Path, prompt: str, tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
-             seed: int = 1234) -> str:
+             seed: int = 1234, chat: bool = False) -> str:
     """``prompt`` and ``tokens`` more tokens sampled by the model in ``source``;
-    ``top_k`` 0 samples among every token."""
+    ``top_k`` 0 samples among every token. With ``chat``: the prompt is a user's question in
+    the model's chat template, and the answer alone comes back, up to its end."""
     check_options(prompt, tokens, temperature, top_k)
     model, tokenizer = load_model(source)
-    ids = torch.tensor(tokenizer.encode(prompt), dtype=torch.long)
+    ends = None
+    if chat:
+        ids, ends = chat_prompt(tokenizer, prompt)
+        ids = torch.tensor(ids, dtype=torch.long)
+    else:
+        ids = torch.tensor(tokenizer.encode(prompt), dtype=torch.long)
     vocab = model.cfg.vocab_size
     if int(ids.max()) >= vocab:
         raise UserError(f"the tokenizer gives --prompt the id {int(ids.max())}, beyond the model's {vocab} "
@@ -110,4 +141,6 @@ def generate(source: Path, prompt: str, tokens: int = 100, temperature: float = 
     generator = torch.Generator(device=device).manual_seed(seed)
     out = model.to(device).generate(ids[None].to(device), tokens, temperature=temperature, top_k=top_k or None,
                                     generator=generator)
+    if chat:
+        return _answer(tokenizer, out[0, len(ids):].tolist(), ends)
     return tokenizer.decode(out[0].tolist())

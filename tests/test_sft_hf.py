@@ -93,3 +93,23 @@ def test_lora_sft_from_a_folder_reproduces_single_device_training(chat_folder, i
                            out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"))
     report = run_parity(cfg, tolerance=1e-5)
     assert report.passed, report.to_json()
+
+
+def test_chat_generation_answers_as_transformers_does(chat_folder):
+    """``generate --chat`` greedy: the question in the folder's template, the answer cut at its end,
+    equal to transformers' greedy generation from apply_chat_template's prompt."""
+    import torch
+
+    from scaletrain.generate import generate
+
+    question = "Who jumps over the dog?"
+    ours = generate(chat_folder, question, tokens=12, temperature=0, chat=True)
+    theirs_tokenizer = transformers.AutoTokenizer.from_pretrained(chat_folder)
+    prompt = theirs_tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_folder).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    end = theirs_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer = out[:out.index(end)] if end in out else out
+    assert ours == theirs_tokenizer.decode(answer, skip_special_tokens=True)

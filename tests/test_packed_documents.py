@@ -22,6 +22,8 @@ from scaletrain.parallel.context import parallelize_context, ring_attention, zig
 from scaletrain.train.layout import loss_fn
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.numerics  # every comparison here is of floating-point results
+
 SEQ = 16
 LENGTHS = (5, 7, 1)  # three documents, then padding (a document of its own) to SEQ
 

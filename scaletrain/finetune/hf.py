@@ -50,14 +50,7 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_config_json(folder: Path) -> dict:
-    try:
-        given = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{folder / CONFIG} cannot be read as JSON ({exc}); restore the model's own "
-                        f"config.json.") from None
-    if not isinstance(given, dict):
-        raise UserError(f"{folder / CONFIG} holds no JSON object; restore the model's own config.json.")
-    return given
+    return _json_object(folder / CONFIG)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,11 @@ class Row:
         return f"{self.command} {' '.join(self.extra)} {self.flag} {self.fault.name}".replace("  ", " ")
 
     def argv(self, tmp: Path, corpus: Path) -> list[str]:
-        given = (*COMMANDS[self.command], *self.extra, self.flag, self.fault.value)
+        command = COMMANDS[self.command]
+        if self.flag == "--data":  # a second --data would mix sources, not replace the first
+            at = command.index("--data")
+            command = command[:at] + command[at + 2:]
+        given = (*command, *self.extra, self.flag, self.fault.value)
         return [arg.format(tmp=tmp, corpus=corpus) for arg in given]
 
 

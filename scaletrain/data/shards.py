@@ -128,7 +128,7 @@ class Prepared:
 
 def is_prepared(folder: str | Path) -> bool:
     """Whether ``folder`` holds a complete prepared folder (its manifest is written last)."""
-    return (Path(folder) / MANIFEST).is_file()
+    return os.path.isfile(Path(folder) / MANIFEST)  # False, not an error, below a folder that cannot be searched
 
 
 def _corrupt(folder: Path, why: str) -> UserError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,16 +73,24 @@ def is_text_source(path: str | Path) -> bool:
     """Plain text (corpus.py) rather than records or a prepared folder: a file of another
     extension than the records', a folder holding any such file (or none at all)."""
     path = Path(path)
-    if not path.is_dir():  # a missing path too: it is refused in the words of the kind its name suggests
+    # os.path's tests, not Path's: they answer False where a folder on the way cannot be searched.
+    if not os.path.isdir(path):  # a missing path too: it is refused in the words of the kind its name suggests
         return path.suffix.lower() not in _RECORD_SUFFIXES
+    if not os.access(path, os.R_OK | os.X_OK):
+        return True  # the text path refuses it, naming what is unreadable
     if is_prepared(path) or _has_saved_dataset(path):
         return False
-    files = [f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.parts)]
-    return not files or any(f.suffix.lower() not in _RECORD_SUFFIXES for f in files)
+    names = [name for parent, folders, files in os.walk(path) if not _hidden(Path(parent).relative_to(path))
+             for name in files if not name.startswith(".")]
+    return not names or any(Path(name).suffix.lower() not in _RECORD_SUFFIXES for name in names)
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
 
 
 def _has_saved_dataset(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    return any(os.path.isfile(path / name) for name in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
 def tokenizer_identity(tokenizer) -> str:

@@ -182,3 +182,29 @@ def test_benches_run_interpreted_on_tiny_shapes():
         assert result["ratio"] == pytest.approx(result["ours"]["median_s"] / result["peer"]["median_s"])
         assert result["max_abs_diff"] < 1e-4
         assert "interpreted" in format_table(result)
+
+
+def test_ignored_targets_add_nothing_to_the_loss_nor_the_gradient():
+    """IGNORE_INDEX rows (prompt tokens, padding): loss 0 and gradient 0, still counted in the mean's N,
+    as the trainer's loss is (train/layout.py): the kernel, the fused head, and the reference agree."""
+    n, d, vocab = 8, 6, 29
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(n, d, generator=generator).to(DEVICE)
+    weight = torch.randn(vocab, d, generator=generator).to(DEVICE)
+    targets = torch.randint(0, vocab, (n,), generator=generator).to(DEVICE)
+    targets[[1, 4, 5]] = -100
+    h, w = _leaf(hidden), _leaf(weight)
+    expected = F.cross_entropy((h @ w.T).float(), targets, ignore_index=-100, reduction="sum") / n
+    expected.backward()
+    logits = _leaf(hidden @ weight.T)
+    loss = cross_entropy(logits, targets, max_block=16)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    assert logits.grad[[1, 4, 5]].abs().max() == 0
+    torch.testing.assert_close(cross_entropy_reference(hidden @ weight.T, targets), expected, atol=1e-6, rtol=1e-5)
+    h_ours, w_ours = _leaf(hidden), _leaf(weight)
+    fused = fused_linear_cross_entropy(h_ours, w_ours, targets, chunk_rows=3, max_block=16)
+    fused.backward()
+    torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(h_ours.grad, h.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w_ours.grad, w.grad, atol=1e-6, rtol=1e-5)

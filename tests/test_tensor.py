@@ -97,13 +97,19 @@ def test_every_gradient_is_the_slice_of_the_single_device_one(n, sp):
         assert len(diffs) == 1 + 20  # the loss and every tensor of the 2-layer GPT
 
 
-def _vocab_loss(rank: int, n: int, vocab: int) -> dict:
+def _vocab_loss(rank: int, n: int, vocab: int, ignored: bool = False) -> dict:
     generator = torch.Generator().manual_seed(2)
     logits = torch.randn(5, 7, vocab, generator=generator, dtype=torch.float64) * 3
     targets = torch.randint(0, vocab, (5, 7), generator=generator)
-    want_loss = F.cross_entropy(logits.flatten(0, 1).clone().requires_grad_(), targets.flatten())
+    if ignored:  # prompt tokens and padding: left out of the sum, still counted in the mean's positions
+        targets[:, ::3] = -100
+
+    def reference(z: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(z.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+
+    want_loss = reference(logits.clone().requires_grad_())
     full = logits.clone().requires_grad_()
-    F.cross_entropy(full.flatten(0, 1), targets.flatten()).backward()
+    reference(full).backward()
     _, tp, comm = _split_gpt(rank, n, sp=False, vocab=vocab)
     split = Split(tuple(logits.shape), 2, 1, tp.vocab.sizes)  # the logits' last dim, as the head splits it
     local = split.local(logits, rank).requires_grad_()
@@ -125,6 +131,14 @@ def test_vocabulary_parallel_cross_entropy_never_gathers_the_logits():
         assert result["grad"] < 1e-15
         assert result["traffic"] == {"all_reduce": {"tp": {"calls": 2, "bytes": 3 * 35 * 8,
                                                            "wire_bytes": 2 * 3 * 3 * 35 * 8 // 4}}}
+
+
+def test_vocabulary_parallel_cross_entropy_leaves_ignored_targets_out():
+    """Targets of -100 add nothing to the loss nor the gradient, as F.cross_entropy's ignore_index."""
+    for result in run_distributed(_vocab_loss, 2, 10, True):
+        got, want = result["loss"]
+        assert got == pytest.approx(want, rel=1e-12)
+        assert result["grad"] < 1e-15
 
 
 def _generation_logits(rank: int, n: int) -> float:

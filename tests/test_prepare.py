@@ -120,7 +120,7 @@ def test_one_and_two_workers_write_the_same_bytes(sources, tmp_path):
 
 
 class MaskingEncoder:
-    """Kind "sft" with the other helper's contract: every other token trained."""
+    """Kind "sft" with the chat encoder's contract (data/sft.py): ids and a mask, here every other token trained."""
 
     def __call__(self, record):
         ids = TOKENIZER.encode(record["text"]).astype(np.int64)

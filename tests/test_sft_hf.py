@@ -83,6 +83,7 @@ def test_finetune_renders_with_the_folder_template_and_trains_on_answers(chat_fo
         assert trained.count(end) == len(answers)
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < step["trained_tokens"] < 2 * 64 for step in steps)
+    assert all(step["trained_tokens_per_s"] < step["tokens_per_s"] for step in steps)
 
 
 @pytest.mark.numerics

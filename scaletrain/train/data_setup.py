@@ -9,6 +9,14 @@ cannot fail on user input.
 Tokenizer and token file are cached beside the run folders (``runs/.cache``),
 keyed by the corpus files and tokenizer, so the next run starts at once.
 
+Records, ``datasets`` folders, prepared folders, several sources, ``--sft``,
+``--pack`` and ``--val-data`` go through prepared folders instead
+(``prepare_records``, data/sources.py, docs/data.md): each records source is
+tokenized once into the cache by data/prepare.py, every folder's shards are
+verified against their hashes, and the batches are opened once here, so that
+long examples and short data are refused before the first step. A refused
+run removes the cache entries it made.
+
 ``--tokenizer-from`` takes the tokenizer of another run (its saved
 ``tokenizer.json``) or of a Hugging Face model folder instead of making one:
 a fine-tune sets it to its base, so that the new data becomes tokens as the

@@ -86,6 +86,8 @@ class StepWindow:
             record = {"step": p.step, **{name: next(values) for name in p.device}, **p.host}
             nonfinite = p.nonfinite is not None and next(values) > 0
             record.update(tokens_per_s=self.tokens_per_step / seconds, step_s=seconds)
+            if "trained_tokens" in record:  # masked or packed data: the tokens the loss counted, per second
+                record["trained_tokens_per_s"] = record["trained_tokens"] / seconds
             read.append(ReadStep(record, nonfinite))
         self._pending = []
         return read

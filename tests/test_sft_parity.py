@@ -74,6 +74,7 @@ LAYOUTS = {
     "pp2-1f1b": dict(nproc=2, pp=2, pp_schedule="1f1b"),
     "cp2": dict(nproc=2, cp=2),
     "dp2-unpacked": dict(nproc=2, dp=2, pack=False),
+    "tp2-sp-gpt": dict(nproc=2, tp=2, sp=True, name="gpt-tiny"),  # learned positions, cut along the sequence
 }
 
 

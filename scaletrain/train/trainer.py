@@ -135,7 +135,8 @@ class Trainer:
                              layout.replicas.batch.rank, t.micro_batch)
         return layout.local(*self.data.train.get(first, t.micro_batch))
 
-    def _step_batches(self, step: int) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, torch.Tensor | None]:
+    def _step_batches(self, step: int) -> tuple[list[tuple[torch.Tensor, ...]], float | torch.Tensor,
+                                                torch.Tensor | None]:
         """The step's micro-batches on this rank, read before any forward; the divisor of each
         micro-batch's loss and the global batch's count of trained tokens (None: all are).
 
@@ -147,8 +148,8 @@ class Trainer:
         a count). Where every target is trained, T = P * R * micro-batches, and D is their number."""
         layout = self.layout
         batches = [self._micro_batch(step, micro) for micro in range(self.cfg.train.grad_accum * layout.micro_batches)]
-        if self.data.train.every_target_trained:
-            return batches, torch.tensor(float(len(batches)), device=self.device), None
+        if self.data.train.every_target_trained:  # known on the host: no count, no device work
+            return batches, float(len(batches)), None
         trained = sum((batch[1] != IGNORE_INDEX).sum() for batch in batches)
         self.comm.all_reduce(trained, layout.replicas.dense)
         positions = batches[0][1].numel() * layout.replicas.dense.size

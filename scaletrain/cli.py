@@ -1,4 +1,4 @@
-"""The ``scaletrain`` command: train, finetune, parity, bench, schedule, plan, export, generate, prepare.
+"""The ``scaletrain`` command: train, finetune, parity, bench, schedule, plan, export, generate, prepare, run.
 
 User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
 exit with code 2, without a traceback; see CLI.md for the contract. A job
@@ -200,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
 
     from scaletrain.prepare_command import add_prepare_parser
+    from scaletrain.run_command import add_run_parser
 
     add_prepare_parser(commands)
+    add_run_parser(commands)
 
     generate = commands.add_parser(
         "generate", help="continue a prompt with a trained model or released weights",
@@ -225,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=1234, metavar="N",
                           help="seed of the sampling: the same seed gives the same text [1234]")
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from scaletrain.run_command import run_command
+
+    return run_command(args)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -459,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _train, "finetune": _finetune, "parity": _parity, "bench": _bench, "schedule": _schedule,
-                "export": _export, "generate": _generate, "plan": _plan, "prepare": _prepare}[args.command](args)
+                "export": _export, "generate": _generate, "plan": _plan, "prepare": _prepare,
+                "run": _run}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,97 @@
+"""``scaletrain run``: a user's own script, launched as ``--nproc`` launches the trainer.
+
+    scaletrain run --nproc 4 train.py --epochs 3
+    scaletrain run --nproc 4 --max-restarts 2 train.py
+    srun -n 8 scaletrain run train.py            (or torchrun, mpirun: the same script)
+
+With ``--nproc N``, N local worker processes (torch's elastic agent, as
+torchrun starts them) each run the script as ``__main__`` with ``sys.argv``
+set to ``[SCRIPT, *ARGS]`` and the variables ``torch.distributed`` reads
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), so a script that calls
+``dist.init_process_group()`` finds its place. Without ``--nproc`` this
+process is one of a job another launcher started, or the only one: its place
+is read as the trainer reads it (dist/launch.py: torchrun's variables,
+SLURM's, Open MPI's or MPICH's) and written into those same variables, so one
+script runs unchanged under every launcher.
+
+Failures are reported as the trainer's are: a rank that raises is named with
+its traceback, a rank that is killed with its signal, and ``--max-restarts
+K`` starts every worker again, up to K times (``TORCHELASTIC_RESTART_COUNT``
+tells the script which attempt it is, to resume from its last checkpoint).
+A script that exits with a non-zero code fails its rank as an exception does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from scaletrain.errors import JobFailed, UserError
+from scaletrain.paths import readable_file
+
+SCRIPT_WANTED = "a Python script to run"
+
+
+def add_run_parser(commands) -> None:
+    run = commands.add_parser(
+        "run", help="launch your own training script on N processes",
+        description="Run SCRIPT with ARGS in --nproc local worker processes, each with the variables "
+                    "torch.distributed.init_process_group reads (RANK, WORLD_SIZE, MASTER_ADDR, ...), "
+                    "failures named by rank, --max-restarts restarts. Without --nproc, under torchrun, srun "
+                    "or mpirun, the launcher's variables are translated into the same ones.")
+    run.add_argument("--nproc", type=int, default=1, metavar="N", help="local worker processes [1]")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                     help="start every worker again after a failure, up to K times [0]")
+    run.add_argument("script", metavar="SCRIPT", help="the Python script")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+
+
+def export_place() -> None:
+    """This process's place in its job, from whichever launcher started it, as the variables
+    torch.distributed's default ``env://`` initialization reads."""
+    from scaletrain.dist.launch import detect_environment
+
+    env = detect_environment()
+    os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+                      LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
+                      MASTER_PORT=str(env.master_port))
+
+
+def run_script(script: str, args: list[str]) -> None:
+    """Run ``script`` as ``__main__`` in this process, as ``python SCRIPT ARGS`` would; a non-zero
+    exit fails the run."""
+    export_place()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as python puts the script's folder first
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise JobFailed(f"{script} exited with code {exit_.code} on rank {os.environ['RANK']}") from None
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from scaletrain.dist.launch import WorkerFailed, spawn_local
+
+    script = readable_file("SCRIPT", args.script, SCRIPT_WANTED)
+    if script.suffix != ".py":
+        raise UserError(f"SCRIPT {script} is not a .py file; give {SCRIPT_WANTED}.")
+    if args.nproc < 1:
+        raise UserError(f"--nproc is {args.nproc}; use 1 or more processes.")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts is {args.max_restarts}; use 0 or more.")
+    if args.nproc == 1 and args.max_restarts == 0:
+        run_script(str(script), args.args)
+        return 0
+    try:
+        spawn_local(args.nproc, run_script, (str(script), args.args), max_restarts=args.max_restarts)
+    except WorkerFailed as failure:  # the user's script raised: its traceback is the report
+        raise JobFailed(str(failure)) from None
+    return 0

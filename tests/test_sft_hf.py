@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from scaletrain.cli import main
 from scaletrain.config import Config
 from scaletrain.data.shards import open_prepared
+from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.parity import run_parity
 from tests.test_llama_hf import make_folder
 
@@ -70,6 +71,7 @@ def test_finetune_renders_with_the_folder_template_and_trains_on_answers(chat_fo
     theirs = transformers.AutoTokenizer.from_pretrained(chat_folder)
     (folder,) = cache.glob("prepared-*")
     prepared = open_prepared(folder)
+    assert load_tokenizer(prepared.tokenizer_path).config.chat_template == CHATML  # kept with the shards
     end = theirs.convert_tokens_to_ids("<|im_end|>")
     for number in range(3):  # one of each kind of record
         start, stop = prepared.starts[number], prepared.starts[number + 1]

@@ -70,7 +70,7 @@ PLAN = "plan.json"
 _REPORT_BYTES = 1 << 20  # a worker adds to the progress bar, and looks for a stop, once per this much input
 _POLL_S = 0.2
 # What prepare writes in --out, and so what it removes after a bad record.
-_OUTPUT = re.compile(r"(shard-\d+\.(bin|idx|mask)|tokenizer\.json|manifest\.json)(\.tmp)?")
+_OUTPUT = re.compile(r"(shard-\d+\.(bin|idx|mask)|tokenizer\.json|tokenizer\.config\.json|manifest\.json)(\.tmp)?")
 
 
 class TextEncoder:
@@ -280,9 +280,9 @@ def _publish(out: Path, plan: dict, sources: list[Path], owners: list[int], toke
     if n_tokens == 0:
         raise UserError(f"The records of {', '.join(map(str, sources))} encode to no tokens; give records "
                         f"that hold text.")
-    tmp = out / f"{TOKENIZER}.tmp"
-    tokenizer.save(tmp)
-    os.replace(tmp, out / TOKENIZER)
+    # Saved in place (with its sidecar of special tokens and chat template): the manifest, written
+    # after it, is what says the folder is complete.
+    tokenizer.save(out / TOKENIZER)
     _write_json(out / MANIFEST, {**plan, "n_tokens": n_tokens, "n_documents": sum(s["documents"] for s in shards),
                                  "records": records, "shards": shards})
 

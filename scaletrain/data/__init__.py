@@ -25,6 +25,7 @@ from scaletrain.data.mixture import Mixture
 from scaletrain.data.packing import SequenceBatches, best_fit_decreasing
 from scaletrain.data.prepare import TextEncoder, prepare
 from scaletrain.data.records import iter_records
+from scaletrain.data.sampler import ShardedSampler
 from scaletrain.data.sft import ChatEncoder, record_messages
 from scaletrain.data.shards import Prepared, TokenStream, is_prepared, open_prepared
 from scaletrain.data.tokenizer import (
@@ -50,6 +51,7 @@ __all__ = [
     "NUM_FEATURES",
     "Prepared",
     "SequenceBatches",
+    "ShardedSampler",
     "TextEncoder",
     "TokenBatches",
     "TokenStream",

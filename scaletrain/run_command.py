@@ -6,8 +6,8 @@
 
 With ``--nproc N``, N local worker processes (torch's elastic agent, as
 torchrun starts them) each run the script as ``__main__`` with ``sys.argv``
-set to ``[SCRIPT, *ARGS]`` and the variables ``torch.distributed`` reads
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+set to ``[SCRIPT, *ARGS]`` and the variables of ``init_process_group``'s
+``env://`` rendezvous (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), so a script that calls
 ``dist.init_process_group()`` finds its place. Without ``--nproc`` this
 process is one of a job another launcher started, or the only one: its place
@@ -40,7 +40,7 @@ def add_run_parser(commands) -> None:
     run = commands.add_parser(
         "run", help="launch your own training script on N processes",
         description="Run SCRIPT with ARGS in --nproc local worker processes, each with the variables "
-                    "torch.distributed.init_process_group reads (RANK, WORLD_SIZE, MASTER_ADDR, ...), "
+                    "init_process_group reads (RANK, WORLD_SIZE, MASTER_ADDR, ...), "
                     "failures named by rank, --max-restarts restarts. Without --nproc, under torchrun, srun "
                     "or mpirun, the launcher's variables are translated into the same ones.")
     run.add_argument("--nproc", type=int, default=1, metavar="N", help="local worker processes [1]")
@@ -52,7 +52,7 @@ def add_run_parser(commands) -> None:
 
 def export_place() -> None:
     """This process's place in its job, from whichever launcher started it, as the variables
-    torch.distributed's default ``env://`` initialization reads."""
+    ``init_process_group``'s default ``env://`` rendezvous reads."""
     from scaletrain.dist.launch import detect_environment
 
     env = detect_environment()

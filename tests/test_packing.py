@@ -134,3 +134,14 @@ def test_best_fit_decreasing_places_every_item_once_within_capacity():
     assert all((np.diff(items[a:b]) > 0).all() for a, b in zip(row_starts[:-1], row_starts[1:]))
     again = best_fit_decreasing(sizes, 64)
     assert np.array_equal(again[0], row_starts) and np.array_equal(again[1], items)
+
+
+@pytest.mark.parametrize("count, longest", [(2_000, 32), (20_000, 128)], ids=["short", "any-length"])
+def test_best_fit_decreasing_leaves_under_one_percent_of_rows_empty(count, longest):
+    """The fill docs/data.md states: examples of 1 to ``longest`` pairs in rows of 128."""
+    sizes = np.random.default_rng(0).integers(1, longest + 1, count)
+    row_starts, items = best_fit_decreasing(sizes, 128)
+    assert sorted(items.tolist()) == list(range(count))  # each example in exactly one row
+    rows = np.split(sizes[items], row_starts[1:-1])
+    assert max(row.sum() for row in rows) <= 128
+    assert sizes.sum() / ((len(row_starts) - 1) * 128) > 0.99

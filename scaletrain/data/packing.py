@@ -23,7 +23,8 @@ pre-training. Examples go in decreasing length, each into the open row with
 the least room that still fits it, or else a new row. It never uses more than
 11/9 of the optimal number of rows plus one, and when examples are short
 against the row it leaves almost nothing empty: ``fill`` reports the share
-of positions used, above 0.99 for lengths drawn uniformly up to the row's.
+of positions used: above 0.99 for 2,000 examples drawn uniformly up to a quarter
+of the row, and for 20,000 drawn up to the whole row (tests/test_packing.py).
 The rows then follow `_Batches`' ordering rule: shuffled per epoch as a pure
 function of (seed, epoch).
 """

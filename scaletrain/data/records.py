@@ -86,12 +86,18 @@ def _files_below(folder: Path) -> list[Path]:
     return sorted(files)
 
 
+def is_saved_dataset(folder: Path) -> bool:
+    """Whether ``folder`` is one ``datasets``' ``save_to_disk`` wrote (False, not an error, below a
+    folder that cannot be searched)."""
+    return any(os.path.isfile(Path(folder) / name) for name in _SAVED_MARKERS)
+
+
 def source_format(path: Path, flag: str = "--data") -> str:
     """The format of a source (see `Unit.format`); refused unless it exists, is readable, holds
     something and has a known kind."""
     path = readable_file_or_dir(flag, path, SOURCES_WANTED)
     if path.is_dir():
-        if any((path / name).is_file() for name in _SAVED_MARKERS):
+        if is_saved_dataset(path):
             return "saved"
         if not _files_below(path):
             raise UserError(f"{flag} {path} is an empty folder; give a folder that holds data files.")

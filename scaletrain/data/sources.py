@@ -30,7 +30,7 @@ from scaletrain.data.chat import ChatTemplate
 from scaletrain.data.mixture import Mixture
 from scaletrain.data.packing import SequenceBatches
 from scaletrain.data.prepare import TextEncoder, prepare
-from scaletrain.data.records import describe_source, iter_records, source_format, text_of
+from scaletrain.data.records import describe_source, is_saved_dataset, iter_records, source_format, text_of
 from scaletrain.data.sft import ChatEncoder, record_messages
 from scaletrain.data.shards import Prepared, is_prepared, open_prepared
 from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
@@ -78,7 +78,7 @@ def is_text_source(path: str | Path) -> bool:
         return path.suffix.lower() not in _RECORD_SUFFIXES
     if not os.access(path, os.R_OK | os.X_OK):
         return True  # the text path refuses it, naming what is unreadable
-    if is_prepared(path) or _has_saved_dataset(path):
+    if is_prepared(path) or is_saved_dataset(path):
         return False
     names = [name for parent, folders, files in os.walk(path) if not _hidden(Path(parent).relative_to(path))
              for name in files if not name.startswith(".")]
@@ -87,10 +87,6 @@ def is_text_source(path: str | Path) -> bool:
 
 def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
-
-
-def _has_saved_dataset(path: Path) -> bool:
-    return any(os.path.isfile(path / name) for name in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
 def tokenizer_identity(tokenizer) -> str:

@@ -99,6 +99,35 @@ class StagePlan:
     leave: str
 
 
+# -- what the engine reads of a model -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How the engine (train/engine.py) may split one model, in the plan vocabulary above. A
+    family's spec makes one from its config (`ModelSpec.plan`); a user writes one for their own
+    module (docs/library.md). Every part is optional: data parallelism, ZeRO, precision,
+    accumulation, offload and local SGD need none.
+
+    ``tensor``: tp/sp. ``blocks``: the attribute holding the repeated blocks (an
+    ``nn.ModuleList``), ZeRO-3's units and recompute's and compile's (default: every layer of
+    every ``ModuleList`` or ``Sequential``, parallel/zero.py). ``stages``: pp (its ``stack``
+    is the blocks). ``width``: the features of what crosses a pipeline cut, ``[b, s, width]``.
+    ``position_modules``: cp, the modules that take positions (the attention itself is
+    models/decoder.py's ``CausalAttention``, which cp swaps for ring attention)."""
+
+    tensor: TensorPlan = ()
+    blocks: str | None = None
+    stages: StagePlan | None = None
+    width: int | None = None
+    position_modules: tuple[str, ...] = ()
+
+    @property
+    def block_stack(self) -> str | None:
+        """The attribute that holds the repeated blocks, if the plan names one."""
+        return self.stages.stack if self.stages else self.blocks
+
+
 # -- what the planner reads -----------------------------------------------------------
 
 
@@ -173,6 +202,12 @@ class ModelSpec:
     hf: HFAdapter | None = None
     lora_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     check: Callable[[Any, int], None] = _no_check  # (family config, tp) -> None or UserError
+
+    def plan(self, cfg: Any) -> ModelPlan:
+        """The engine's plan for the model of family config ``cfg``."""
+        return ModelPlan(tensor=self.tensor_plan(cfg) if self.tensor_plan else (), stages=self.stages,
+                         width=self.shape(cfg).d_model if self.shape else None,
+                         position_modules=self.position_modules)
 
     def lora_layers(self, targets: list[str]) -> list[str]:
         """``--lora-targets`` words -> this family's layer names."""

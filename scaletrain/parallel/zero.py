@@ -206,6 +206,7 @@ class ZeroDataParallel:
     (int8 gathers): parallel/hybrid.py. Every rank must start from the same weights.
     ``source`` (stage 3, a model loaded slice by slice: finetune/sliced.py) gives elements
     [lo, hi) of a weight still on the meta device: each rank reads only its shard of it.
+    ``layers``: stage 3's units (default: `layer_modules`).
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
@@ -213,7 +214,8 @@ class ZeroDataParallel:
                  master_device: torch.device | str | None = None, bucket_mb: float = 25.0,
                  own_units: Sequence[nn.Parameter] = (), replica: Group | None = None,
                  quantize_weights: str = "none", device: torch.device | None = None,
-                 source: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None):
+                 source: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
+                 layers: Sequence[nn.Module] | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
         if stage == 3 and own_units or stage < 3 and quantize_weights != "none":
@@ -227,7 +229,7 @@ class ZeroDataParallel:
         self.names = {id(p): name for name, p in model.named_parameters()}
         trainable = [p for p in model.parameters() if p.requires_grad]
         if stage == 3:  # the root unit first, then the layers, in forward order
-            layers = layer_modules(model)
+            layers = layer_modules(model) if layers is None else layers
             in_layers = {id(p) for layer in layers for p in layer.parameters()}
             modules_and_params = [(model, [p for p in trainable if id(p) not in in_layers]),
                                   *((layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers)]

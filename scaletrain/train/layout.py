@@ -1,8 +1,8 @@
 """The layout: what runs where, built once before the first step.
 
-A `Layout` turns the configuration and the mesh into this rank's part of the
-job: the plain model built from the seed (the same initial weights on every
-rank and layout), then the parallel transforms in the order they compose
+A `Layout` turns a plain model, its plan (models/spec.py: `ModelPlan`), the
+training and parallel settings and the mesh into this rank's part of the
+job: the parallel transforms in the order they compose
 (docs/nd-parallel.md): tp keeps this rank's slices of the weights, cp its
 positions of every sequence, ep its share of the experts, pp its stages of
 the model; then the per-block transforms inside each stage (recompute,
@@ -12,29 +12,28 @@ parallel wrapper. The optimizer and the bookkeeping the step needs (which
 tensors it steps, which gradients count towards the norm, over which groups)
 close it.
 
-The step (train/trainer.py) runs over a layout and never builds one; a
-layout never runs a step. Everything here depends only on the configuration
-and the mesh, so every layout of the same model starts from the same
-weights, which is what makes parity checkable.
+The step (train/engine.py) runs over a layout and never builds one; a
+layout never runs a step, nor builds a model: the command builds its models
+from the seed (train/build.py), a user brings theirs (library.py). Nothing
+here names a model: it reads the plan, so every layout of the same model
+starts from the same weights, which is what makes parity checkable.
 """
 
 from __future__ import annotations
-
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.compile import compile_blocks
-from scaletrain.config import Config
+from scaletrain.config import ParallelConfig, TrainConfig
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Mesh
-from scaletrain.finetune.base import start_from_base
-from scaletrain.finetune.sliced import flat_reader, folder_source, materialize
-from scaletrain.models import CLASSIFIER, build_model, spec_for
+from scaletrain.finetune.sliced import FolderSource, flat_reader, materialize
+from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
+from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
 from scaletrain.parallel.context import ContextParallel, parallelize_context
 from scaletrain.parallel.data import DataParallel, JointDataParallel
@@ -45,10 +44,9 @@ from scaletrain.parallel.pipeline.parallel import PipelineParallel
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.parallel.pipeline.two_bw import delayed_update
 from scaletrain.parallel.tensor import TensorParallel, parallelize
-from scaletrain.parallel.zero import ZeroDataParallel
+from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
 from scaletrain.precision import compute_dtype
 from scaletrain.recompute import apply_recompute
-from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state
 from scaletrain.train.metrics import peak_resident_bytes
 from scaletrain.train.replicas import Replicas
@@ -70,48 +68,47 @@ def fused_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
-class Layout:
-    """This rank's model, its parallel parts and its optimizer, for ``cfg`` on ``mesh``.
-    ``first_batch`` is the step's first micro-batch as the data holds it (all positions,
-    on the host): the pipeline times the blocks on it to balance its stages."""
+def model_dropout(model: nn.Module) -> float:
+    """The largest dropout probability of the model's dropout layers and attentions."""
+    rates = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    rates += [m.dropout for m in model.modules() if isinstance(m, CausalAttention)]
+    return max(rates, default=0.0)
 
-    def __init__(self, cfg: Config, spec: DataSpec, mesh: Mesh, comm: Comm, device: torch.device,
-                 first_batch: tuple[torch.Tensor, torch.Tensor], n_features: int = 0, n_classes: int = 0):
-        self.cfg, self.spec, self.mesh, self.comm, self.device = cfg, spec, mesh, comm, device
+
+class Layout:
+    """This rank's part of ``model`` (whole, the same on every rank; or on the meta device with
+    ``source`` to read its weights from, each rank its own slices: finetune/sliced.py) under
+    ``train`` and ``parallel`` on ``mesh``. ``plan`` says how it may be split (None: it may be
+    replicated and sharded, not split); ``seq_len`` is that of every sequence (for cp);
+    ``sample``, one micro-batch of inputs as the data holds it (all positions, on the host),
+    is what ``--pp-balance time`` times the blocks on; ``fused_head``: the model is a decoder
+    whose head and loss the fused cross-entropy kernel may take (`fused_loss_fn`)."""
+
+    def __init__(self, model: nn.Module, plan: ModelPlan | None, train: TrainConfig, parallel: ParallelConfig,
+                 mesh: Mesh, comm: Comm, device: torch.device, *, seq_len: int | None = None,
+                 sample: torch.Tensor | None = None, source: FolderSource | None = None, fused_head: bool = False):
+        self.model, self.plan = model, plan or ModelPlan()
+        self.train, self.parallel, self.mesh, self.comm, self.device = train, parallel, mesh, comm, device
         self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
         self.cp_group, self.ep_group = mesh.group("cp"), mesh.group("ep")
         self.replicas = Replicas.of(mesh)  # who reads which samples, who holds which copies
-        t, p = cfg.train, cfg.parallel
-
-        # The family's spec (models/spec.py) says how to split, cut and shape its model.
-        self.family = None if cfg.model.name == CLASSIFIER else spec_for(cfg.model.name)
-        self.family_cfg = (self.family.configure(cfg.model, spec.vocab_size, cfg.data.seq_len) if self.family
-                           else None)
-        # A full fine-tune from a Hugging Face folder: the model is built on the meta device and
-        # each weight read after the splits below, each rank its own slice (finetune/sliced.py).
-        self.folder = folder_source(cfg, self.family_cfg)
-        torch.manual_seed(t.seed)  # the same initial weights on every rank and layout
-        with torch.device("meta") if self.folder else nullcontext():
-            self.model: nn.Module = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
-                                                n_features=n_features, n_classes=n_classes)
+        self.folder = source
+        t, p = train, parallel
         if not self.folder:
             self.model.to(device)
-        if cfg.finetune.base and not self.folder:  # the base's weights, frozen beside adapters with --lora-rank
-            start_from_base(self.model, cfg.finetune, self.family)
-        self.flops_per_token = self.model.flops_per_token()  # of the whole model, before any split
         # Megatron tensor (and sequence) parallelism: the full weights were
-        # just built from the seed, each tp rank keeps its slices of them.
+        # built alike on every rank, each tp rank keeps its slices of them.
         self.tensor_parallel: TensorParallel | None = None
         if self.tp_group.size > 1:
-            plan = self.family.tensor_plan(self.family_cfg)
-            self.tensor_parallel = parallelize(self.model, plan, comm, self.tp_group, sequence_parallel=p.sp,
-                                               dropout=cfg.model.dropout, hook_gradients=not self.folder)
+            self.tensor_parallel = parallelize(self.model, self.plan.tensor, comm, self.tp_group,
+                                               sequence_parallel=p.sp, dropout=model_dropout(self.model),
+                                               hook_gradients=not self.folder)
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
         # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
         self.context_parallel: ContextParallel | None = None
         if self.cp_group.size > 1:
-            self.context_parallel = parallelize_context(self.model, comm, self.cp_group, seq_len=cfg.data.seq_len,
-                                                        position_modules=self.family.position_modules,
+            self.context_parallel = parallelize_context(self.model, comm, self.cp_group, seq_len=seq_len,
+                                                        position_modules=self.plan.position_modules,
                                                         device=device)
         # Expert parallelism: each ep rank keeps its share of every mixture-of-experts block's experts.
         self.expert_parallel: ExpertParallel | None = None
@@ -121,7 +118,7 @@ class Layout:
         # --fused triton: the head and the loss as one chunked kernel, where the head's weight
         # is whole on this rank after the forward (not split by tp, not freed by ZeRO-3, not
         # behind a pipeline's last stage, which gets the kernel on its logits instead).
-        fused_loss = t.fused == "triton" and spec.kind == "text" and self.tp_group.size == 1
+        fused_loss = t.fused == "triton" and fused_head and self.tp_group.size == 1
         self.fused_head_loss = fused_loss and self.pp_group.size == 1 and p.zero < 3
         if fused_loss and not self.fused_head_loss:
             self.loss_fn = fused_loss_fn
@@ -131,12 +128,11 @@ class Layout:
         if self.folder and (p.pp_balance == "time" or p.pp_schedule == PIPEDREAM_2BW):
             self._read_folder()  # timing the blocks, or 2BW's weight versions, need the values
         if self.pp_group.size > 1:
-            self.pipeline = self._cut_into_stages(self.local(*first_batch)[0])
+            self.pipeline = self._cut_into_stages(None if sample is None else self.local(sample)[0])
         if self.folder:
             self._read_folder()
         # Per-block transforms, per pipeline stage (a sqrt segment must not cross a cut).
-        stage_blocks = ([s.blocks() for s in self.pipeline.stages] if self.pipeline
-                        else [list(getattr(self.model, self.family.stages.stack))] if self.family else [None])
+        stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [self.blocks()]
         for blocks in stage_blocks:
             if t.recompute != "none":
                 apply_recompute(self.model, t.recompute, blocks)
@@ -154,21 +150,24 @@ class Layout:
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
-        positions = cfg.data.seq_len if spec.kind == "text" else 1
-        self.tokens_per_step = t.micro_batch * t.grad_accum * self.micro_batches * self.replicas.batch.size * positions
+
+    def blocks(self) -> list[nn.Module]:
+        """The model's repeated blocks: the plan's stack, or every layer of its module lists."""
+        stack = self.plan.block_stack
+        return list(getattr(self.model, stack)) if stack else layer_modules(self.model)
 
     def _read_folder(self) -> None:
         """Storage for this rank's meta weights, read from the folder; under ZeRO-3 the weights
         tensor parallelism left whole stay meta, for ZeRO to read its shard of each."""
         splits = self.tensor_parallel.splits if self.tensor_parallel else {}
-        later = {id(q) for q in self.model.parameters() if q not in splits} if self.cfg.parallel.zero == 3 else set()
+        later = {id(q) for q in self.model.parameters() if q not in splits} if self.parallel.zero == 3 else set()
         materialize(self.model, self.folder, self.device, splits, self.tp_group.rank, skip=later)
 
     def _hold_optimizer_tensors(self) -> None:
         """What the optimizer steps and how gradients reach it: ZeRO's shards (with their own
         masters, parallel/zero.py), or fp32 masters for bf16 working weights or in host memory
         with --offload (optim/masters.py) under a data-parallel wrapper, or the weights."""
-        t, p = self.cfg.train, self.cfg.parallel
+        t, p = self.train, self.parallel
         master_device = "cpu" if t.offload == "optimizer" else None
         self.masters: MasterWeights | None = None
         self.zero: ZeroDataParallel | None = None
@@ -182,7 +181,7 @@ class Layout:
                                          reduce_dtype=compute_dtype(p.reduce_dtype),
                                          master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
                                          replica=replica, quantize_weights=p.quantize_weights,
-                                         device=self.device,
+                                         device=self.device, layers=self._zero_layers(),
                                          source=flat_reader(self.model, self.folder) if self.folder else None)
             groups = self.zero.optimizer_groups(groups)
         self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
@@ -202,9 +201,15 @@ class Layout:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]
 
-    def _cut_into_stages(self, sample: torch.Tensor) -> PipelineParallel:
-        p = self.cfg.parallel
-        width = self.family.shape(self.family_cfg).d_model
+    def _zero_layers(self) -> list[nn.Module] | None:
+        """ZeRO-3's units where the plan names the blocks (otherwise parallel/zero.py finds them)."""
+        if self.parallel.zero != 3 or not self.plan.blocks:
+            return None
+        return [block for block in getattr(self.model, self.plan.blocks) if any(True for _ in block.parameters())]
+
+    def _cut_into_stages(self, sample: torch.Tensor | None) -> PipelineParallel:
+        p = self.parallel
+        width = self.plan.width
         _, virtual = p.pipeline_sizes()
 
         def boundary(batch: int, seq: int) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
@@ -215,7 +220,7 @@ class Layout:
             return (batch, seq, width), torch.float32, self.device
 
         return PipelineParallel(
-            self.model, self.family.stages, self.comm, self.pp_group, schedule=p.pp_schedule,
+            self.model, self.plan.stages, self.comm, self.pp_group, schedule=p.pp_schedule,
             micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
             boundary=boundary, sample=sample, world=self.mesh.group("world"))
 

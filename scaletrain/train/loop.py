@@ -45,7 +45,7 @@ def fit(trainer: Trainer) -> RunSummary:
                disable=not (trainer.is_main and cfg.run.progress))
     record: dict = {}
     val_loss, saved = None, None
-    window = StepWindow(cfg.run.log_every, trainer.layout.tokens_per_step)
+    window = StepWindow(cfg.run.log_every, trainer.tokens_per_step)
     for step in range(trainer.start_step, end):
         trainer.step = done = step + 1
         window.open_if_empty()
@@ -61,7 +61,7 @@ def fit(trainer: Trainer) -> RunSummary:
         for record, nonfinite in ((r.record, r.nonfinite) for r in read):
             if nonfinite:  # the steps before it are recorded, as a stop at once would have
                 raise trainer.late_stop(record)
-            record.update(mfu=mfu(record["tokens_per_s"], trainer.layout.flops_per_token, trainer.peak,
+            record.update(mfu=mfu(record["tokens_per_s"], trainer.flops_per_token, trainer.peak,
                                   trainer.runtime.env.world_size), mem_bytes=memory)
             if writer:
                 writer.write(record)

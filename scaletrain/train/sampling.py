@@ -28,9 +28,11 @@ def line_prompt(tokenizer, window: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(layout, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``tokens`` tokens after ``prompt`` by the model of ``layout`` (train/layout.py), however it is split."""
-    cfg, device = layout.cfg, layout.device
+def generate(layout, prompt: torch.Tensor, tokens: int, cfg, vocab: int) -> torch.Tensor:
+    """``tokens`` tokens after ``prompt`` by the model of ``layout`` (train/layout.py), however it is
+    split, of run configuration ``cfg``; ``vocab``: the tokenizer's ids (the padded rows of
+    --vocab-multiple are never sampled)."""
+    device = layout.device
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed)
     layout.model.eval()
     prompt = prompt[None].to(device)
@@ -39,7 +41,6 @@ def generate(layout, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
             if part is not None:
                 generation.enter_context(part.generation())
         if layout.pipeline:
-            vocab = layout.spec.vocab_size  # the padded rows (--vocab-multiple) are never sampled
             return layout.pipeline.generate(
                 prompt, tokens, context=cfg.data.seq_len,
                 sample_next=lambda logits: sample_next(logits[:, :vocab], generator=generator),

@@ -1,82 +1,45 @@
-"""The training step, the same for every layout (train/loop.py runs the steps).
+"""The command's training: its models, its data and its loss on the engine (train/engine.py).
 
-One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
-sequences (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
-``--microbatches`` micro-batches each take the place of the loop below:
-parallel/pipeline/parallel.py; then the tied embedding's gradient is summed
-over the stages that hold it, whole or shard by shard under ZeRO). The
-strategies compose in this order, each on its own group of the mesh
-(docs/nd-parallel.md): tp splits the weights, cp sends attention round a
-ring (parallel/context.py), ep divides the experts (parallel/experts.py), pp
-cuts the split model into stages, dp (or ZeRO) replicates (or shards) each
-stage's slices. The ranks of dp and ep read different samples; cp's read
-different positions of the same ones; the gradients of a replicated weight
-are averaged over all three, an expert's over dp and cp (the ep ranks hold
-different experts):
+``scaletrain train`` is configuration + a model spec + data + the engine:
+this module builds the run's model from its preset (or a Hugging Face folder,
+or a checkpoint to fine-tune) with the family's plan, reads each step's
+micro-batches from the run's data, and hands both to the engine, which owns
+every technique. A user's script does the same with its own model and loop
+(library.py).
 
-    for each of the grad_accum micro-batches:
-        loss = mean cross-entropy of this rank's micro-batch / grad_accum
-                                           (with --tp: from vocabulary-split logits, the
-                                            tp ranks of a replica sharing one micro-batch;
-                                            with --cp: over this rank's positions;
-                                            with experts: plus their auxiliary loss)
-        loss.backward()                    (gradients add up across micro-batches; on the last
-                                            one, gradient buckets start their all-reduce as
-                                            they fill, overlapping the rest of backward)
-    wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
-    shard of it (parallel/zero.py); with --sync-every N > 1 keep the local gradient (local SGD
-    averages the parameters after every N-th optimizer step instead: parallel/local_sgd.py)
-    with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
-    average the loss; unscale (fp16); a loss or gradient that is inf or NaN on any rank (one
-    flag over the world, train/nonfinite.py) makes every rank skip the step, or stop (--on-nan)
-    clip the global gradient norm (each element counted once over the mesh: tp slices and ZeRO
-    shards summed, replicated norms and the tied embedding's copies not; optim/clip.py), set the
-    learning rate, take the optimizer step (unless skipped; fp16 then halves its loss scale)
-    with master weights: round the masters back into the model's weights (ZeRO-1/2: and
-    all-gather the updated shards)
-
-Dividing by ``grad_accum`` once per micro-batch and averaging over ranks once
-per step makes the update equal to one step on the whole global batch: the
-equivalence every parallel layout is tested against.
-PipeDream-2BW is the exception by design: each step applies the previous
-step's gradient (parallel/pipeline/two_bw.py), as one device then does too.
-
-Everything random is a pure function of the step: micro-batch ``m`` of step
-``t`` on rank ``r`` of the dp x ep group holds global samples
-``((t*A + m)*dp*ep + r)*B ... +B`` of a seeded stream (see data/batches.py), the
-learning rate is ``lr_at(t)``, and the RNG behind dropout is reseeded from
-``(seed, t, rank)`` at every step. A resumed run therefore needs only the
-step number to continue exactly as if it had never stopped.
+The data is a pure function of the step: micro-batch ``m`` of step ``t`` on
+rank ``r`` of the dp x ep group holds global samples
+``((t*A + m)*dp*ep + r)*B ... +B`` of a seeded stream (see data/batches.py),
+so a resumed run needs only the step number to continue exactly as if it had
+never stopped. The loss is the cross-entropy summed over a micro-batch's
+trained tokens, divided so that the step's gradient is that of the mean over
+the global batch's trained tokens (`Trainer._step_batches`).
 """
 
 from __future__ import annotations
 
-import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from scaletrain.compress_activations import ActivationCompression
 from scaletrain.config import Config
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.launch import DistRuntime
 from scaletrain.dist.mesh import Mesh
-from scaletrain.faults import Faults, poison
-from scaletrain.models.moe import auxiliary_loss
-from scaletrain.optim import lr_at
-from scaletrain.optim.clip import clip_grad_norm_
-from scaletrain.parallel.pipeline.runtime import timer
-from scaletrain.parallel.pipeline.schedules import Span
-from scaletrain.precision import DynamicLossScaler, autocast
+from scaletrain.finetune.base import start_from_base
+from scaletrain.finetune.sliced import FolderSource, folder_source
+from scaletrain.models import CLASSIFIER, build_model, spec_for
+from scaletrain.models.spec import ModelPlan
+from scaletrain.precision import autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.engine import Engine
 from scaletrain.train.layout import Layout
-from scaletrain.train.memory import ActivationMeter, memory_ledger
 from scaletrain.train.metrics import peak_tflops
-from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
-from scaletrain.train.routing import RoutingStats
 from scaletrain.train.sampling import generate, line_prompt
 from scaletrain.train.step_window import PendingStep, StepWindow
 
@@ -88,13 +51,40 @@ def first_sample(step: int, micro: int, grad_accum: int, dp_size: int, dp_rank: 
     return ((step * grad_accum + micro) * dp_size + dp_rank) * micro_batch
 
 
-def _step_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
+@dataclass
+class RunModel:
+    """The run's model as built here: whole (or on the meta device, its weights read from
+    ``source`` after the splits), its plan, and its training FLOPs per token."""
+    model: nn.Module
+    plan: ModelPlan | None
+    source: FolderSource | None
+    flops_per_token: float
+
+
+def build_run_model(cfg: Config, spec: DataSpec, device: torch.device, n_features: int = 0,
+                    n_classes: int = 0) -> RunModel:
+    """The command's model: the preset built from the seed (the same initial weights on every
+    rank and layout), a base's weights loaded, or a full fine-tune's folder to read from."""
+    family = None if cfg.model.name == CLASSIFIER else spec_for(cfg.model.name)
+    family_cfg = family.configure(cfg.model, spec.vocab_size, cfg.data.seq_len) if family else None
+    # A full fine-tune from a Hugging Face folder: the model is built on the meta device and
+    # each weight read after the splits, each rank its own slice (finetune/sliced.py).
+    source = folder_source(cfg, family_cfg)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta") if source else nullcontext():
+        model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+                            n_features=n_features, n_classes=n_classes)
+    if not source:
+        model.to(device)
+    if cfg.finetune.base and not source:  # the base's weights, frozen beside adapters with --lora-rank
+        start_from_base(model, cfg.finetune, family)
+    # Of the whole model, before any split.
+    return RunModel(model, family.plan(family_cfg) if family else None, source, model.flops_per_token())
 
 
 class Trainer:
-    """The steps of a run over its `Layout` (train/layout.py, built here), with the run's
-    data, loss scaler, checkpoints and the state a resume brings back."""
+    """The steps of a run: its model and data on an `Engine` (train/engine.py), with its
+    checkpoints and the state a resume brings back."""
 
     def __init__(self, cfg: Config, spec: DataSpec, runtime: DistRuntime, mesh: Mesh, comm: Comm,
                  run_dir: Path):
@@ -102,27 +92,28 @@ class Trainer:
         self.run_dir = run_dir
         self.is_main = runtime.is_main
         self.device = runtime.device
-        self.faults = Faults.from_env(runtime.env.rank)  # none unless SCALETRAIN_FAULT asks (faults.py)
         self.step: int | None = None  # the step under way, counted from 1, for failure reports
         self.data = open_data(spec, cfg)
         t = cfg.train
-        self.layout = Layout(cfg, spec, mesh, comm, self.device, self.data.train.get(0, t.micro_batch),
-                             n_features=self.data.n_features, n_classes=self.data.n_classes)
-        self.compression = ActivationCompression(t.compress_activations)  # entered around each forward
-        self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
-        self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
-        self.on_nan = t.on_nan or ("skip" if t.precision == "fp16" else "stop")
-        self.activation_meter: ActivationMeter | None = None  # set by the first step with --report-memory
-        self.memory: dict | None = None  # the ledger taken on that step
+        built = build_run_model(cfg, spec, self.device, self.data.n_features, self.data.n_classes)
+        self.flops_per_token = built.flops_per_token
+        self.engine = Engine(built.model, t, cfg.parallel, mesh, comm, self.device, plan=built.plan,
+                             seq_len=cfg.data.seq_len, sample=self.data.train.get(0, t.micro_batch)[0],
+                             source=built.source, fused_head=spec.kind == "text", run_dir=run_dir,
+                             log_every=cfg.run.log_every, report_memory=cfg.run.report_memory)
+        layout = self.layout
+        positions = cfg.data.seq_len if spec.kind == "text" else 1
+        self.tokens_per_step = t.micro_batch * t.grad_accum * layout.micro_batches * layout.replicas.batch.size \
+            * positions
         self.start_step = 0
         latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
         if latest:  # (none: a job restarted before its first checkpoint, run.py)
-            layout = self.layout
-            state = ckpt.load_checkpoint(latest, layout.model, layout.optimizer, layout.masters, layout.zero,
-                                         layout.tensor_parallel, layout.own_optimizer())
-            self.start_step = state["step"]
-            self.scaler.load_state_dict(state["scaler"])
+            self.start_step = self.engine.load(latest)["step"]
         self.peak = peak_tflops(t.peak_tflops, self.device)
+
+    @property
+    def layout(self) -> Layout:
+        return self.engine.layout
 
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
@@ -130,7 +121,7 @@ class Trainer:
         t = self.cfg.train
         per_step = t.grad_accum * layout.micro_batches
         if micro == min(1, per_step - 1):
-            self.faults.strike("micro-batch", step + 1)
+            self.engine.faults.strike("micro-batch", step + 1)
         first = first_sample(step, micro, per_step, layout.replicas.batch.size,
                              layout.replicas.batch.rank, t.micro_batch)
         return layout.local(*self.data.train.get(first, t.micro_batch))
@@ -156,80 +147,22 @@ class Trainer:
         # No trained token at all (every answer cut away): a zero loss, not 0 / 0.
         return batches, (trained.clamp(min=1).double() / positions).float(), trained
 
-    def _forward_backward(self, step: int) -> tuple[torch.Tensor, RoutingStats | None, torch.Tensor | None]:
-        """Forward and backward of the step's micro-batches; the sum of their losses / divisor
-        (the cross-entropy alone: the mean over the trained tokens), with a mixture of experts what
-        the routers did, and the count of trained tokens (`_step_batches`)."""
-        layout = self.layout
-        t = self.cfg.train
-        loss_sum = torch.zeros((), device=self.device)
-        routing = RoutingStats.empty(layout.moe_layers, self.device) if layout.moe_layers else None
-        batches, divisor, trained = self._step_batches(step)
-        for micro, (x, y, *packed) in enumerate(batches):
-            final = micro == t.grad_accum - 1
-            with self._meter_first_micro_batch(micro), \
-                    (nullcontext() if final else layout.data_parallel.no_sync()):
-                loss = self._loss(x, y, *packed) / divisor
-                aux = auxiliary_loss(layout.model) / t.grad_accum if routing else 0.0
-                self.scaler.scale(loss + aux).backward()
-            loss_sum += loss.detach()
-            if routing:
-                routing.add(layout.moe_layers, aux)
-        return loss_sum, routing, trained
-
-    @contextmanager
-    def _forward_context(self):
-        """What a forward runs under: autocast, and the compression of the tensors it saves."""
-        with autocast(self.cfg.train.precision, self.device), self.compression:
-            yield
-
     def _loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The cross-entropy of one micro-batch, summed over its trained tokens / its positions
         (forward included); ``documents``: its rows are packed (models/decoder.py)."""
         layout = self.layout
         packed = {} if documents is None else {"documents": documents}
-        with self._forward_context():
+        with self.engine.forward_context():
             if layout.fused_head_loss:
                 from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
                 return fused_linear_cross_entropy(layout.model(x, logits=False, **packed), layout.model.head.weight, y)
             logits = layout.model(x, **packed)
-        return self._loss_of(logits, y)
-
-    def _loss_of(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss of given logits, the tensors it saves compressed too (the log-probabilities: b x s x V)."""
-        with self.compression:
-            return self.layout.loss_fn(logits, y)
-
-    def _pipeline_forward_backward(self, step: int, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``--grad-accum`` rounds of the pipeline schedule over the step's
-        micro-batches, gradients synchronised after the last; the loss, as the
-        last stage has it, on every pp rank, and the count of trained tokens.
-        ``record``: keep the first round's timeline, its clock started together
-        on every pp rank."""
-        layout = self.layout
-        t = self.cfg.train
-        loss_sum = torch.zeros((), device=self.device)
-        batches, divisor, trained = self._step_batches(step)
-        with layout.data_parallel.no_sync():
-            for round_ in range(t.grad_accum):
-                clock = None
-                if record and round_ == 0:
-                    self.comm.barrier(layout.pp_group)
-                    clock = timer()
-                with self._meter_first_micro_batch(round_):
-                    loss, spans = layout.pipeline.train_round(
-                        lambda m, r=round_: batches[r * layout.micro_batches + m],
-                        loss_fn=self._loss_of, divisor=divisor,
-                        backward_scale=self.scaler.scale,
-                        forward_context=self._forward_context, clock=clock)
-                loss_sum += loss
-                if clock:
-                    self.timeline = spans
-        return layout.pipeline.from_last_stage(loss_sum), trained
+        with self.engine.compression:  # the tensors the loss saves (the log-probabilities: b x s x V)
+            return layout.loss_fn(logits, y)
 
     def train_step(self, step: int, record: bool = False) -> dict[str, float]:
         """One optimizer step, its numbers read at once (``fit`` reads them a window at a time)."""
-        window = StepWindow(1, self.layout.tokens_per_step)
+        window = StepWindow(1, self.tokens_per_step)
         window.add(self.queue_step(step, record))
         (read,) = window.read()
         if read.nonfinite:
@@ -237,109 +170,34 @@ class Trainer:
         return read.record
 
     def queue_step(self, step: int, record: bool) -> PendingStep:
-        """One optimizer step; its loss, gradient norm and (with ``--log-every`` K > 1) its
-        non-finite flag left on the device (train/step_window.py)."""
-        layout = self.layout
-        t = self.cfg.train
-        self.faults.strike("step", step + 1)
-        torch.manual_seed(_step_seed(t.seed, step, layout.dropout_rank(self.runtime.env.rank)))
-        layout.model.train()
+        """One optimizer step on the engine; its numbers left on the device (train/step_window.py)."""
+        engine, layout = self.engine, self.layout
+        engine.start_step(step)
+        batches, divisor, trained = self._step_batches(step)
         routing = None
         if layout.pipeline:
-            loss_sum, trained = self._pipeline_forward_backward(step, record)
+            loss_sum = engine.pipeline_accumulate(batches, layout.loss_fn, divisor, record)
         else:
-            loss_sum, routing, trained = self._forward_backward(step)
-        layout.data_parallel.finish_gradient_sync()
-        if layout.delayed and not layout.delayed.exchange(layout.data_parallel.gradient):
-            return self._before_first_update(step, loss_sum)
-        if layout.pipeline:
-            layout.pipeline.sum_shared_gradients(layout.data_parallel.gradient)
-        if layout.masters:
-            layout.masters.copy_grads_to_master(layout.data_parallel.gradient)
-        if layout.zero:
-            layout.zero.copy_grads_to_master()
-        for name in self.faults.poisoned(step + 1):
-            poison(layout.named_step_tensors(), name)
-        if not self.faults.skips(step + 1):  # a desync on purpose (faults.py)
-            self.comm.all_reduce(loss_sum, layout.replicas.dense, op="avg")
-        # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
-        grads = [p.grad for p in layout.step_params if p.grad is not None]
-        overflow = self.scaler.unscale_(layout.step_params).to(self.device)
-        flag = local_flag(loss_sum, [] if self.scaler.enabled else grads).maximum(overflow)
-        late = self._reads_flag_late
-        flag = agreed_flag(flag, self.comm, self.mesh.group("world"))
-        skip = False if late else bool(flag.item())
-        if skip and self.on_nan == "stop":
-            raise self._nonfinite_stop(step + 1, loss_sum.item())
-        grad_norm = clip_grad_norm_([p.grad for p in layout.step_params if p.grad is not None],
-                                    t.grad_clip if t.grad_clip > 0 else math.inf,
-                                    counted=[p.grad for p in layout.norm_counted if p.grad is not None],
-                                    comm=self.comm, groups=layout.norm_groups, device=self.device)
-        lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
-        for group in layout.optimizer.param_groups:
-            group["lr"] = lr
-        self.faults.strike("optimizer", step + 1)
-        self.scaler.step(layout.optimizer, skip)
-        self.scaler.update(skip)
-        averaged = layout.local_sgd is not None and layout.local_sgd.average_if_due(step + 1)
-        if layout.masters and (averaged or not layout.fused_working_copy):
-            layout.masters.copy_master_to_model()
-        if layout.zero:
-            layout.zero.publish()
-        if self.activation_meter is not None and self.memory is None:
-            # after the step (optimizer state exists), before the gradients are freed
-            self.memory = memory_ledger(layout.bytes_ledger(), self.activation_meter, layout.host_peak)
-        if layout.masters:
-            layout.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
-        layout.data_parallel.zero_grad()  # the model's
-        host = {"lr": lr, "skipped_steps": self.scaler.skipped_steps}
-        if routing:
-            host.update(routing.summed(self.comm, layout.replicas.batch))
-        if t.precision == "fp16":
-            host.update(loss_scale=self.scaler.scale_value)
-        device = {"loss": loss_sum, "grad_norm": grad_norm}
+            loss_sum, routing = engine.accumulate(batches, self._loss, divisor)
+        pending = engine.update(step, loss_sum)
+        if routing and pending.host["lr"] is not None:
+            pending.host.update(routing.summed(self.comm, layout.replicas.batch))
         if trained is not None:  # masked or packed data: how many tokens the step trained on
-            device["trained_tokens"] = trained
-        return PendingStep(step + 1, host, device, nonfinite=flag if late else None)
-
-    @property
-    def _reads_flag_late(self) -> bool:
-        """Whether the non-finite flag is read with the window rather than at once: only
-        where nothing this step does depends on it (train/step_window.py)."""
-        return self.cfg.run.log_every > 1 and self.on_nan == "stop" and not self.scaler.enabled
-
-    def _before_first_update(self, step: int, loss_sum: torch.Tensor) -> PendingStep:
-        """PipeDream-2BW's first step: no gradient is complete yet, so no update (W(1) = W(0))."""
-        self.comm.all_reduce(loss_sum, self.layout.replicas.dense, op="avg")
-        self.layout.data_parallel.zero_grad()
-        return PendingStep(step + 1, {"grad_norm": None, "lr": None, "skipped_steps": self.scaler.skipped_steps},
-                           {"loss": loss_sum})
-
-    def _nonfinite_stop(self, step: int, loss: float) -> Exception:
-        culprit = first_nonfinite((name, t.grad) for name, t in self.layout.named_step_tensors())
-        culprits = self.comm.all_gather_object(culprit, self.mesh.group("world"))
-        latest = ckpt.latest_checkpoint(self.run_dir)
-        return stop_report(step, loss, culprits, latest.name if latest else None)
+            pending.device["trained_tokens"] = trained
+        return pending
 
     def late_stop(self, record: dict) -> Exception:
-        latest = ckpt.latest_checkpoint(self.run_dir)
-        return late_stop_report(record["step"], record["loss"], self.step, self.cfg.run.log_every,
-                                latest.name if latest else None)
-
-    def _meter_first_micro_batch(self, micro: int):
-        """With --report-memory, measure saved activations of the run's first
-        micro-batch (the meter slows the step, so once is enough); with a
-        pipeline, of its first round, whose schedule decides how many
-        micro-batches are alive at once."""
-        if not self.cfg.run.report_memory or self.activation_meter is not None or micro != 0:
-            return nullcontext()
-        self.activation_meter = ActivationMeter(self.layout.model)
-        return self.activation_meter
+        return self.engine.late_stop(record, self.step)
 
     def memory_report(self) -> dict:
         """This rank's memory ledger (params, grads, optimizer, activations peak)
         as measured on the first step of this run."""
-        return self.memory
+        return self.engine.memory
+
+    @property
+    def timeline(self):
+        """The pipeline's recorded round on the run's last step."""
+        return self.engine.timeline
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -365,21 +223,9 @@ class Trainer:
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None
         window = self.data.val.get(0, 1)[0]
-        continuation = generate(self.layout, line_prompt(tokenizer, window[0]), self.cfg.run.sample_tokens)
+        continuation = generate(self.layout, line_prompt(tokenizer, window[0]), self.cfg.run.sample_tokens,
+                                self.cfg, self.spec.vocab_size)
         return tokenizer.decode(continuation.tolist())
 
-    # -- checkpoints -----------------------------------------------------------
     def save(self, step: int) -> Path:
-        layout = self.layout
-        world = self.mesh.group("world")
-        team = ckpt.Team(world.rank, world.size, barrier=lambda: self.comm.barrier(world),
-                         gather=lambda value: self.comm.all_gather_object(value, world))
-        state = {"step": step, "world_size": self.runtime.env.world_size, "layout": self.mesh.dims.describe(),
-                 "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
-        if layout.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (run.py checks a resume)
-            state["optimizer_per_rank"] = layout.replicas.dense.size
-        return ckpt.save_checkpoint(self.run_dir, step, layout.model, layout.optimizer, layout.masters, state, team,
-                                    zero=layout.zero, tensor_parallel=layout.tensor_parallel,
-                                    own_optimizer=layout.own_optimizer(),
-                                    keep_last=self.cfg.run.keep_last,
-                                    strike=lambda point: self.faults.strike(point, step))
+        return self.engine.save(step, keep_last=self.cfg.run.keep_last)

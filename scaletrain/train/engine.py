@@ -1,0 +1,306 @@
+"""The engine: one optimizer step of any model under any layout, for the command and the library.
+
+``scaletrain train`` (train/trainer.py: its models, its data, its loss) and a
+user's own script (library.py: their model, their loop) run the same engine.
+One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
+samples (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
+``--microbatches`` micro-batches each take the place of the loop below:
+parallel/pipeline/parallel.py; then the tied embedding's gradient is summed
+over the stages that hold it, whole or shard by shard under ZeRO). The
+strategies compose in this order, each on its own group of the mesh
+(docs/nd-parallel.md, train/layout.py): tp splits the weights, cp sends
+attention round a ring (parallel/context.py), ep divides the experts
+(parallel/experts.py), pp cuts the split model into stages, dp (or ZeRO)
+replicates (or shards) each stage's slices. The ranks of dp and ep read
+different samples; cp's read different positions of the same ones; the
+gradients of a replicated weight are averaged over all three, an expert's
+over dp and cp (the ep ranks hold different experts):
+
+    for each of the grad_accum micro-batches:
+        loss = the micro-batch's loss / divisor
+                                           (the divisor makes the sum over micro-batches and ranks
+                                            the mean over the global batch: grad_accum for a mean
+                                            loss, train/trainer.py's count for masked tokens; with
+                                            experts: plus their auxiliary loss)
+        loss.backward()                    (gradients add up across micro-batches; on the last
+                                            one, gradient buckets start their all-reduce as
+                                            they fill, overlapping the rest of backward)
+    wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
+    shard of it (parallel/zero.py); with --sync-every N > 1 keep the local gradient (local SGD
+    averages the parameters after every N-th optimizer step instead: parallel/local_sgd.py)
+    with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
+    average the loss; unscale (fp16); a loss or gradient that is inf or NaN on any rank (one
+    flag over the world, train/nonfinite.py) makes every rank skip the step, or stop (--on-nan)
+    clip the global gradient norm (each element counted once over the mesh: tp slices and ZeRO
+    shards summed, replicated norms and the tied embedding's copies not; optim/clip.py), set the
+    learning rate, take the optimizer step (unless skipped; fp16 then halves its loss scale)
+    with master weights: round the masters back into the model's weights (ZeRO-1/2: and
+    all-gather the updated shards)
+
+Dividing each micro-batch's loss so and averaging over ranks once per step
+makes the update equal to one step on the whole global batch: the
+equivalence every parallel layout is tested against. PipeDream-2BW is the
+exception by design: each step applies the previous step's gradient
+(parallel/pipeline/two_bw.py), as one device then does too.
+
+Everything random is a pure function of the step: the learning rate is
+``lr_at(t)``, and the RNG behind dropout is reseeded from ``(seed, t, rank)``
+at every step, so a resumed run needs only the step number to continue
+exactly as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scaletrain.compress_activations import ActivationCompression
+from scaletrain.config import ParallelConfig, TrainConfig
+from scaletrain.dist.comm import Comm
+from scaletrain.dist.mesh import Mesh
+from scaletrain.faults import Faults, poison
+from scaletrain.finetune.sliced import FolderSource
+from scaletrain.models.moe import auxiliary_loss
+from scaletrain.models.spec import ModelPlan
+from scaletrain.optim import lr_at
+from scaletrain.optim.clip import clip_grad_norm_
+from scaletrain.parallel.pipeline.runtime import timer
+from scaletrain.parallel.pipeline.schedules import Span
+from scaletrain.precision import DynamicLossScaler, autocast
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.layout import Layout
+from scaletrain.train.memory import ActivationMeter, memory_ledger
+from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
+from scaletrain.train.routing import RoutingStats
+from scaletrain.train.step_window import PendingStep
+
+Batch = tuple[torch.Tensor, ...]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The dropout RNG's seed for ``step`` on ``rank``."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
+
+
+class Engine:
+    """The steps of one model under one layout (module docstring); the layout is built here
+    from the model and its plan (train/layout.py). ``run_dir`` holds the checkpoints;
+    ``log_every`` > 1 lets ``--on-nan stop`` read its flag with the window
+    (train/step_window.py); ``report_memory`` measures the first step's memory."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig, parallel: ParallelConfig, mesh: Mesh, comm: Comm,
+                 device: torch.device, *, plan: ModelPlan | None = None, seq_len: int | None = None,
+                 sample: torch.Tensor | None = None, source: FolderSource | None = None, fused_head: bool = False,
+                 run_dir: Path | None = None, log_every: int = 1, report_memory: bool = False):
+        self.train, self.parallel, self.mesh, self.comm, self.device = train, parallel, mesh, comm, device
+        self.run_dir, self.log_every, self.report_memory = run_dir, log_every, report_memory
+        self.faults = Faults.from_env(mesh.rank)  # none unless SCALETRAIN_FAULT asks (faults.py)
+        self.layout = Layout(model, plan, train, parallel, mesh, comm, device, seq_len=seq_len, sample=sample,
+                             source=source, fused_head=fused_head)
+        self.compression = ActivationCompression(train.compress_activations)  # entered around each forward
+        self.scaler = DynamicLossScaler(enabled=train.precision == "fp16")
+        self.on_nan = train.on_nan or ("skip" if train.precision == "fp16" else "stop")
+        self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
+        self.activation_meter: ActivationMeter | None = None  # set by the first step with report_memory
+        self.memory: dict | None = None  # the ledger taken on that step
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's part of the model (split, cut, wrapped as the layout says)."""
+        return self.layout.model
+
+    # -- a step's forward and backward -------------------------------------------
+    @contextmanager
+    def forward_context(self):
+        """What a forward runs under: autocast, and the compression of the tensors it saves."""
+        with autocast(self.train.precision, self.device), self.compression:
+            yield
+
+    def start_step(self, step: int) -> None:
+        """Before the step's first forward: the dropout RNG reseeded from the step, training mode."""
+        self.faults.strike("step", step + 1)
+        torch.manual_seed(step_seed(self.train.seed, step, self.layout.dropout_rank(self.mesh.rank)))
+        self.layout.model.train()
+
+    def backward(self, loss: torch.Tensor, final: bool) -> torch.Tensor | float:
+        """Backward of one micro-batch's (divided) loss, with a mixture of experts' auxiliary
+        loss, which it returns; ``final``: the step's last, whose gradients the data-parallel
+        average takes."""
+        layout = self.layout
+        aux = auxiliary_loss(layout.model) / self.train.grad_accum if layout.moe_layers else 0.0
+        with nullcontext() if final else layout.data_parallel.no_sync():
+            self.scaler.scale(loss + aux).backward()
+        return aux
+
+    def accumulate(self, batches: Sequence[Batch], loss_of: Callable[..., torch.Tensor],
+                   divisor: float | torch.Tensor) -> tuple[torch.Tensor, RoutingStats | None]:
+        """Forward and backward of the step's micro-batches, ``loss_of(*batch)`` running each
+        forward; the sum of their losses / divisor, and with experts what the routers did."""
+        layout = self.layout
+        loss_sum = torch.zeros((), device=self.device)
+        routing = RoutingStats.empty(layout.moe_layers, self.device) if layout.moe_layers else None
+        for micro, batch in enumerate(batches):
+            with self._meter_first_micro_batch(micro):
+                loss = loss_of(*batch) / divisor
+                aux = self.backward(loss, final=micro == len(batches) - 1)
+            loss_sum += loss.detach()
+            if routing:
+                routing.add(layout.moe_layers, aux)
+        return loss_sum, routing
+
+    def pipeline_accumulate(self, batches: Sequence[Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor],
+                                                                                torch.Tensor],
+                            divisor: float | torch.Tensor, record: bool = False) -> torch.Tensor:
+        """``grad_accum`` rounds of the pipeline schedule over the step's micro-batches
+        (inputs, targets[, documents]), ``loss_fn(outputs, targets)`` on the last stage,
+        gradients synchronised after the last; the loss, as the last stage has it, on every pp
+        rank. ``record``: keep the first round's timeline, its clock started together on every
+        pp rank."""
+        layout = self.layout
+        loss_sum = torch.zeros((), device=self.device)
+        per_round = layout.micro_batches
+        with layout.data_parallel.no_sync():
+            for round_ in range(len(batches) // per_round):
+                clock = None
+                if record and round_ == 0:
+                    self.comm.barrier(layout.pp_group)
+                    clock = timer()
+                with self._meter_first_micro_batch(round_):
+                    loss, spans = layout.pipeline.train_round(
+                        lambda m, r=round_: batches[r * per_round + m], loss_fn=self._compressed(loss_fn),
+                        divisor=divisor, backward_scale=self.scaler.scale, forward_context=self.forward_context,
+                        clock=clock)
+                loss_sum += loss
+                if clock:
+                    self.timeline = spans
+        return layout.pipeline.from_last_stage(loss_sum)
+
+    def _compressed(self, loss_fn: Callable) -> Callable:
+        """``loss_fn``, the tensors it saves compressed too (the log-probabilities: b x s x V)."""
+        def compressed(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with self.compression:
+                return loss_fn(outputs, targets)
+        return compressed
+
+    def _meter_first_micro_batch(self, micro: int):
+        """With report_memory, measure saved activations of the run's first micro-batch (the
+        meter slows the step, so once is enough); with a pipeline, of its first round, whose
+        schedule decides how many micro-batches are alive at once."""
+        if not self.report_memory or self.activation_meter is not None or micro != 0:
+            return nullcontext()
+        self.activation_meter = ActivationMeter(self.layout.model)
+        return self.activation_meter
+
+    # -- the update --------------------------------------------------------------
+    def update(self, step: int, loss_sum: torch.Tensor, lr: float | None = None) -> PendingStep:
+        """The step after its backward passes (module docstring); its loss, gradient norm and
+        (with ``log_every`` > 1) its non-finite flag left on the device (train/step_window.py).
+        ``lr``: the step's learning rate (default ``lr_at(step)`` of the train settings)."""
+        layout = self.layout
+        t = self.train
+        layout.data_parallel.finish_gradient_sync()
+        if layout.delayed and not layout.delayed.exchange(layout.data_parallel.gradient):
+            return self._before_first_update(step, loss_sum)
+        if layout.pipeline:
+            layout.pipeline.sum_shared_gradients(layout.data_parallel.gradient)
+        if layout.masters:
+            layout.masters.copy_grads_to_master(layout.data_parallel.gradient)
+        if layout.zero:
+            layout.zero.copy_grads_to_master()
+        for name in self.faults.poisoned(step + 1):
+            poison(layout.named_step_tensors(), name)
+        if not self.faults.skips(step + 1):  # a desync on purpose (faults.py)
+            self.comm.all_reduce(loss_sum, layout.replicas.dense, op="avg")
+        # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
+        grads = [p.grad for p in layout.step_params if p.grad is not None]
+        overflow = self.scaler.unscale_(layout.step_params).to(self.device)
+        flag = local_flag(loss_sum, [] if self.scaler.enabled else grads).maximum(overflow)
+        late = self._reads_flag_late
+        flag = agreed_flag(flag, self.comm, self.mesh.group("world"))
+        skip = False if late else bool(flag.item())
+        if skip and self.on_nan == "stop":
+            raise self._nonfinite_stop(step + 1, loss_sum.item())
+        grad_norm = clip_grad_norm_([p.grad for p in layout.step_params if p.grad is not None],
+                                    t.grad_clip if t.grad_clip > 0 else math.inf,
+                                    counted=[p.grad for p in layout.norm_counted if p.grad is not None],
+                                    comm=self.comm, groups=layout.norm_groups, device=self.device)
+        if lr is None:
+            lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
+        for group in layout.optimizer.param_groups:
+            group["lr"] = lr
+        self.faults.strike("optimizer", step + 1)
+        self.scaler.step(layout.optimizer, skip)
+        self.scaler.update(skip)
+        averaged = layout.local_sgd is not None and layout.local_sgd.average_if_due(step + 1)
+        if layout.masters and (averaged or not layout.fused_working_copy):
+            layout.masters.copy_master_to_model()
+        if layout.zero:
+            layout.zero.publish()
+        if self.activation_meter is not None and self.memory is None:
+            # after the step (optimizer state exists), before the gradients are freed
+            self.memory = memory_ledger(layout.bytes_ledger(), self.activation_meter, layout.host_peak)
+        if layout.masters:
+            layout.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
+        layout.data_parallel.zero_grad()  # the model's
+        host = {"lr": lr, "skipped_steps": self.scaler.skipped_steps}
+        if t.precision == "fp16":
+            host.update(loss_scale=self.scaler.scale_value)
+        return PendingStep(step + 1, host, {"loss": loss_sum, "grad_norm": grad_norm},
+                           nonfinite=flag if late else None)
+
+    @property
+    def _reads_flag_late(self) -> bool:
+        """Whether the non-finite flag is read with the window rather than at once: only
+        where nothing this step does depends on it (train/step_window.py)."""
+        return self.log_every > 1 and self.on_nan == "stop" and not self.scaler.enabled
+
+    def _before_first_update(self, step: int, loss_sum: torch.Tensor) -> PendingStep:
+        """PipeDream-2BW's first step: no gradient is complete yet, so no update (W(1) = W(0))."""
+        self.comm.all_reduce(loss_sum, self.layout.replicas.dense, op="avg")
+        self.layout.data_parallel.zero_grad()
+        return PendingStep(step + 1, {"grad_norm": None, "lr": None, "skipped_steps": self.scaler.skipped_steps},
+                           {"loss": loss_sum})
+
+    def _latest_name(self) -> str | None:
+        latest = ckpt.latest_checkpoint(self.run_dir) if self.run_dir else None
+        return latest.name if latest else None
+
+    def _nonfinite_stop(self, step: int, loss: float) -> Exception:
+        culprit = first_nonfinite((name, t.grad) for name, t in self.layout.named_step_tensors())
+        culprits = self.comm.all_gather_object(culprit, self.mesh.group("world"))
+        return stop_report(step, loss, culprits, self._latest_name())
+
+    def late_stop(self, record: dict, step_under_way: int | None) -> Exception:
+        """The stop of a step whose non-finite flag was read with its window."""
+        return late_stop_report(record["step"], record["loss"], step_under_way, self.log_every, self._latest_name())
+
+    # -- checkpoints -----------------------------------------------------------
+    def save(self, step: int, state: dict | None = None, keep_last: int = 0) -> Path:
+        """A checkpoint of the step's model and optimizer (every rank its part, train/checkpoint.py)
+        in ``run_dir``, with ``state`` (JSON values) beside the engine's own."""
+        layout = self.layout
+        world = self.mesh.group("world")
+        team = ckpt.Team(world.rank, world.size, barrier=lambda: self.comm.barrier(world),
+                         gather=lambda value: self.comm.all_gather_object(value, world))
+        saved = {**(state or {}), "step": step, "world_size": self.mesh.dims.world_size,
+                 "layout": self.mesh.dims.describe(),
+                 "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
+        if layout.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (run.py checks a resume)
+            saved["optimizer_per_rank"] = layout.replicas.dense.size
+        return ckpt.save_checkpoint(self.run_dir, step, layout.model, layout.optimizer, layout.masters, saved, team,
+                                    zero=layout.zero, tensor_parallel=layout.tensor_parallel,
+                                    own_optimizer=layout.own_optimizer(), keep_last=keep_last,
+                                    strike=lambda point: self.faults.strike(point, step))
+
+    def load(self, path: Path) -> dict:
+        """The model and optimizer of checkpoint ``path`` (any layout's), in place; its state."""
+        layout = self.layout
+        state = ckpt.load_checkpoint(path, layout.model, layout.optimizer, layout.masters, layout.zero,
+                                     layout.tensor_parallel, layout.own_optimizer())
+        self.scaler.load_state_dict(state["scaler"])
+        return state

@@ -127,7 +127,7 @@ class Engine:
         torch.manual_seed(step_seed(self.train.seed, step, self.layout.dropout_rank(self.mesh.rank)))
         self.layout.model.train()
 
-    def backward(self, loss: torch.Tensor, final: bool) -> torch.Tensor | float:
+    def backward_micro_batch(self, loss: torch.Tensor, final: bool) -> torch.Tensor | float:
         """Backward of one micro-batch's (divided) loss, with a mixture of experts' auxiliary
         loss, which it returns; ``final``: the step's last, whose gradients the data-parallel
         average takes."""
@@ -147,7 +147,7 @@ class Engine:
         for micro, batch in enumerate(batches):
             with self._meter_first_micro_batch(micro):
                 loss = loss_of(*batch) / divisor
-                aux = self.backward(loss, final=micro == len(batches) - 1)
+                aux = self.backward_micro_batch(loss, final=micro == len(batches) - 1)
             loss_sum += loss.detach()
             if routing:
                 routing.add(layout.moe_layers, aux)
@@ -280,7 +280,7 @@ class Engine:
         return late_stop_report(record["step"], record["loss"], step_under_way, self.log_every, self._latest_name())
 
     # -- checkpoints -----------------------------------------------------------
-    def save(self, step: int, state: dict | None = None, keep_last: int = 0) -> Path:
+    def save_checkpoint(self, step: int, state: dict | None = None, keep_last: int = 0) -> Path:
         """A checkpoint of the step's model and optimizer (every rank its part, train/checkpoint.py)
         in ``run_dir``, with ``state`` (JSON values) beside the engine's own."""
         layout = self.layout
@@ -297,7 +297,7 @@ class Engine:
                                     own_optimizer=layout.own_optimizer(), keep_last=keep_last,
                                     strike=lambda point: self.faults.strike(point, step))
 
-    def load(self, path: Path) -> dict:
+    def load_checkpoint(self, path: Path) -> dict:
         """The model and optimizer of checkpoint ``path`` (any layout's), in place; its state."""
         layout = self.layout
         state = ckpt.load_checkpoint(path, layout.model, layout.optimizer, layout.masters, layout.zero,

@@ -108,7 +108,7 @@ class Trainer:
         self.start_step = 0
         latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
         if latest:  # (none: a job restarted before its first checkpoint, run.py)
-            self.start_step = self.engine.load(latest)["step"]
+            self.start_step = self.engine.load_checkpoint(latest)["step"]
         self.peak = peak_tflops(t.peak_tflops, self.device)
 
     @property
@@ -228,4 +228,4 @@ class Trainer:
         return tokenizer.decode(continuation.tolist())
 
     def save(self, step: int) -> Path:
-        return self.engine.save(step, keep_last=self.cfg.run.keep_last)
+        return self.engine.save_checkpoint(step, keep_last=self.cfg.run.keep_last)

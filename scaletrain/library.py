@@ -1,0 +1,238 @@
+"""scaletrain as a library: your model, your data, your loop, on the engine the command runs.
+
+    import scaletrain
+
+    engine = scaletrain.setup(model, zero=3, precision="bf16", lr=3e-4, steps=1000, grad_accum=2)
+    loader = DataLoader(dataset, batch_size=8, sampler=engine.sampler(len(dataset), batch_size=8))
+    engine.load("run")                              # resume, if "run" holds a checkpoint
+    for x, y in loader:
+        loss = F.cross_entropy(engine(x.to(engine.device)), y.to(engine.device))
+        engine.backward(loss)                       # grad_accum times per step
+        if engine.ready:
+            print(engine.step())                    # {'step': 1, 'loss': ..., 'grad_norm': ..., 'lr': ...}
+    engine.save("run")
+    engine.close()
+
+`setup` joins the job (whatever launched it: ``scaletrain run --nproc N``,
+torchrun, SLURM, mpirun, or plain ``python``), builds the mesh the options
+ask for, starts every rank from rank 0's weights, and hands the model to the
+same `Engine` (train/engine.py) that ``scaletrain train`` runs on: every
+option is a field of that command (``zero=3`` is ``--zero 3``), so every
+technique the command has, the library has, by one code path. A model needs
+nothing for dp, ZeRO-1/2/3 (its repeated blocks are ZeRO-3's units), hybrid
+sharding, local SGD, mixed precision, recompute, compile, offload and
+accumulation; tp/sp, pp and cp need a `ModelPlan` (models/spec.py), the type
+the built-in families' specs produce; ep needs scaletrain's `MoE` layer.
+
+From DeepSpeed's ``initialize`` and engine: one object that owns the wrapped
+model and the optimizer, with ``backward`` and ``step`` that know the
+accumulation and the mesh. From Fabric and Accelerate: the user's forward
+and loss stay the user's (``engine(x)``), the launcher is separate from the
+script (``scaletrain run``). Changed: the options are the command's own
+flags, not a JSON schema or a strategy class; the optimizer is the engine's
+(AdamW or Adafactor, as the command's, so ZeRO shards and offloads its state);
+``step`` returns the step's numbers read once, and the sampler makes rank r's
+batch a pure function of the step, so resuming needs no sampler state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.data.sampler import ShardedSampler
+from scaletrain.dist.launch import DistRuntime, connect, detect_environment, init_distributed, shutdown
+from scaletrain.errors import UserError
+from scaletrain.library_checks import check_plan, engine_config, layout_for_world
+from scaletrain.models.spec import ModelPlan
+from scaletrain.parallel.data import replicate
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import engine as core
+from scaletrain.train.step_window import StepWindow
+
+
+def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | None = None,
+          sample: torch.Tensor | None = None, **options: Any) -> Engine:
+    """Join the job and put ``model`` under the layout ``options`` describe (module docstring).
+
+    ``options`` are fields of ``scaletrain train`` by name: the layout (``dp``, ``tp``, ``sp``,
+    ``pp``, ``cp``, ``ep``, ``zero``, ``shard_group``, ``sync_every``, ...), the optimizer and its
+    schedule (``lr``, ``steps``, ``warmup_steps``, ``weight_decay``, ``grad_clip``, ``optimizer``,
+    ...), ``precision``, ``param_dtype``, ``grad_accum``, ``recompute``, ``compile``, ``offload``,
+    ``seed``. ``plan`` says how tp, pp and cp may split the model; ``seq_len`` is every sequence's
+    length (cp); ``sample``, one micro-batch of inputs, is what ``pp_balance="time"`` times."""
+    cfg = engine_config(options)
+    env = detect_environment()
+    dims = layout_for_world(cfg, env.world_size)
+    check_plan(model, plan, dims, cfg, seq_len, sample)
+    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
+    try:
+        mesh, comm = connect(runtime, dims)
+        # Every rank starts from rank 0's weights, whatever seed each built its model with.
+        model.to(runtime.device)
+        replicate([*model.parameters(), *model.buffers()], comm, mesh.group("world"))
+        return Engine(runtime, model, cfg.train, cfg.parallel, mesh, comm, runtime.device, plan=plan, seq_len=seq_len, sample=sample)
+    except BaseException:
+        shutdown(runtime, barrier=False)
+        raise
+
+
+class Engine(core.Engine):
+    """A user's model on the engine (train/engine.py), with the protocol of a training loop:
+    ``engine(*inputs)`` runs the forward, ``backward(loss)`` each micro-batch's backward,
+    ``step()`` the update once ``grad_accum`` backward calls are in; ``train_step`` runs a
+    whole step (the way pipelines run); ``save``, ``load``, ``sampler``, ``close``. Made by
+    `setup`."""
+
+    def __init__(self, runtime: DistRuntime, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.runtime = runtime
+        self.steps_done = 0  # optimizer steps taken, the checkpoint's step
+        self._backwards = 0  # backward calls in the step under way
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._step_open = False
+
+    # -- where this process stands -------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job."""
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is the job's rank 0, the one that prints and writes."""
+        return self.mesh.rank == 0
+
+    @property
+    def data_ranks(self) -> int:
+        """How many ranks read different samples (dp x ep): each reads its share of a global batch."""
+        return self.layout.replicas.batch.size
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches per optimizer step on each rank: ``grad_accum``, times the pipeline's per round."""
+        return self.train.grad_accum * self.layout.micro_batches
+
+    @property
+    def ready(self) -> bool:
+        """Whether the step's ``grad_accum`` backward calls are in, so ``step()`` may run."""
+        return self._backwards == self.train.grad_accum
+
+    def sampler(self, size: int, batch_size: int | None = None, *, shuffle: bool = True,
+                seed: int | None = None) -> ShardedSampler:
+        """This rank's indices of a map-style dataset of ``size`` items, ``batch_size`` (default
+        ``micro_batch``) per micro-batch: the ranks that read different samples (dp x ep) read
+        disjoint slices of each global batch, the others (tp, pp, cp) the same; from the
+        micro-batch where the engine stands, so a resumed run reads on (data/sampler.py)."""
+        batch = self.layout.replicas.batch
+        return ShardedSampler(size, batch_size or self.train.micro_batch, rank=batch.rank, replicas=batch.size,
+                              seed=self.train.seed if seed is None else seed, shuffle=shuffle,
+                              start=self.steps_done * self.micro_batches_per_step)
+
+    def local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Inputs and targets [b, s, ...] on this rank's device; with cp, this rank's positions."""
+        return self.layout.local(*batch)
+
+    # -- a step, micro-batch by micro-batch ------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward under the engine's precision (and the step's dropout seed)."""
+        if self.layout.pipeline:
+            raise UserError("with pp the engine runs the forward stage by stage; call engine.train_step(micro_batches, "
+                            "loss_fn) instead of engine(inputs).")
+        if self.layout.model.training and not self._step_open:
+            self.start_step(self.steps_done)
+            self._step_open = True
+        with self.forward_context():
+            return self.layout.model(*args, **kwargs)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy over targets other than -100, also of logits a tp plan's
+        ``VocabHead`` left split over the vocabulary."""
+        trained = (targets != -100).sum().clamp(min=1)
+        with self.compression:
+            return self.layout.loss_fn(logits, targets) * targets.numel() / trained
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss; the ``grad_accum``-th starts the gradients'
+        average over the ranks."""
+        if self._backwards == self.train.grad_accum:
+            raise UserError(f"backward() was called {self._backwards + 1} times with grad_accum={self.train.grad_accum}; "
+                            f"call engine.step() after every {self.train.grad_accum}.")
+        self._backwards += 1
+        divided = loss / self.train.grad_accum
+        self.backward_micro_batch(divided, final=self.ready)
+        self._loss_sum += divided.detach()
+
+    def step(self) -> dict[str, float]:
+        """The optimizer step on the accumulated gradients; its loss (the global batch's mean),
+        gradient norm, learning rate and skipped steps."""
+        if self._backwards < self.train.grad_accum:
+            raise UserError(f"step() was called after {self._backwards} of the step's {self.train.grad_accum} "
+                            f"backward() calls (grad_accum); call engine.backward(loss) first.")
+        return self._finish(self._loss_sum)
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """A whole step: the forward and backward of every (inputs, targets) micro-batch
+        (``grad_accum`` of them; with pp, ``grad_accum x microbatches``), ``loss_fn(outputs,
+        targets)`` the mean loss of one, then the update; the step's numbers."""
+        wanted = self.micro_batches_per_step
+        if len(micro_batches) != wanted or self._backwards:
+            raise UserError(f"train_step() takes the step's {wanted} micro-batches (grad_accum x microbatches), with no "
+                            f"backward() before it, not {len(micro_batches)}; give exactly {wanted}.")
+        batches = [self.local(*batch) for batch in micro_batches]
+        self.start_step(self.steps_done)
+        if self.layout.pipeline:
+            loss_sum = self.pipeline_accumulate(batches, loss_fn, float(len(batches)))
+        else:
+            def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                with self.forward_context():
+                    outputs = self.layout.model(x)
+                return loss_fn(outputs, y)
+            loss_sum, _ = self.accumulate(batches, loss_of, float(len(batches)))
+        return self._finish(loss_sum)
+
+    def _finish(self, loss_sum: torch.Tensor) -> dict[str, float]:
+        window = StepWindow(1, 0)
+        window.add(self.update(self.steps_done, loss_sum))
+        (read,) = window.read()
+        self.steps_done += 1
+        self._backwards, self._step_open = 0, False
+        self._loss_sum = torch.zeros((), device=self.device)
+        return {key: value for key, value in read.record.items() if key != "tokens_per_s"}
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save(self, folder: str | Path, **state: Any) -> Path:
+        """A checkpoint of the model and optimizer as they stand in ``folder/checkpoints/step_N``
+        (every rank writes its part; any layout can load it), with ``state`` (JSON values)."""
+        self.run_dir = Path(folder)
+        return self.save_checkpoint(self.steps_done, {"user": state})
+
+    def load(self, folder: str | Path) -> dict[str, Any] | None:
+        """Resume from the newest complete checkpoint in ``folder``, whatever layout saved it: the
+        model, the optimizer and the step; the ``state`` saved with it (None: nothing to resume)."""
+        self.run_dir = Path(folder)
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is None:
+            return None
+        saved = self.load_checkpoint(latest)
+        self.steps_done = saved["step"]
+        return saved.get("user", {})
+
+    def close(self) -> None:
+        """Leave the job: every rank waits for the others, then the process group ends."""
+        shutdown(self.runtime)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        shutdown(self.runtime, barrier=kind is None)

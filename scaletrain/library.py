@@ -47,7 +47,7 @@ from torch import nn
 from scaletrain.data.sampler import ShardedSampler
 from scaletrain.dist.launch import DistRuntime, connect, detect_environment, init_distributed, shutdown
 from scaletrain.errors import UserError
-from scaletrain.library_checks import check_plan, engine_config, layout_for_world
+from scaletrain.library_checks import check_combinations, check_plan, engine_config, layout_for_world
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
 from scaletrain.train import checkpoint as ckpt
@@ -69,6 +69,7 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     env = detect_environment()
     dims = layout_for_world(cfg, env.world_size)
     check_plan(model, plan, dims, cfg, seq_len, sample)
+    check_combinations(cfg, model, seq_len)
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
     try:
         mesh, comm = connect(runtime, dims)

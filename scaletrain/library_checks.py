@@ -23,6 +23,7 @@ from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.recompute import parse_policy
+from scaletrain.train.layout import model_dropout
 
 # The command's options that belong to a run rather than to a step: its evaluation, the
 # launcher's processes, its MFU figure; a script has its own of each.
@@ -38,16 +39,28 @@ def engine_config(options: dict[str, Any]) -> Config:
     if unknown:
         raise UserError(f"setup() takes no option {', '.join(map(repr, unknown))}; the options are the training and "
                         f"parallel fields of scaletrain train ({', '.join(ENGINE_OPTIONS)}).")
-    cfg = Config().replace(**options)
+    fields = {f.name: f for section in (TrainConfig, ParallelConfig) for f in dataclasses.fields(section)}
     for name, value in options.items():
-        section, = (s for s in ("train", "parallel") if hasattr(getattr(cfg, s), name))
-        kind = type(getattr(Config(), section).__dict__[name])
-        if value is not None and kind in (int, float, str, bool) and not isinstance(value, kind) \
-                and not (kind is float and isinstance(value, int)):
+        kind = type(fields[name].default) if fields[name].default is not None else None
+        if kind in (int, float, str, bool) and value is not None and not (
+                isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+                or kind is float and isinstance(value, int) and not isinstance(value, bool)):
             raise UserError(f"setup() option {name}={value!r} must be a {kind.__name__}; give a {kind.__name__}.")
-    check_values(cfg)
+        choices = fields[name].metadata.get("choices")
+        if choices and value not in choices:
+            raise UserError(f"setup() option {name}={value!r} must be one of {', '.join(map(repr, choices))}.")
+    cfg = Config().replace(**options)
     parse_policy(cfg.train.recompute)
     return cfg
+
+
+def check_combinations(cfg: Config, model: nn.Module, seq_len: int | None) -> None:
+    """The command's checks of options that contradict each other (config_checks.py), told what
+    the command would know from its flags: the model's experts and dropout, the sequence length."""
+    experts = moe_layers(model)
+    facts = dict(dropout=model_dropout(model), moe_experts=experts[0].cfg.experts if experts else 0,
+                 moe_top_k=experts[0].cfg.top_k if experts else 1)
+    check_values(cfg.replace(**facts, **({"seq_len": seq_len} if seq_len else {})))
 
 
 def layout_for_world(cfg: Config, world_size: int) -> ParallelDims:
@@ -55,8 +68,8 @@ def layout_for_world(cfg: Config, world_size: int) -> ParallelDims:
     p = cfg.parallel
     fixed = p.tp * p.pp * p.cp * p.ep
     if world_size % fixed or (p.dp is not None and p.dp * fixed != world_size):
-        dp = f"dp={p.dp} x " if p.dp is not None else ""
-        raise UserError(f"the layout {dp}tp={p.tp} x pp={p.pp} x cp={p.cp} x ep={p.ep} needs a multiple of {fixed} "
+        needed = f"{p.dp * fixed}" if p.dp is not None else f"a multiple of {fixed}"
+        raise UserError(f"the layout dp={p.dp or 'any'} x tp={p.tp} x pp={p.pp} x cp={p.cp} x ep={p.ep} needs {needed} "
                         f"processes, but {world_size} were started; start a fitting number (scaletrain run --nproc "
                         f"N) or change the sizes.")
     dims = p.mesh_dims(world_size)

@@ -1,0 +1,69 @@
+"""The examples of examples/, run as a user runs them: under ``scaletrain run --nproc N`` and
+under torchrun, each layout's learning curve and final weights equal to one process with the
+same global batch (parity's rule: relative 1e-5, the whole model's weights at once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.dist.launch import free_port
+from scaletrain.parity import relative_diffs
+from scaletrain.train import checkpoint as ckpt
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TOLERANCE = 1e-5
+
+pytestmark = pytest.mark.numerics
+
+
+def _run(launcher: list[str], script: str, out: Path, *args: str) -> tuple[list[float], dict]:
+    result = subprocess.run([*launcher, str(EXAMPLES / script), "--out", str(out), *args],
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("step ") == 1, result.stdout  # the main rank alone reports
+    return json.loads((out / "losses.json").read_text()), ckpt.read_model_tensors(ckpt.latest_checkpoint(out))
+
+
+def scaletrain_run(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "scaletrain", "run", "--nproc", str(nproc)]
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port())]
+
+
+def assert_parity(reference: tuple[list[float], dict], layout: tuple[list[float], dict]) -> None:
+    (ref_losses, ref_weights), (losses, weights) = reference, layout
+    assert len(losses) == len(ref_losses)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < TOLERANCE
+    assert relative_diffs(weights, ref_weights)[1] < TOLERANCE
+    assert ref_losses[-1] < ref_losses[0]  # it learns
+
+
+def test_digits_made_data_parallel_learns_as_one_process(tmp_path):
+    steps = ("--steps", "12")
+    reference = _run([sys.executable], "digits.py", tmp_path / "one", *steps)
+    assert_parity(reference, _run(scaletrain_run(2), "digits.py", tmp_path / "dp2", *steps))
+    assert_parity(reference, _run(torchrun(2), "digits.py", tmp_path / "zero3", *steps, "--zero", "3"))
+
+
+def test_own_transformer_under_tensor_parallelism_and_zero3(tmp_path):
+    steps = ("--steps", "4", "--batch", "8")
+    reference = _run([sys.executable], "transformer.py", tmp_path / "one", *steps)
+    assert_parity(reference, _run(scaletrain_run(4), "transformer.py", tmp_path / "tp2-zero3", *steps,
+                                  "--tp", "2", "--zero", "3"))
+    assert_parity(reference, _run(torchrun(2), "transformer.py", tmp_path / "pp2", *steps, "--pp", "2"))
+
+
+def test_transformers_model_under_zero3_and_dp(tmp_path):
+    pytest.importorskip("transformers")
+    steps = ("--steps", "4", "--batch", "8")
+    reference = _run([sys.executable], "hf_causal_lm.py", tmp_path / "one", *steps, "--zero", "0")
+    assert_parity(reference, _run(scaletrain_run(2), "hf_causal_lm.py", tmp_path / "zero3", *steps))
+    assert_parity(reference, _run(torchrun(2), "hf_causal_lm.py", tmp_path / "dp2", *steps, "--zero", "0"))

@@ -10,7 +10,8 @@ imported on first use so that the command starts without them:
     Column, Row, Region,        the built-in families use (models/spec.py)
     VocabEmbedding, VocabHead,
     PositionEmbedding
-    CausalAttention, MoE        the attention cp swaps for ring attention; the layer ep divides
+    CausalAttention, MoE,       the attention cp swaps for ring attention; the layer ep divides
+    MoEConfig
     ShardedSampler              any map-style dataset, sharded, deterministic, resumable
     UserError                   what every refusal raises: one sentence saying what to change
 """
@@ -25,7 +26,7 @@ _EXPORTS = {
     "ModelPlan": "scaletrain.models.spec", "StagePlan": "scaletrain.models.spec", "Column": "scaletrain.models.spec",
     "Row": "scaletrain.models.spec", "Region": "scaletrain.models.spec", "VocabEmbedding": "scaletrain.models.spec",
     "VocabHead": "scaletrain.models.spec", "PositionEmbedding": "scaletrain.models.spec",
-    "CausalAttention": "scaletrain.models.decoder", "MoE": "scaletrain.models.moe",
+    "CausalAttention": "scaletrain.models.decoder", "MoE": "scaletrain.models.moe", "MoEConfig": "scaletrain.models.moe",
     "ShardedSampler": "scaletrain.data.sampler", "UserError": "scaletrain.errors",
 }
 __all__ = sorted(_EXPORTS)

@@ -8,7 +8,8 @@ The same rule as ``scaletrain parity`` (parity.py), for a model the command
 does not know: ``make_model()`` builds the model (after ``torch.manual_seed``
 of the ``seed`` option, on every rank), ``global_batch(step)`` gives the whole
 global batch of a step as (inputs, targets), and ``loss_fn(outputs,
-targets)`` the mean loss of a micro-batch. Both runs go through
+targets)`` the mean loss of a micro-batch (None: the mean cross-entropy,
+``Engine.cross_entropy``, which also takes logits a tp plan left split). Both runs go through
 `scaletrain.setup` and `Engine.train_step`, each in fresh processes: the
 reference in one process with the layout options dropped and every
 micro-batch of the global batch in turn, the layout in ``nproc``, micro-batch
@@ -49,6 +50,7 @@ def _run(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tupl
     """One worker of one run: its share of every step's global batch, then a checkpoint."""
     torch.manual_seed(options.get("seed", 1234))
     engine = setup(make_model(), **setup_args, **options)
+    loss_fn = loss_fn or engine.cross_entropy
     try:
         per_step = engine.train.grad_accum * engine.layout.micro_batches
         readers = engine.layout.replicas.batch
@@ -68,7 +70,7 @@ def _run(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tupl
 
 
 def check_parity(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 loss_fn: Callable, *, nproc: int, steps: int = 3, tolerance: float = 1e-5,
+                 loss_fn: Callable | None = None, *, nproc: int, steps: int = 3, tolerance: float = 1e-5,
                  plan: Any = None, seq_len: int | None = None, **options: Any) -> ParityReport:
     """The layout of ``options`` on ``nproc`` processes against one process (module docstring)."""
     if nproc < 1 or steps < 1 or tolerance <= 0:

@@ -3,6 +3,9 @@ resume; the sampler; and check_parity, the library's parity rule, on a user's mo
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +14,9 @@ from torch import nn
 import scaletrain
 from scaletrain import ModelPlan, StagePlan, UserError
 from scaletrain.dist.launch import spawn_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from transformer import PLAN, Transformer  # noqa: E402  (the example's own model and plan)
 
 
 def mlp() -> nn.Module:
@@ -200,3 +206,35 @@ def test_a_killed_worker_restarts_and_the_script_resumes_exactly(tmp_path):
     assert sorted(runs["killed"]) == list(range(1, 7))
     assert [runs["killed"][s] for s in range(1, 7)] == pytest.approx([runs["straight"][s] for s in range(1, 7)],
                                                                     rel=1e-6)
+
+
+
+def small_transformer() -> nn.Module:
+    return Transformer(layers=2, seq=16)
+
+
+def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def experts_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), scaletrain.MoE(16, scaletrain.MoEConfig(experts=4, top_k=2, hidden=16)),
+                         nn.Linear(16, 4))
+
+
+def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, 8, generator=generator), torch.randint(0, 4, (8, 4), generator=generator)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("make_model, batch, nproc, options", [
+    (small_transformer, token_batch, 2, dict(plan=PLAN, seq_len=16, cp=2)),
+    (small_transformer, token_batch, 4, dict(plan=PLAN, tp=2, sp=True, zero=1, grad_accum=2)),
+    (small_transformer, token_batch, 2, dict(plan=PLAN, pp=2, pp_schedule="zb-h1", microbatches=4)),
+    (experts_model, feature_batch, 2, dict(ep=2)),
+], ids=["cp2", "tp2-sp-zero1", "pp2-zb", "ep2"])
+def test_check_parity_with_a_plan_and_with_experts(make_model, batch, nproc, options):
+    report = scaletrain.check_parity(make_model, batch, nproc=nproc, steps=2, lr=3e-3, warmup_steps=1, **options)
+    assert report.passed, scaletrain.format_parity(report)

@@ -105,6 +105,7 @@ class Engine(core.Engine):
 
     @property
     def world_size(self) -> int:
+        """How many processes the job has."""
         return self.mesh.dims.world_size
 
     @property
@@ -236,4 +237,5 @@ class Engine(core.Engine):
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
+        """``close()``; after an exception without waiting for ranks that may never come."""
         shutdown(self.runtime, barrier=kind is None)

@@ -238,3 +238,17 @@ def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_check_parity_with_a_plan_and_with_experts(make_model, batch, nproc, options):
     report = scaletrain.check_parity(make_model, batch, nproc=nproc, steps=2, lr=3e-3, warmup_steps=1, **options)
     assert report.passed, scaletrain.format_parity(report)
+
+
+def test_a_second_setup_in_one_process_is_refused():
+    results = spawn_local(2, _setup_twice, ())
+    assert "call scaletrain.setup once per process" in results[0]
+
+
+def _setup_twice() -> str:
+    with scaletrain.setup(mlp()):
+        try:
+            scaletrain.setup(mlp())
+        except UserError as refusal:
+            return str(refusal)
+    return "no refusal"

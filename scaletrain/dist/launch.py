@@ -297,6 +297,10 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
         return DistRuntime(env, None, device)
     if chosen == "mpi4py":  # MPI started with the import in check_backend; no torch group
         return DistRuntime(env, chosen, device)
+    if dist.is_initialized():
+        raise UserError("this process already joined a process group; scaletrain joins the job itself, from the "
+                        "launcher's variables: remove your init_process_group call, and call scaletrain.setup "
+                        "once per process.")
     timeout = timedelta(seconds=timeout_s)
     if env.source == "torchrun":
         dist.init_process_group(chosen, store=_attempt_store(env, timeout), rank=env.rank,

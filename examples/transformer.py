@@ -104,13 +104,15 @@ if __name__ == "__main__":
     per_rank = args.batch // (engine.data_ranks * engine.micro_batches_per_step)
     data = windows(args.text, 64)
     batches = iter(DataLoader(data, batch_size=per_rank, sampler=engine.sampler(len(data), per_rank)))
-    curve = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    log = open(Path(args.out, "metrics.jsonl"), "w") if engine.is_main else None
     for step in range(args.steps):
         micro_batches = [next(batches) for _ in range(engine.micro_batches_per_step)]
-        curve.append(engine.train_step(micro_batches, engine.cross_entropy)["loss"])
-    if engine.is_main:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "losses.json").write_text(json.dumps(curve))
-        print(f"step {len(curve)}: loss {curve[-1]:.4f}")
+        record = engine.train_step(micro_batches, engine.cross_entropy)  # step, loss, grad_norm, lr
+        if log:
+            log.write(json.dumps(record) + "\n")
+    if log:
+        log.close()
+        print(f"step {record['step']}: loss {record['loss']:.4f}")
     engine.save(args.out)
     engine.close()

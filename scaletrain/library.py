@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.data.sampler import ShardedSampler
 from scaletrain.dist.launch import DistRuntime, connect, detect_environment, init_distributed, shutdown
 from scaletrain.errors import UserError
@@ -76,7 +77,8 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
         # Every rank starts from rank 0's weights, whatever seed each built its model with.
         model.to(runtime.device)
         replicate([*model.parameters(), *model.buffers()], comm, mesh.group("world"))
-        return Engine(runtime, model, cfg.train, cfg.parallel, mesh, comm, runtime.device, plan=plan, seq_len=seq_len, sample=sample)
+        return Engine(runtime, model, cfg.train, cfg.parallel, mesh, comm, runtime.device, plan=plan,
+                      seq_len=seq_len, sample=sample)
     except BaseException:
         shutdown(runtime, barrier=False)
         raise
@@ -96,6 +98,7 @@ class Engine(core.Engine):
         self._backwards = 0  # backward calls in the step under way
         self._loss_sum = torch.zeros((), device=self.device)
         self._step_open = False
+        self._window = StepWindow(1, 0)  # the step's clock, from its first forward to its numbers read
 
     # -- where this process stands -------------------------------------------------
     @property
@@ -150,15 +153,14 @@ class Engine(core.Engine):
             raise UserError("with pp the engine runs the forward stage by stage; call engine.train_step(micro_batches, "
                             "loss_fn) instead of engine(inputs).")
         if self.layout.model.training and not self._step_open:
-            self.start_step(self.steps_done)
-            self._step_open = True
+            self._open_step()
         with self.forward_context():
             return self.layout.model(*args, **kwargs)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy over targets other than -100, also of logits a tp plan's
         ``VocabHead`` left split over the vocabulary."""
-        trained = (targets != -100).sum().clamp(min=1)
+        trained = (targets != IGNORE_INDEX).sum().clamp(min=1)
         with self.compression:
             return self.layout.loss_fn(logits, targets) * targets.numel() / trained
 
@@ -166,8 +168,9 @@ class Engine(core.Engine):
         """Backward of one micro-batch's mean loss; the ``grad_accum``-th starts the gradients'
         average over the ranks."""
         if self._backwards == self.train.grad_accum:
-            raise UserError(f"backward() was called {self._backwards + 1} times with grad_accum={self.train.grad_accum}; "
-                            f"call engine.step() after every {self.train.grad_accum}.")
+            accum = self.train.grad_accum
+            raise UserError(f"backward() was called {accum + 1} times with grad_accum={accum}; call engine.step() "
+                            f"after every {accum}.")
         self._backwards += 1
         divided = loss / self.train.grad_accum
         self.backward_micro_batch(divided, final=self.ready)
@@ -188,10 +191,10 @@ class Engine(core.Engine):
         targets)`` the mean loss of one, then the update; the step's numbers."""
         wanted = self.micro_batches_per_step
         if len(micro_batches) != wanted or self._backwards:
-            raise UserError(f"train_step() takes the step's {wanted} micro-batches (grad_accum x microbatches), with no "
-                            f"backward() before it, not {len(micro_batches)}; give exactly {wanted}.")
+            raise UserError(f"train_step() takes the step's {wanted} micro-batches (grad_accum x microbatches), with "
+                            f"no backward() before it, not {len(micro_batches)}; give exactly {wanted}.")
+        self._open_step()
         batches = [self.local(*batch) for batch in micro_batches]
-        self.start_step(self.steps_done)
         if self.layout.pipeline:
             loss_sum = self.pipeline_accumulate(batches, loss_fn, float(len(batches)))
         else:
@@ -202,10 +205,14 @@ class Engine(core.Engine):
             loss_sum, _ = self.accumulate(batches, loss_of, float(len(batches)))
         return self._finish(loss_sum)
 
+    def _open_step(self) -> None:
+        self.start_step(self.steps_done)
+        self._step_open = True
+        self._window = StepWindow(1, 0)
+
     def _finish(self, loss_sum: torch.Tensor) -> dict[str, float]:
-        window = StepWindow(1, 0)
-        window.add(self.update(self.steps_done, loss_sum))
-        (read,) = window.read()
+        self._window.add(self.update(self.steps_done, loss_sum))
+        (read,) = self._window.read()
         self.steps_done += 1
         self._backwards, self._step_open = 0, False
         self._loss_sum = torch.zeros((), device=self.device)

@@ -172,6 +172,8 @@ def _describe(cfg: Config, dims) -> str:
 
 
 def format_table(report: ParityReport) -> str:
+    """The report as the table ``scaletrain parity`` prints: each step's losses and differences,
+    the final weights' difference, PASS or FAIL (``scaletrain.format_parity``)."""
     lines = [f"parity: {report.layout} against one device, tolerance {report.tolerance:g}",
              f"{'step':>5}  {'reference loss':>16}  {'layout loss':>16}  {'rel diff':>10}  {'grad norm diff':>14}"]
     for step, (ref, got, diff, norm_diff) in enumerate(zip(report.reference_losses, report.layout_losses,

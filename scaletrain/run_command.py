@@ -52,13 +52,15 @@ def add_run_parser(commands) -> None:
 
 def export_place() -> None:
     """This process's place in its job, from whichever launcher started it, as the variables
-    ``init_process_group``'s default ``env://`` rendezvous reads."""
-    from scaletrain.dist.launch import detect_environment
+    ``init_process_group``'s default ``env://`` rendezvous reads; under torch's elastic agent, at
+    an address of this launch attempt's own (dist/launch.py: `attempt_rendezvous`)."""
+    from scaletrain.dist.launch import attempt_rendezvous, detect_environment
 
     env = detect_environment()
+    addr, port = attempt_rendezvous(env)
     os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
-                      LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
-                      MASTER_PORT=str(env.master_port))
+                      LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=addr, MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="False")
 
 
 def run_script(script: str, args: list[str]) -> None:

@@ -26,7 +26,11 @@ def _run(launcher: list[str], script: str, out: Path, *args: str) -> tuple[list[
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("step ") == 1, result.stdout  # the main rank alone reports
-    return json.loads((out / "losses.json").read_text()), ckpt.read_model_tensors(ckpt.latest_checkpoint(out))
+    if (out / "metrics.jsonl").exists():  # a record per step
+        losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    else:  # the learning curve at the end
+        losses = json.loads((out / "losses.json").read_text())
+    return losses, ckpt.read_model_tensors(ckpt.latest_checkpoint(out))
 
 
 def scaletrain_run(nproc: int) -> list[str]:

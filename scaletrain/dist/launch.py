@@ -33,6 +33,7 @@ import re
 import signal
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
 
 DEFAULT_ADDR = "127.0.0.1"
+SETTLE_S = 0.2  # what shutdown waits after its barrier for gloo's threads (`shutdown`)
 DEFAULT_PORT = 29500
 
 # (rank, world size, local rank, local world size) variables of each MPI flavour.
@@ -327,6 +329,29 @@ def _attempt_store(env: ProcessEnv, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"scaletrain/attempt_{restart_attempt()}", store)
 
 
+def attempt_rendezvous(env: ProcessEnv, timeout_s: float = 600.0) -> tuple[str, int]:
+    """Where a script that calls ``init_process_group`` itself should meet in this launch attempt.
+
+    Under torch's elastic agent (torchrun, ``--nproc``) such a script's ``env://`` rendezvous
+    reads and writes the agent's store, which outlives a restart: a restarted rank may read a
+    dead rank's address from the failed attempt and wait on it for good (`_attempt_store`
+    keeps the trainer's attempts apart by a prefix, which a user's script cannot take). So
+    rank 0 of each attempt picks a fresh port, tells the others through the agent's store under
+    the attempt's own key, and hosts that attempt's store itself. Elsewhere (one process,
+    SLURM, MPI: no agent, no restarts) the launcher's address stands."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.world_size == 1:
+        return env.master_addr, env.master_port
+    agent = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    key = f"scaletrain/script/attempt_{restart_attempt()}"
+    if env.rank == 0:
+        one_node = env.local_world_size == env.world_size
+        host = env.master_addr if one_node else socket.getfqdn()
+        agent.set(key, f"{host}:{free_port(env.master_addr if one_node else '')}")
+    host, port = agent.get(key).decode().rsplit(":", 1)
+    return host, int(port)
+
+
 def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:
     """Leave the process group; the barrier first lets every rank finish its
     last transfers, without which teardown aborts at random on torch 2.13.
@@ -336,6 +361,11 @@ def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:
         return
     if barrier:
         dist.barrier()
+        # Gloo's worker threads release a finished collective's tensors just after its waiter
+        # wakes, taking the GIL for the ones Python made; a thread still doing so when the
+        # interpreter finalises aborts the process ("terminate called without an active
+        # exception", rank != 0 at random). The GIL given up for a moment lets them finish.
+        time.sleep(SETTLE_S)
     dist.destroy_process_group()
 
 

@@ -18,8 +18,6 @@ from scaletrain.train import checkpoint as ckpt
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOLERANCE = 1e-5
 
-pytestmark = pytest.mark.numerics
-
 
 def _run(launcher: list[str], script: str, out: Path, *args: str) -> tuple[list[float], dict]:
     result = subprocess.run([*launcher, str(EXAMPLES / script), "--out", str(out), *args],

@@ -19,7 +19,7 @@ _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "n
              "sync_every")
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
-                 "max_restarts")
+                 "max_restarts", "momentum")
 _ABOVE_ZERO = ("lr", "timeout", "bucket_mb", "norm_eps")
 
 
@@ -54,7 +54,7 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.zero:
         for flag, used in (("--allreduce ring", cfg.parallel.allreduce != "backend"),
                            ("--compress", cfg.parallel.compress != "none"),
-                           ("--optimizer adafactor", cfg.train.optimizer != "adamw")):
+                           ("--optimizer adafactor", cfg.train.optimizer == "adafactor")):
             if used:
                 raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
                                 f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
@@ -67,7 +67,7 @@ def check_values(cfg: Config) -> None:
         if cfg.parallel.sp and cfg.data.seq_len % tp:
             raise UserError(f"--sp splits each sequence of --seq-len {cfg.data.seq_len} over --tp {tp} "
                             f"ranks; choose a --seq-len divisible by {tp}.")
-        if cfg.train.optimizer != "adamw":
+        if cfg.train.optimizer == "adafactor":
             raise UserError(f"--tp {tp} does not combine with --optimizer adafactor: Adafactor factors the "
                             f"second moment of whole weight matrices; drop one of the two.")
     if cfg.train.on_nan == "stop" and cfg.train.precision == "fp16":

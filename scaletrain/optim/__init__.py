@@ -15,6 +15,10 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig) -> torch.optim.O
     """``--optimizer`` over ``param_groups`` (the model's decay groups, or their masters)."""
     if cfg.optimizer == "adafactor":
         return Adafactor(param_groups, lr=cfg.lr)
+    if cfg.optimizer == "sgd":
+        # Weight decay as SGD takes it, added to the gradient (for SGD without momentum the same
+        # as AdamW's decoupled decay at this learning rate).
+        return torch.optim.SGD(param_groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
     if cfg.fused == "triton":
         # Imported here: importing Triton decorates the kernel, which must come after
         # TRITON_INTERPRET is set (kernels/__init__.py).

@@ -60,12 +60,16 @@ def dtype_bytes(dtype_name: str) -> int:
     return compute_dtype(dtype_name).itemsize
 
 
-def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str) -> int:
-    """State of the optimizer for tensors of these shapes (or flat sizes), step counters included."""
+def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, momentum: float = 0.0) -> int:
+    """State of the optimizer for tensors of these shapes (or flat sizes), step counters included
+    (SGD keeps none: one fp32 momentum buffer per weight, or with momentum 0 nothing)."""
     total = 0
     for p in params:
         shape = tuple(p.shape) if isinstance(p, nn.Parameter) else (p,)
         numel = math.prod(shape)
+        if optimizer == "sgd":
+            total += 4 * numel if momentum else 0
+            continue
         if optimizer == "adafactor" and len(shape) >= 2:
             total += 4 * (numel // shape[-1] + numel // shape[-2])
         elif optimizer == "adafactor":
@@ -111,7 +115,7 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
     if p.zero:
         return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
     n = weights.numel
-    state = optimizer_bytes(weights.params, t.optimizer) + (4 * n if masters else 0)
+    state = optimizer_bytes(weights.params, t.optimizer, t.momentum) + (4 * n if masters else 0)
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
     return {"params": w * n, "grads": r * n + extra_grads, "optimizer": state, "host": host, "buffers": 0}
@@ -125,7 +129,7 @@ def _zero_memory(cfg: Config, weights: RankWeights, n: int, w: int, r: int, mast
     shards = [size // n for size in padded]
     pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_first_rank(unit, shard)]
     shard_total = sum(shards)
-    state = optimizer_bytes(pieces, cfg.train.optimizer) + (4 * shard_total if masters else 0)
+    state = optimizer_bytes(pieces, cfg.train.optimizer, cfg.train.momentum) + (4 * shard_total if masters else 0)
     extra_grads = 4 * shard_total if master_grads else 0
     buffers = 0
     if stage >= 2:

@@ -117,9 +117,10 @@ class TrainConfig:
                                   "dynamic loss scaling", choices=("fp32", "bf16", "fp16"))
     param_dtype: str = _opt("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
                                     "the optimizer (needs --precision bf16)", choices=("fp32", "bf16"))
-    optimizer: str = _opt("adamw", "AdamW, Adafactor with factored second moments, or SGD (with --momentum: "
-                                   "one buffer per weight; without: no state at all)",
-                          choices=("adamw", "adafactor", "sgd"))
+    optimizer: str = _opt("adamw", "AdamW, Adafactor with factored second moments, SGD (with --momentum: "
+                                   "one buffer per weight; without: no state at all), or AdamW with block-wise "
+                                   "8-bit moments (2 bytes per weight against 8)",
+                          choices=("adamw", "adafactor", "sgd", "adamw8bit"))
     momentum: float = _opt(0.9, "SGD's momentum (0: plain SGD)")
     offload: str = _opt("none", "'optimizer': fp32 master weights, optimizer state and step in host "
                                 "memory", choices=("none", "optimizer"))

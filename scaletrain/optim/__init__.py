@@ -7,6 +7,7 @@ import torch
 from scaletrain.config import TrainConfig
 from scaletrain.optim.adafactor import Adafactor, build_adafactor
 from scaletrain.optim.adamw import build_adamw, decay_groups
+from scaletrain.optim.adamw8bit import AdamW8bit
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.optim.schedule import lr_at
 
@@ -19,6 +20,8 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig) -> torch.optim.O
         # Weight decay as SGD takes it, added to the gradient (for SGD without momentum the same
         # as AdamW's decoupled decay at this learning rate).
         return torch.optim.SGD(param_groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    if cfg.optimizer == "adamw8bit":
+        return AdamW8bit(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     if cfg.fused == "triton":
         # Imported here: importing Triton decorates the kernel, which must come after
         # TRITON_INTERPRET is set (kernels/__init__.py).
@@ -27,5 +30,5 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=True)
 
 
-__all__ = ["Adafactor", "MasterWeights", "build_adafactor", "build_adamw", "build_optimizer",
+__all__ = ["Adafactor", "AdamW8bit", "MasterWeights", "build_adafactor", "build_adamw", "build_optimizer",
            "decay_groups", "lr_at"]

@@ -46,6 +46,7 @@ import math
 from torch import nn
 
 from scaletrain.config import Config
+from scaletrain.optim.adamw8bit import BLOCK, MIN_8BIT
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.plan.inventory import RankWeights
 from scaletrain.precision import compute_dtype
@@ -70,7 +71,9 @@ def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, mome
         if optimizer == "sgd":
             total += 4 * numel if momentum else 0
             continue
-        if optimizer == "adafactor" and len(shape) >= 2:
+        if optimizer == "adamw8bit" and numel >= MIN_8BIT:  # codes, and two fp32 scales per block
+            total += 2 * numel + 8 * -(-numel // BLOCK)
+        elif optimizer == "adafactor" and len(shape) >= 2:
             total += 4 * (numel // shape[-1] + numel // shape[-2])
         elif optimizer == "adafactor":
             total += 4 * numel

@@ -1,0 +1,102 @@
+"""--optimizer adamw8bit (optim/adamw8bit.py): the dynamic tree maps, block-wise quantization's
+error bound, AdamW's trajectory followed, the bytes the planner predicts, an exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.config import Config
+from scaletrain.config_checks import check_values
+from scaletrain.errors import UserError
+from scaletrain.optim import build_optimizer
+from scaletrain.optim.adamw8bit import BLOCK, AdamW8bit, dequantize, dynamic_map, quantize
+from scaletrain.plan.memory import optimizer_bytes
+from scaletrain.train.memory import optimizer_state, tensor_bytes
+from scaletrain.train.run import launch
+
+
+def test_maps_hold_zero_one_and_small_decades():
+    signed, unsigned = dynamic_map(signed=True), dynamic_map(signed=False)
+    assert len(signed) == 255 and len(unsigned) == 256  # 8-bit codes
+    assert torch.equal(signed, -signed.flip(0))  # symmetric
+    assert {0.0, 1.0, -1.0} <= set(signed.tolist()) and unsigned.min() == 0 and unsigned.max() == 1
+    # dynamic: values down to 1e-6 (signed) and 1e-7 (unsigned), each decade finer than a linear map
+    assert 0 < signed[signed > 0].min() < 2e-6 and 0 < unsigned[unsigned > 0].min() < 2e-7
+    assert (signed.diff() > 0).all() and (unsigned.diff() > 0).all()
+
+
+def test_block_wise_error_is_bounded_by_each_blocks_own_maximum():
+    qmap = dynamic_map(signed=True)
+    x = torch.randn(3 * BLOCK + 100, generator=torch.Generator().manual_seed(0))
+    x[5] = 1000.0  # an outlier in the first block
+    codes, absmax = quantize(x, qmap)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape and absmax.shape == (4,)
+    y = dequantize(codes, absmax, qmap, x.shape)
+    widest_gap = qmap.diff().max()
+    for block in range(4):
+        part = slice(block * BLOCK, (block + 1) * BLOCK)
+        assert (y[part] - x[part]).abs().max() <= absmax[block] * widest_gap / 2 + 1e-6
+        assert y[part].abs().max() == x[part].abs().max()  # the block's maximum is exact
+    # the outlier costs only its own block: the others keep their relative precision
+    later = slice(BLOCK, 3 * BLOCK)
+    assert ((y[later] - x[later]).abs() / x[later].abs()).median() < 0.02
+
+
+def _regression(optimizer_class, steps: int = 150) -> tuple[list[float], torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))
+    optimizer = optimizer_class(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+    inputs = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    targets = inputs[:, :3].sum(1, keepdim=True)
+    losses = []
+    for _ in range(steps):
+        loss = (model(inputs) - targets).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_follows_adamw():
+    exact, _ = _regression(torch.optim.AdamW)
+    eight_bit, model = _regression(AdamW8bit)
+    assert eight_bit[-1] < 1e-3 * eight_bit[0]  # it trains
+    for step in (10, 50):  # and along AdamW's path, within the quantization's own error
+        assert abs(eight_bit[step] - exact[step]) < 0.1 * exact[step]
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw"])
+def test_state_bytes_equal_the_planners(name):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))
+    cfg = Config().replace(optimizer=name)
+    optimizer = build_optimizer([{"params": list(model.parameters()), "weight_decay": 0.0}], cfg.train)
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    params = list(model.parameters())
+    assert tensor_bytes(optimizer_state(optimizer)) == optimizer_bytes(params, name)
+    big = params[0]  # the 128 x 64 matrix: 8-bit codes plus two scales per block
+    if name == "adamw8bit":
+        assert optimizer_bytes([big], name) == 2 * big.numel() + 8 * 4 + 4
+
+
+def test_sharded_layouts_are_refused_in_one_sentence():
+    with pytest.raises(UserError, match="--optimizer adamw8bit keeps each weight's moments as 8-bit codes.*--zero"):
+        check_values(Config().replace(optimizer="adamw8bit", zero=2))
+
+
+@pytest.mark.numerics
+def test_a_resumed_run_continues_exactly(tiny_cfg, tmp_path):
+    cfg = tiny_cfg.replace(optimizer="adamw8bit", lr=3e-3)
+
+    def losses(out: Path, **changes) -> list[float]:
+        launch(cfg.replace(out=str(out), **changes))
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    straight = losses(tmp_path / "straight")
+    losses(tmp_path / "cut", stop_at=2)
+    assert losses(tmp_path / "cut", resume=True) == straight

@@ -29,6 +29,8 @@ ONE_PROCESS = {
     "bf16 weights, fp32 masters": {"precision": "bf16", "param_dtype": "bf16"},
     "bf16 recompute full": {"precision": "bf16", "recompute": "full"},  # autocast's cached weight copies
     "offload": {"offload": "optimizer"},
+    "sgd with momentum": {"optimizer": "sgd"},
+    "8-bit AdamW": {"optimizer": "adamw8bit"},
 }
 TWO_PROCESSES = {
     "dp2": {},
@@ -50,6 +52,7 @@ TWO_PROCESSES = {
     "bf16 pp2 1f1b recompute full": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4, "precision": "bf16",
                                      "recompute": "full"},
     "cp2": {"cp": 2},
+    "dp2 8-bit AdamW": {"optimizer": "adamw8bit"},
 }
 CASES = [(1, name) for name in ONE_PROCESS] + [(2, name) for name in TWO_PROCESSES]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from scaletrain.config import TrainConfig
@@ -12,8 +14,10 @@ from scaletrain.optim.masters import MasterWeights
 from scaletrain.optim.schedule import lr_at
 
 
-def build_optimizer(param_groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """``--optimizer`` over ``param_groups`` (the model's decay groups, or their masters)."""
+def build_optimizer(param_groups: list[dict], cfg: TrainConfig,
+                    embeddings: Collection[torch.Tensor] = ()) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``param_groups`` (the model's decay groups, or their masters);
+    ``embeddings``: the stepped tensors of embedding tables, whose 8-bit AdamW state stays fp32."""
     if cfg.optimizer == "adafactor":
         return Adafactor(param_groups, lr=cfg.lr)
     if cfg.optimizer == "sgd":
@@ -21,7 +25,7 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig) -> torch.optim.O
         # as AdamW's decoupled decay at this learning rate).
         return torch.optim.SGD(param_groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
     if cfg.optimizer == "adamw8bit":
-        return AdamW8bit(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        return AdamW8bit(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fp32_state=embeddings)
     if cfg.fused == "triton":
         # Imported here: importing Triton decorates the kernel, which must come after
         # TRITON_INTERPRET is set (kernels/__init__.py).

@@ -18,13 +18,17 @@ scale per tensor).
 State: 2 bytes per parameter plus 2 x 4 bytes per block (0.004 per parameter), against
 AdamW's 8. A step dequantizes a tensor's moments to fp32, takes AdamW's step on them
 (bias-corrected, decoupled weight decay), and quantizes them back. As the paper advises, a
-tensor of fewer than 4096 elements keeps fp32 moments: its bytes are negligible, and norms
-and biases are where quantization error would cost most.
+tensor of fewer than 4096 elements keeps fp32 moments (its bytes are negligible, and norms
+and biases are where quantization error would cost most), and so do the embedding tables
+(``fp32_state``): the paper's stable embedding keeps their state in 32 bits, because the
+rows of rare tokens see gradients so seldom that their moments live near zero, where
+quantization's error is largest relative to them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -69,9 +73,10 @@ class AdamW8bit(torch.optim.Optimizer):
     """AdamW with block-wise 8-bit moments (module docstring); the arguments are AdamW's."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, fp32_state: Collection[torch.Tensor] = ()):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.signed_map, self.unsigned_map = dynamic_map(signed=True), dynamic_map(signed=False)
+        self.fp32_state = {id(t) for t in fp32_state}
 
     def _moments(self, p: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "exp_avg" in state:
@@ -81,7 +86,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], unsigned, p.shape))
 
     def _store(self, p: torch.Tensor, state: dict, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        if p.numel() < MIN_8BIT:
+        if p.numel() < MIN_8BIT or id(p) in self.fp32_state:
             state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
             return
         state["exp_avg_codes"], state["exp_avg_absmax"] = quantize(exp_avg, self.signed_map.to(p.device))

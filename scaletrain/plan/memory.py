@@ -61,9 +61,11 @@ def dtype_bytes(dtype_name: str) -> int:
     return compute_dtype(dtype_name).itemsize
 
 
-def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, momentum: float = 0.0) -> int:
+def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, momentum: float = 0.0,
+                    fp32_state: frozenset[int] = frozenset()) -> int:
     """State of the optimizer for tensors of these shapes (or flat sizes), step counters included
-    (SGD keeps none: one fp32 momentum buffer per weight, or with momentum 0 nothing)."""
+    (SGD keeps none: one fp32 momentum buffer per weight, or with momentum 0 nothing; 8-bit
+    AdamW keeps fp32 moments for the parameters whose ids are in ``fp32_state``, the embeddings)."""
     total = 0
     for p in params:
         shape = tuple(p.shape) if isinstance(p, nn.Parameter) else (p,)
@@ -71,7 +73,7 @@ def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, mome
         if optimizer == "sgd":
             total += 4 * numel if momentum else 0
             continue
-        if optimizer == "adamw8bit" and numel >= MIN_8BIT:  # codes, and two fp32 scales per block
+        if optimizer == "adamw8bit" and numel >= MIN_8BIT and id(p) not in fp32_state:  # codes, two scales a block
             total += 2 * numel + 8 * -(-numel // BLOCK)
         elif optimizer == "adafactor" and len(shape) >= 2:
             total += 4 * (numel // shape[-1] + numel // shape[-2])
@@ -118,7 +120,9 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
     if p.zero:
         return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
     n = weights.numel
-    state = optimizer_bytes(weights.params, t.optimizer, t.momentum) + (4 * n if masters else 0)
+    embeddings = frozenset(id(q) for m in weights.model.modules() if isinstance(m, nn.Embedding)
+                           for q in m.parameters())
+    state = optimizer_bytes(weights.params, t.optimizer, t.momentum, embeddings) + (4 * n if masters else 0)
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
     return {"params": w * n, "grads": r * n + extra_grads, "optimizer": state, "host": host, "buffers": 0}

@@ -193,7 +193,9 @@ class Layout:
                                                              [q for group in groups for q in group["params"]], t.steps)
         # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
         self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
-        self.optimizer = build_optimizer(groups, t)
+        embeddings = [self.stepped(q) for m in self.model.modules() if isinstance(m, nn.Embedding)
+                      for q in m.parameters()] if not self.zero else []
+        self.optimizer = build_optimizer(groups, t, embeddings)
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device).
         self.fused_working_copy = self.masters is not None and master_device is None and t.fused == "triton"

@@ -193,8 +193,9 @@ class Layout:
                                                              [q for group in groups for q in group["params"]], t.steps)
         # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
         self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
+        # 8-bit AdamW keeps the embedding tables' moments in fp32 (optim/adamw8bit.py).
         embeddings = [self.stepped(q) for m in self.model.modules() if isinstance(m, nn.Embedding)
-                      for q in m.parameters()] if not self.zero else []
+                      for q in m.parameters() if q.requires_grad] if t.optimizer == "adamw8bit" else []
         self.optimizer = build_optimizer(groups, t, embeddings)
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device).

@@ -3,9 +3,6 @@ error bound, AdamW's trajectory followed, the bytes the planner predicts, an exa
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,7 +13,7 @@ from scaletrain.optim import build_optimizer
 from scaletrain.optim.adamw8bit import BLOCK, AdamW8bit, dequantize, dynamic_map, quantize
 from scaletrain.plan.memory import optimizer_bytes
 from scaletrain.train.memory import optimizer_state, tensor_bytes
-from scaletrain.train.run import launch
+from tests.trainers import losses_of_run
 
 
 def test_maps_hold_zero_one_and_small_decades():
@@ -93,10 +90,6 @@ def test_sharded_layouts_are_refused_in_one_sentence():
 def test_a_resumed_run_continues_exactly(tiny_cfg, tmp_path):
     cfg = tiny_cfg.replace(optimizer="adamw8bit", lr=3e-3)
 
-    def losses(out: Path, **changes) -> list[float]:
-        launch(cfg.replace(out=str(out), **changes))
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    straight = losses(tmp_path / "straight")
-    losses(tmp_path / "cut", stop_at=2)
-    assert losses(tmp_path / "cut", resume=True) == straight
+    straight = losses_of_run(cfg, tmp_path / "straight")
+    losses_of_run(cfg, tmp_path / "cut", stop_at=2)
+    assert losses_of_run(cfg, tmp_path / "cut", resume=True) == straight

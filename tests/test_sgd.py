@@ -3,9 +3,6 @@ planner's formula, parity with one device under ZeRO and tp, and an exact resume
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,7 +12,7 @@ from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parity import run_parity
 from scaletrain.plan.memory import optimizer_bytes
 from scaletrain.train.memory import optimizer_state, tensor_bytes
-from scaletrain.train.run import launch
+from tests.trainers import losses_of_run
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -60,10 +57,6 @@ def test_sgd_layouts_equal_one_device(tiny_cfg, changes):
 def test_a_resumed_sgd_run_continues_exactly(tiny_cfg, tmp_path, momentum):
     cfg = tiny_cfg.replace(optimizer="sgd", momentum=momentum, lr=0.1)
 
-    def losses(out: Path, **changes) -> list[float]:
-        launch(cfg.replace(out=str(out), **changes))
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    straight = losses(tmp_path / "straight")
-    losses(tmp_path / "cut", stop_at=2)
-    assert losses(tmp_path / "cut", resume=True) == straight
+    straight = losses_of_run(cfg, tmp_path / "straight")
+    losses_of_run(cfg, tmp_path / "cut", stop_at=2)
+    assert losses_of_run(cfg, tmp_path / "cut", resume=True) == straight

@@ -29,3 +29,13 @@ def train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[fl
         if step + 1 == save_at:
             trainer.save(step + 1)
     return losses
+
+
+def losses_of_run(cfg, out: Path, **changes) -> list[float]:
+    """Launch ``cfg`` (with ``changes``) into ``out`` as the command does; the losses of its metrics.jsonl."""
+    import json
+
+    from scaletrain.train.run import launch
+
+    launch(cfg.replace(out=str(out), **changes))
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

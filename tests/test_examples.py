@@ -60,7 +60,6 @@ def test_own_transformer_under_tensor_parallelism_and_zero3(tmp_path):
     reference = _run([sys.executable], "transformer.py", tmp_path / "one", *steps)
     assert_parity(reference, _run(scaletrain_run(4), "transformer.py", tmp_path / "tp2-zero3", *steps,
                                   "--tp", "2", "--zero", "3"))
-    assert_parity(reference, _run(torchrun(2), "transformer.py", tmp_path / "pp2", *steps, "--pp", "2"))
 
 
 def test_transformers_model_under_zero3_and_dp(tmp_path):
@@ -68,4 +67,15 @@ def test_transformers_model_under_zero3_and_dp(tmp_path):
     steps = ("--steps", "4", "--batch", "8")
     reference = _run([sys.executable], "hf_causal_lm.py", tmp_path / "one", *steps, "--zero", "0")
     assert_parity(reference, _run(scaletrain_run(2), "hf_causal_lm.py", tmp_path / "zero3", *steps))
+
+
+@pytest.mark.slow
+def test_the_examples_under_torchrun(tmp_path):
+    """The transformer's pipeline and the transformers model's plain dp, under torchrun (the digits
+    example runs under it by default): `python3 -m pytest -m slow tests/test_examples.py`."""
+    pytest.importorskip("transformers")
+    steps = ("--steps", "4", "--batch", "8")
+    reference = _run([sys.executable], "transformer.py", tmp_path / "one", *steps)
+    assert_parity(reference, _run(torchrun(2), "transformer.py", tmp_path / "pp2", *steps, "--pp", "2"))
+    reference = _run([sys.executable], "hf_causal_lm.py", tmp_path / "hf-one", *steps, "--zero", "0")
     assert_parity(reference, _run(torchrun(2), "hf_causal_lm.py", tmp_path / "dp2", *steps, "--zero", "0"))

@@ -137,7 +137,6 @@ def scaletrain_rank_seed() -> int:
     return int(os.environ["RANK"])
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("nproc, options", [
     (2, dict(zero=3, grad_accum=2)),
     (2, dict(sync_every=1, precision="fp32", zero=1, offload="optimizer")),

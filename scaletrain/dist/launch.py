@@ -53,7 +53,7 @@ from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import JobFailed, UserError
 
 DEFAULT_ADDR = "127.0.0.1"
-SETTLE_S = 0.2  # what shutdown waits after its barrier for gloo's threads (`shutdown`)
+SETTLE_S = 0.1  # what shutdown waits after its barrier for gloo's threads (`shutdown`)
 DEFAULT_PORT = 29500
 
 # (rank, world size, local rank, local world size) variables of each MPI flavour.

@@ -302,23 +302,24 @@ def _base_type(fld: dataclasses.Field) -> type:
     raise TypeError(f"unsupported config type {fld.type!r} for {fld.name}")
 
 
-def _coerce(key: str, fld: dataclasses.Field, value: Any) -> Any:
-    """Check a TOML value against the field's type, in the user's words."""
+def coerce(key: str, fld: dataclasses.Field, value: Any, named: str = "config key",
+           fix: str = "fix the TOML file") -> Any:
+    """Check a value against the field's type and choices, in the user's words: ``named`` says what
+    gave it (a TOML key, a library option), ``fix`` where to change it."""
     typ = _base_type(fld)
     if value is None:
         return None
     if typ is list:  # a repeatable flag: one string, or a list of them
         if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise UserError(f"config key '{key}' must be a string or a list of strings, not {value!r}; fix the "
-                            f"TOML file.")
+            raise UserError(f"{named} '{key}' must be a string or a list of strings, not {value!r}; {fix}.")
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise UserError(f"config key '{key}' must be {typ.__name__}, not {value!r}; fix the TOML file.")
+        raise UserError(f"{named} '{key}' must be {typ.__name__}, not {value!r}; {fix}.")
     choices = fld.metadata.get("choices")
     if choices and value not in choices:
-        raise UserError(f"config key '{key}' must be one of {', '.join(map(str, choices))}, not {value!r}.")
+        raise UserError(f"{named} '{key}' must be one of {', '.join(map(str, choices))}, not {value!r}.")
     return value
 
 
@@ -361,12 +362,12 @@ def load_toml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
                 if match is None or match[0] != key:
                     raise UserError(f"unknown key '{sub_key}' in section [{key}] of {path}; "
                                     f"see scaletrain train --help for the fields.")
-                values[match[1].name] = _coerce(sub_key, match[1], sub_value)
+                values[match[1].name] = coerce(sub_key, match[1], sub_value)
         else:
             match = _FIELDS_BY_FLAG.get(key) or _FIELDS_BY_NAME.get(key)
             if match is None:
                 raise UserError(f"unknown key '{key}' in {path}; see scaletrain train --help for the fields.")
-            values[match[1].name] = _coerce(key, match[1], value)
+            values[match[1].name] = coerce(key, match[1], value)
     return values
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from scaletrain.config import Config, ParallelConfig, TrainConfig
+from scaletrain.config import Config, ParallelConfig, TrainConfig, coerce
 from scaletrain.config_checks import check_values
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
@@ -40,16 +40,9 @@ def engine_config(options: dict[str, Any]) -> Config:
         raise UserError(f"setup() takes no option {', '.join(map(repr, unknown))}; the options are the training and "
                         f"parallel fields of scaletrain train ({', '.join(ENGINE_OPTIONS)}).")
     fields = {f.name: f for section in (TrainConfig, ParallelConfig) for f in dataclasses.fields(section)}
-    for name, value in options.items():
-        kind = type(fields[name].default) if fields[name].default is not None else None
-        if kind in (int, float, str, bool) and value is not None and not (
-                isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-                or kind is float and isinstance(value, int) and not isinstance(value, bool)):
-            raise UserError(f"setup() option {name}={value!r} must be a {kind.__name__}; give a {kind.__name__}.")
-        choices = fields[name].metadata.get("choices")
-        if choices and value not in choices:
-            raise UserError(f"setup() option {name}={value!r} must be one of {', '.join(map(repr, choices))}.")
-    cfg = Config().replace(**options)
+    checked = {name: coerce(name, fields[name], value, named="setup() option", fix="give one of that type")
+               for name, value in options.items()}
+    cfg = Config().replace(**checked)
     parse_policy(cfg.train.recompute)
     return cfg
 

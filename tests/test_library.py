@@ -34,8 +34,8 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 @pytest.mark.parametrize("options, words", [
     (dict(zeor=3), "setup() takes no option 'zeor'"),
-    (dict(zero=5), "must be one of"),
-    (dict(lr="fast"), "lr='fast' must be a float"),
+    (dict(zero=5), "option 'zero' must be one of 0, 1, 2, 3"),
+    (dict(lr="fast"), "option 'lr' must be float, not 'fast'"),
     (dict(tp=2), "needs a multiple of 2 processes, but 1 were started"),
     (dict(dp=2), "needs 2 processes, but 1 were started"),
     (dict(sync_every=4), "sync_every=4 averages data-parallel replicas"),

@@ -76,14 +76,6 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.max_restarts and cfg.parallel.nproc < 2:
         raise UserError("--max-restarts restarts the workers that --nproc spawns; add --nproc, or under "
                         "torchrun give torchrun its own --max-restarts.")
-    if cfg.train.optimizer == "adamw8bit":
-        p = cfg.parallel
-        for flag, used in (("--zero", p.zero > 0), ("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--ep", p.ep > 1),
-                           ("--sync-every", p.sync_every > 1)):
-            if used:
-                raise UserError(f"--optimizer adamw8bit keeps each weight's moments as 8-bit codes with a scale per "
-                                f"block, which {flag} does not shard or save in this version; drop {flag} or use "
-                                f"--optimizer adamw.")
     if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
         raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
     _check_pipeline(cfg.parallel)

@@ -53,6 +53,8 @@ TWO_PROCESSES = {
                                      "recompute": "full"},
     "cp2": {"cp": 2},
     "dp2 8-bit AdamW": {"optimizer": "adamw8bit"},
+    "zero2 8-bit AdamW": {"zero": 2, "optimizer": "adamw8bit"},
+    "tp2 8-bit AdamW": {"tp": 2, "optimizer": "adamw8bit"},
 }
 CASES = [(1, name) for name in ONE_PROCESS] + [(2, name) for name in TWO_PROCESSES]
 
@@ -88,17 +90,20 @@ def measure_layouts(preset: str, corpus: Path, root: Path) -> tuple[dict, int]:
 
 
 def assert_predicted(cfg, n: int, vocab: int, ledgers: list) -> None:
-    """Every rank's memory ledger within 5%, category by category, and its communication
-    ledger exactly, as the planner predicts them for ``cfg`` on ``n`` ranks."""
+    """Each stage's fullest rank's memory ledger within 5%, category by category (the planner
+    predicts the fullest: 8-bit AdamW's ZeRO shards differ, where one holds more tensors kept in
+    fp32), and every rank's communication ledger exactly, as the planner predicts them for
+    ``cfg`` on ``n`` ranks."""
     # The host is the device here: offloaded state counts where the ledger counts it.
     prediction = predict(cfg, n, vocab, Cluster(cpu_device(1.0, 2**40), n, n))
+    stage_of = [cfg.parallel.mesh_dims(n).coords(rank)["pp"] for rank in range(n)]
     for rank, (memory, comm) in enumerate(ledgers):
-        pp_rank = cfg.parallel.mesh_dims(n).coords(rank)["pp"]
-        predicted = prediction.stages[pp_rank]
+        predicted = prediction.stages[stage_of[rank]]
         for measured_name, predicted_name in CATEGORIES.items():
-            assert predicted[predicted_name] == pytest.approx(memory[measured_name], rel=0.05), \
-                f"rank {rank} {measured_name}: predicted {predicted[predicted_name]}, measured {memory[measured_name]}"
-        assert prediction.comm[pp_rank] == comm, f"rank {rank}"
+            fullest = max(ledger[0][measured_name] for r, ledger in enumerate(ledgers) if stage_of[r] == stage_of[rank])
+            assert predicted[predicted_name] == pytest.approx(fullest, rel=0.05), \
+                f"rank {rank}'s stage {measured_name}: predicted {predicted[predicted_name]}, measured {fullest}"
+        assert prediction.comm[stage_of[rank]] == comm, f"rank {rank}"
 
 
 @pytest.fixture(scope="module")

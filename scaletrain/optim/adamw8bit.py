@@ -23,12 +23,18 @@ and biases are where quantization error would cost most), and so do the embeddin
 (``fp32_state``): the paper's stable embedding keeps their state in 32 bits, because the
 rows of rare tokens see gradients so seldom that their moments live near zero, where
 quantization's error is largest relative to them.
+
+A checkpoint holds the moments dequantized, as fp32 ``exp_avg`` and ``exp_avg_sq`` shaped like
+their weights (``unpacked``): AdamW's own format, so it reads back under any layout (another
+ZeRO sharding cuts other blocks) and into ``--optimizer adamw`` and back, and a resume under the
+same layout is exact (a block's maximum dequantizes to itself, each code to its own value).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -89,8 +95,27 @@ class AdamW8bit(torch.optim.Optimizer):
         if p.numel() < MIN_8BIT or id(p) in self.fp32_state:
             state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
             return
+        for key in ("exp_avg", "exp_avg_sq"):  # fp32 while unpacked
+            state.pop(key, None)
         state["exp_avg_codes"], state["exp_avg_absmax"] = quantize(exp_avg, self.signed_map.to(p.device))
         state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"] = quantize(exp_avg_sq, self.unsigned_map.to(p.device))
+
+    @contextmanager
+    def unpacked(self) -> Iterator[None]:
+        """Every moment as an fp32 tensor shaped like its weight for the time of the block (a
+        checkpoint's save, or its load, which writes into them), quantized again after."""
+        packed = [p for p, state in self.state.items() if "exp_avg_codes" in state]
+        for p in packed:
+            state = self.state[p]
+            moments = self._moments(p, state)
+            for key in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"):
+                del state[key]
+            state["exp_avg"], state["exp_avg_sq"] = moments
+        try:
+            yield
+        finally:
+            for p in packed:
+                self._store(p, self.state[p], self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -99,14 +99,31 @@ def zero_units(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype:
     return [*plan_buckets(rest, int(bucket_mb * 2**20), compute_dtype(reduce_dtype)), *([p] for p in weights.tied)]
 
 
-def _pieces_on_first_rank(unit: list[nn.Parameter], shard: int) -> list[int]:
-    """Sizes of the parts of ``unit``'s parameters inside rank 0's shard: the tensors it steps."""
-    sizes, offset = [], 0
+def _pieces_on_rank(unit: list[nn.Parameter], shard: int, rank: int) -> list[tuple[int, nn.Parameter]]:
+    """The parts of ``unit``'s parameters inside ``rank``'s shard (the tensors it steps): their sizes and parameters."""
+    pieces, offset = [], 0
+    lo, hi = rank * shard, (rank + 1) * shard
     for p in unit:
-        if offset < shard:
-            sizes.append(min(p.numel(), shard - offset))
+        size = min(offset + p.numel(), hi) - max(offset, lo)
+        if size > 0:
+            pieces.append((size, p))
         offset += p.numel()
-    return sizes
+    return pieces
+
+
+def _shard_state(cfg: Config, weights: RankWeights, units: list[list[nn.Parameter]], shards: list[int],
+                 rank: int) -> int:
+    """The optimizer state of ``rank``'s shards; 8-bit AdamW keeps the tables' moments in fp32 (AdamW's state)."""
+    t, tables = cfg.train, _tables(weights)
+    pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_rank(unit, shard, rank)]
+    return (optimizer_bytes([size for size, p in pieces if id(p) not in tables], t.optimizer, t.momentum)
+            + optimizer_bytes([size for size, p in pieces if id(p) in tables],
+                              "adamw" if t.optimizer == "adamw8bit" else t.optimizer, t.momentum))
+
+
+def _tables(weights: RankWeights) -> frozenset[int]:
+    """The ids of the embedding tables' weights."""
+    return frozenset(id(q) for m in weights.model.modules() if isinstance(m, nn.Embedding) for q in m.parameters())
 
 
 def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device: bool) -> dict[str, int]:
@@ -120,9 +137,7 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
     if p.zero:
         return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
     n = weights.numel
-    embeddings = frozenset(id(q) for m in weights.model.modules() if isinstance(m, nn.Embedding)
-                           for q in m.parameters())
-    state = optimizer_bytes(weights.params, t.optimizer, t.momentum, embeddings) + (4 * n if masters else 0)
+    state = optimizer_bytes(weights.params, t.optimizer, t.momentum, _tables(weights)) + (4 * n if masters else 0)
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
     return {"params": w * n, "grads": r * n + extra_grads, "optimizer": state, "host": host, "buffers": 0}
@@ -134,9 +149,11 @@ def _zero_memory(cfg: Config, weights: RankWeights, n: int, w: int, r: int, mast
     units = zero_units(weights, stage, cfg.parallel.bucket_mb, cfg.parallel.reduce_dtype)
     padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
     shards = [size // n for size in padded]
-    pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_first_rank(unit, shard)]
     shard_total = sum(shards)
-    state = optimizer_bytes(pieces, cfg.train.optimizer, cfg.train.momentum) + (4 * shard_total if masters else 0)
+    # The ranks' states differ where 8-bit AdamW keeps some pieces in fp32 (the tables', and the
+    # small ones): the fullest rank's is the prediction. Otherwise every rank's is rank 0's.
+    ranks = range(n) if cfg.train.optimizer == "adamw8bit" else [0]
+    state = max(_shard_state(cfg, weights, units, shards, rank) for rank in ranks) + (4 * shard_total if masters else 0)
     extra_grads = 4 * shard_total if master_grads else 0
     buffers = 0
     if stage >= 2:

@@ -50,7 +50,7 @@ import os
 import pickle
 import shutil
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -76,6 +76,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
+from scaletrain.optim.adamw8bit import AdamW8bit
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
@@ -208,6 +209,11 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     for p, grad in zip(params, grads):
         p.grad = grad
+
+
+def _unpacked(optimizer: torch.optim.Optimizer):
+    """8-bit AdamW's moments as the fp32 tensors its checkpoints hold (optim/adamw8bit.py)."""
+    return optimizer.unpacked() if isinstance(optimizer, AdamW8bit) else nullcontext()
 
 
 def flat_chunks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -420,7 +426,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     # mpi4py, whose ranks all hold the same whole replica: config.py) the main rank
     # writes the checkpoint alone.
     if team.is_main or dist.is_initialized():
-        with _quiet():
+        with _quiet(), _unpacked(optimizer):
             dcp.save(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
                      storage_writer=FileSystemWriter(tmp, sync_files=True))
     strike("save-written")
@@ -462,7 +468,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         materialize_optimizer_state(optimizer)
-        with _quiet():
+        with _quiet(), _unpacked(optimizer):
             dcp.load(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
                      storage_reader=SafeFileSystemReader(path))
         if masters:

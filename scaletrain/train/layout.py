@@ -193,16 +193,21 @@ class Layout:
                                                              [q for group in groups for q in group["params"]], t.steps)
         # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
         self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
-        # 8-bit AdamW keeps the embedding tables' moments in fp32 (optim/adamw8bit.py).
-        embeddings = [self.stepped(q) for m in self.model.modules() if isinstance(m, nn.Embedding)
-                      for q in m.parameters() if q.requires_grad] if t.optimizer == "adamw8bit" else []
-        self.optimizer = build_optimizer(groups, t, embeddings)
+        self.optimizer = build_optimizer(groups, t, self._embedding_steps() if t.optimizer == "adamw8bit" else [])
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device).
         self.fused_working_copy = self.masters is not None and master_device is None and t.fused == "triton"
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]
+
+    def _embedding_steps(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps for the embedding tables (their masters, or under ZeRO
+        this rank's pieces of them), whose 8-bit AdamW moments stay fp32 (optim/adamw8bit.py)."""
+        tables = {id(q) for m in self.model.modules() if isinstance(m, nn.Embedding) for q in m.parameters()}
+        if self.zero:
+            return [piece.tensor for unit in self.zero.units for piece in unit.pieces if id(piece.param) in tables]
+        return [self.stepped(q) for q in self.model.parameters() if id(q) in tables and q.requires_grad]
 
     def _zero_layers(self) -> list[nn.Module] | None:
         """ZeRO-3's units where the plan names the blocks (otherwise parallel/zero.py finds them)."""

@@ -76,8 +76,9 @@ def check_values(cfg: Config) -> None:
     if cfg.parallel.max_restarts and cfg.parallel.nproc < 2:
         raise UserError("--max-restarts restarts the workers that --nproc spawns; add --nproc, or under "
                         "torchrun give torchrun its own --max-restarts.")
-    if cfg.train.fused == "triton" and cfg.train.optimizer != "adamw":
-        raise UserError("--fused triton fuses AdamW; drop it, or use --optimizer adamw.")
+    if cfg.train.fused == "triton" and cfg.train.optimizer not in ("adamw", "adamw8bit"):
+        raise UserError("--fused triton fuses AdamW and 8-bit AdamW; drop it, or use --optimizer adamw "
+                        "or adamw8bit.")
     _check_pipeline(cfg.parallel)
     _check_local_sgd(cfg)
     _check_mpi(cfg)

@@ -13,6 +13,7 @@ from scaletrain.parity import relative_diffs, run_parity
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import execute, prepare_run
+from scaletrain.train.step_memory import POINTS
 
 
 def train(cfg):
@@ -168,6 +169,16 @@ def test_memory_report_counts_bytes_exactly(tiny_cfg):
     assert ledger["params"] == 4 * numel and ledger["grads"] == 4 * numel
     assert ledger["optimizer"] == 8 * numel + 4 * len(params)  # AdamW moments + a step counter each
     assert ledger["activations_peak"] > 0
+    # the second step's four points (train/step_memory.py): weights and state throughout,
+    # the activations of the forward alive between forward and backward, then freed
+    points = ledger["points"]
+    assert ledger["step"] == 2 and list(points) == list(POINTS)
+    for point in points.values():
+        assert (point["params"], point["optimizer"]) == (ledger["params"], ledger["optimizer"])
+    assert points["after_backward"]["grads"] == points["after_step"]["grads"] == 4 * numel
+    assert points["before_forward"]["activations"] == 0
+    assert points["after_forward"]["activations"] == ledger["activations_peak"]  # nothing recomputed
+    assert points["after_backward"]["activations"] < ledger["activations_peak"] / 10
 
 
 def test_fp16_reports_the_loss_scale(tiny_cfg):

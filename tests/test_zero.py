@@ -111,6 +111,7 @@ def test_memory_ledger_matches_the_zero_formulas(tiny_cfg, precision):
             constants = (w * padding, g * padding, 4 * result["pieces"] + k * padding)
             for entry, want, slack in zip(("params", "grads", "optimizer"), expected, constants):
                 assert abs(memory[entry] - want) <= 0.01 * want + slack, (stage, rank, entry, memory[entry], want)
+                assert memory["points"]["after_step"][entry] == memory[entry]  # the same moment
             peaks[(stage, rank)] = memory["activations_peak"]
         if stage:
             assert all(u["gathered"] == (stage < 3) for u in results[0]["units"]), "stage 3 frees after the step"

@@ -25,7 +25,8 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig,
         # as AdamW's decoupled decay at this learning rate).
         return torch.optim.SGD(param_groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
     if cfg.optimizer == "adamw8bit":
-        return AdamW8bit(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fp32_state=embeddings)
+        return AdamW8bit(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fp32_state=embeddings,
+                         fused=cfg.fused == "triton")
     if cfg.fused == "triton":
         # Imported here: importing Triton decorates the kernel, which must come after
         # TRITON_INTERPRET is set (kernels/__init__.py).

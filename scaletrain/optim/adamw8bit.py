@@ -17,7 +17,8 @@ scale per tensor).
 
 State: 2 bytes per parameter plus 2 x 4 bytes per block (0.004 per parameter), against
 AdamW's 8. A step dequantizes a tensor's moments to fp32, takes AdamW's step on them
-(bias-corrected, decoupled weight decay), and quantizes them back. As the paper advises, a
+(bias-corrected, decoupled weight decay), and quantizes them back (``fused=True``: all three in
+one Triton kernel per tensor, kernels/adamw8bit.py, which never holds the fp32 moments). As the paper advises, a
 tensor of fewer than 4096 elements keeps fp32 moments (its bytes are negligible, and norms
 and biases are where quantization error would cost most), and so do the embedding tables
 (``fp32_state``): the paper's stable embedding keeps their state in 32 bits, because the
@@ -37,6 +38,9 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
+
+from scaletrain.errors import UserError
+from scaletrain.kernels import unavailable
 
 BLOCK = 2048
 MIN_8BIT = 4096  # a tensor smaller than this keeps fp32 moments
@@ -79,10 +83,18 @@ class AdamW8bit(torch.optim.Optimizer):
     """AdamW with block-wise 8-bit moments (module docstring); the arguments are AdamW's."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, fp32_state: Collection[torch.Tensor] = ()):
+                 weight_decay: float = 0.0, fp32_state: Collection[torch.Tensor] = (), fused: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.signed_map, self.unsigned_map = dynamic_map(signed=True), dynamic_map(signed=False)
         self.fp32_state = {id(t) for t in fp32_state}
+        # fused: each 8-bit tensor's step is one Triton kernel (kernels/adamw8bit.py), its lookup
+        # tables built once per device; fp32-state tensors keep the step below.
+        self.fused = fused
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        if fused:
+            for device in {p.device for group in self.param_groups for p in group["params"]}:
+                if (why := unavailable(device)) is not None:
+                    raise UserError(why)
 
     def _moments(self, p: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "exp_avg" in state:
@@ -133,10 +145,13 @@ class AdamW8bit(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                     self._store(p, state, zeros, zeros.clone())
-                exp_avg, exp_avg_sq = self._moments(p, state)
-                grad = p.grad.float()
                 state["step"] += 1
                 t = state["step"].item()
+                if self.fused and "exp_avg_codes" in state:
+                    self._fused_step(p, state, group, t)
+                    continue
+                exp_avg, exp_avg_sq = self._moments(p, state)
+                grad = p.grad.float()
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
@@ -145,3 +160,15 @@ class AdamW8bit(torch.optim.Optimizer):
                 p.copy_(update)
                 self._store(p, state, exp_avg, exp_avg_sq)
         return loss
+
+    def _fused_step(self, p: torch.Tensor, state: dict, group: dict, t: float) -> None:
+        # Imported here: importing Triton decorates the kernel, which must come after
+        # TRITON_INTERPRET is set (kernels/__init__.py).
+        from scaletrain.kernels.adamw8bit import adamw8bit_step, lookup_table
+
+        if p.device not in self._tables:
+            self._tables[p.device] = (lookup_table(self.signed_map).to(p.device),
+                                      lookup_table(self.unsigned_map).to(p.device))
+        beta1, beta2 = group["betas"]
+        adamw8bit_step(p, p.grad, state, *self._tables[p.device], step=t, lr=float(group["lr"]), beta1=beta1,
+                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])

@@ -75,6 +75,7 @@ from scaletrain.precision import DynamicLossScaler, autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.layout import Layout
 from scaletrain.train.memory import ActivationMeter, memory_ledger
+from scaletrain.train.step_memory import StepMemory
 from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
 from scaletrain.train.routing import RoutingStats
 from scaletrain.train.step_window import PendingStep
@@ -91,7 +92,8 @@ class Engine:
     """The steps of one model under one layout (module docstring); the layout is built here
     from the model and its plan (train/layout.py). ``run_dir`` holds the checkpoints;
     ``log_every`` > 1 lets ``--on-nan stop`` read its flag with the window
-    (train/step_window.py); ``report_memory`` measures the first step's memory."""
+    (train/step_window.py); ``report_memory`` measures the second step's memory (the first's in a
+    one-step run; train/step_memory.py)."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, parallel: ParallelConfig, mesh: Mesh, comm: Comm,
                  device: torch.device, *, plan: ModelPlan | None = None, seq_len: int | None = None,
@@ -106,8 +108,11 @@ class Engine:
         self.scaler = DynamicLossScaler(enabled=train.precision == "fp16")
         self.on_nan = train.on_nan or ("skip" if train.precision == "fp16" else "stop")
         self.timeline: list[Span] | None = None  # the recorded pipeline round, on the run's last step
-        self.activation_meter: ActivationMeter | None = None  # set by the first step with report_memory
+        self.activation_meter: ActivationMeter | None = None  # set by the measured step with report_memory
+        self.step_memory: StepMemory | None = None  # its four points
         self.memory: dict | None = None  # the ledger taken on that step
+        self._measured_step: int | None = None  # with report_memory: the step measured
+        self._step_under_way: int | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -124,6 +129,9 @@ class Engine:
     def start_step(self, step: int) -> None:
         """Before the step's first forward: the dropout RNG reseeded from the step, training mode."""
         self.faults.strike("step", step + 1)
+        if self.report_memory and self._measured_step is None:  # this process's first step
+            self._measured_step = step + 1 if step + 1 < self.train.steps else step
+        self._step_under_way = step
         torch.manual_seed(step_seed(self.train.seed, step, self.layout.dropout_rank(self.mesh.rank)))
         self.layout.model.train()
 
@@ -147,6 +155,8 @@ class Engine:
         for micro, batch in enumerate(batches):
             with self._meter_first_micro_batch(micro):
                 loss = loss_of(*batch) / divisor
+                if micro == 0:
+                    self._take_memory("after_forward")
                 aux = self.backward_micro_batch(loss, final=micro == len(batches) - 1)
             loss_sum += loss.detach()
             if routing:
@@ -191,10 +201,18 @@ class Engine:
         """With report_memory, measure saved activations of the run's first micro-batch (the
         meter slows the step, so once is enough); with a pipeline, of its first round, whose
         schedule decides how many micro-batches are alive at once."""
-        if not self.report_memory or self.activation_meter is not None or micro != 0:
+        if (not self.report_memory or self.activation_meter is not None or micro != 0
+                or self._measured_step != self._step_under_way):
             return nullcontext()
         self.activation_meter = ActivationMeter(self.layout.model)
+        self.step_memory = StepMemory(self.layout.bytes_ledger, self.activation_meter, self.device)
+        self._take_memory("before_forward")
         return self.activation_meter
+
+    def _take_memory(self, point: str) -> None:
+        """One of the measured step's four points (train/step_memory.py), on that step only."""
+        if self.step_memory is not None and self.memory is None:
+            self.step_memory.take(point)
 
     # -- the update --------------------------------------------------------------
     def update(self, step: int, loss_sum: torch.Tensor, lr: float | None = None) -> PendingStep:
@@ -203,6 +221,7 @@ class Engine:
         ``lr``: the step's learning rate (default ``lr_at(step)`` of the train settings)."""
         layout = self.layout
         t = self.train
+        self._take_memory("after_backward")
         layout.data_parallel.finish_gradient_sync()
         if layout.delayed and not layout.delayed.exchange(layout.data_parallel.gradient):
             return self._before_first_update(step, loss_sum)
@@ -241,9 +260,11 @@ class Engine:
             layout.masters.copy_master_to_model()
         if layout.zero:
             layout.zero.publish()
-        if self.activation_meter is not None and self.memory is None:
+        if self.step_memory is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
+            self._take_memory("after_step")
             self.memory = memory_ledger(layout.bytes_ledger(), self.activation_meter, layout.host_peak)
+            self.memory.update(step=step + 1, points=self.step_memory.points)
         if layout.masters:
             layout.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
         layout.data_parallel.zero_grad()  # the model's

@@ -195,8 +195,10 @@ class Layout:
         self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
         self.optimizer = build_optimizer(groups, t, self._embedding_steps() if t.optimizer == "adamw8bit" else [])
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
-        # (not from host masters: the kernel reads and writes one device).
-        self.fused_working_copy = self.masters is not None and master_device is None and t.fused == "triton"
+        # (not from host masters: the kernel reads and writes one device; not the 8-bit
+        # AdamW's kernel, which leaves them to copy_master_to_model).
+        self.fused_working_copy = (self.masters is not None and master_device is None and t.fused == "triton"
+                                   and t.optimizer == "adamw")
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]

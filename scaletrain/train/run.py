@@ -48,6 +48,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
+from scaletrain.train.step_memory import format_points
 from scaletrain.train.loop import RunSummary, fit
 from scaletrain.train.trainer import Trainer
 
@@ -333,6 +334,9 @@ def write_memory_report(mine: dict, comm: Comm, world, run_dir: Path, is_main: b
     if is_main:
         (run_dir / "memory.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
         print(f"\nmemory ledger, rank 0 (all ranks in {run_dir}/memory.json)\n{format_memory_table(mine)}")
+        for rank, ledger in enumerate(ledgers):
+            if ledger.get("points"):
+                print(f"\nrank {rank}, step {ledger['step']}\n{format_points(ledger['points'])}")
 
 
 def write_pipeline_timeline(cfg: Config, step: int, spans: list | None, mesh: Mesh, comm: Comm,

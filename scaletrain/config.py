@@ -117,6 +117,10 @@ class TrainConfig:
                                   "dynamic loss scaling", choices=("fp32", "bf16", "fp16"))
     param_dtype: str = _opt("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
                                     "the optimizer (needs --precision bf16)", choices=("fp32", "bf16"))
+    masters: str = _opt("fp32", "'none' with --param-dtype bf16: pure bf16, the optimizer steps the bf16 weights "
+                                "themselves, its state in bf16, no fp32 master copy", choices=("fp32", "none"))
+    stochastic_rounding: bool = _opt(False, "with --masters none: round each updated bf16 weight up or down at "
+                                            "random, in proportion, so small updates survive in expectation")
     optimizer: str = _opt("adamw", "AdamW, Adafactor with factored second moments, SGD (with --momentum: "
                                    "one buffer per weight; without: no state at all), or AdamW with block-wise "
                                    "8-bit moments (2 bytes per weight against 8)",

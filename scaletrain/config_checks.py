@@ -48,6 +48,7 @@ def check_values(cfg: Config) -> None:
     if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
         raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
                         f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
+    _check_pure_bf16(cfg)
     if cfg.parallel.reduce_dtype == "bf16" and cfg.train.param_dtype != "bf16":
         raise UserError("--reduce-dtype bf16 reduces bf16 gradients, which only --param-dtype bf16 "
                         "produces; add it, or keep --reduce-dtype fp32.")
@@ -92,6 +93,28 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_pure_bf16(cfg: Config) -> None:
+    """--masters none and --stochastic-rounding (optim/stochastic_rounding.py)."""
+    t, p = cfg.train, cfg.parallel
+    if t.stochastic_rounding and t.masters != "none":
+        raise UserError("--stochastic-rounding rounds the updates of bf16 weights that have no fp32 master; "
+                        "add --masters none (with --param-dtype bf16), or drop it.")
+    if t.stochastic_rounding and t.optimizer not in ("adamw", "sgd"):
+        raise UserError(f"--stochastic-rounding steps AdamW or SGD, whose state follows the weight's dtype, "
+                        f"not --optimizer {t.optimizer}; choose one of those, or drop it.")
+    if t.masters != "none":
+        return
+    if t.param_dtype != "bf16":
+        raise UserError("--masters none keeps the working weights as the only copy, which only makes sense "
+                        "for bf16 weights; add --param-dtype bf16 (with --precision bf16).")
+    if p.reduce_dtype != "bf16":
+        raise UserError("--masters none keeps the gradients in bf16 as well; add --reduce-dtype bf16.")
+    for flag, used in (("--zero", p.zero > 0), ("--offload optimizer", t.offload != "none")):
+        if used:
+            raise UserError(f"--masters none steps the bf16 weights in place, and {flag} steps fp32 master "
+                            f"copies; drop one of the two.")
 
 
 def _check_hybrid(p: ParallelConfig) -> None:

@@ -31,6 +31,9 @@ ONE_PROCESS = {
     "offload": {"offload": "optimizer"},
     "sgd with momentum": {"optimizer": "sgd"},
     "8-bit AdamW": {"optimizer": "adamw8bit"},
+    "pure bf16": {"precision": "bf16", "param_dtype": "bf16", "reduce_dtype": "bf16", "masters": "none"},
+    "pure bf16 sgd, rounded at random": {"precision": "bf16", "param_dtype": "bf16", "reduce_dtype": "bf16",
+                                         "masters": "none", "optimizer": "sgd", "stochastic_rounding": True},
 }
 TWO_PROCESSES = {
     "dp2": {},
@@ -55,6 +58,7 @@ TWO_PROCESSES = {
     "dp2 8-bit AdamW": {"optimizer": "adamw8bit"},
     "zero2 8-bit AdamW": {"zero": 2, "optimizer": "adamw8bit"},
     "tp2 8-bit AdamW": {"tp": 2, "optimizer": "adamw8bit"},
+    "dp2 pure bf16": {"precision": "bf16", "param_dtype": "bf16", "reduce_dtype": "bf16", "masters": "none"},
 }
 CASES = [(1, name) for name in ONE_PROCESS] + [(2, name) for name in TWO_PROCESSES]
 

@@ -62,16 +62,17 @@ def dtype_bytes(dtype_name: str) -> int:
 
 
 def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, momentum: float = 0.0,
-                    fp32_state: frozenset[int] = frozenset()) -> int:
+                    fp32_state: frozenset[int] = frozenset(), state_bytes: int = 4) -> int:
     """State of the optimizer for tensors of these shapes (or flat sizes), step counters included
-    (SGD keeps none: one fp32 momentum buffer per weight, or with momentum 0 nothing; 8-bit
-    AdamW keeps fp32 moments for the parameters whose ids are in ``fp32_state``, the embeddings)."""
+    (SGD keeps none: one momentum buffer per weight, or with momentum 0 nothing; 8-bit AdamW
+    keeps fp32 moments for the parameters whose ids are in ``fp32_state``, the embeddings).
+    ``state_bytes``: AdamW's moments' and SGD's momentum's element, the weight's (pure bf16: 2)."""
     total = 0
     for p in params:
         shape = tuple(p.shape) if isinstance(p, nn.Parameter) else (p,)
         numel = math.prod(shape)
         if optimizer == "sgd":
-            total += 4 * numel if momentum else 0
+            total += state_bytes * numel if momentum else 0
             continue
         if optimizer == "adamw8bit" and numel >= MIN_8BIT and id(p) not in fp32_state:  # codes, two scales a block
             total += 2 * numel + 8 * -(-numel // BLOCK)
@@ -80,7 +81,7 @@ def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, mome
         elif optimizer == "adafactor":
             total += 4 * numel
         else:
-            total += 8 * numel
+            total += 2 * state_bytes * numel
         total += STEP_COUNTER
     return total
 
@@ -131,13 +132,14 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
     t, p = cfg.train, cfg.parallel
     w, r = dtype_bytes(t.param_dtype), dtype_bytes(p.reduce_dtype)
     offload = t.offload == "optimizer"
-    masters = w != 4 or offload
+    masters = (w != 4 and t.masters == "fp32") or offload  # pure bf16 (--masters none) steps the weights
     # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.
     master_grads = r != 4 or (offload and not host_is_device)
     if p.zero:
         return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
     n = weights.numel
-    state = optimizer_bytes(weights.params, t.optimizer, t.momentum, _tables(weights)) + (4 * n if masters else 0)
+    state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, _tables(weights), 4 if masters else w)
+             + (4 * n if masters else 0))
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
     return {"params": w * n, "grads": r * n + extra_grads, "optimizer": state, "host": host, "buffers": 0}

@@ -253,7 +253,7 @@ class Engine:
         for group in layout.optimizer.param_groups:
             group["lr"] = lr
         self.faults.strike("optimizer", step + 1)
-        self.scaler.step(layout.optimizer, skip)
+        self.scaler.step(layout.optimizer if layout.rounding is None else layout.rounding.at(step + 1), skip)
         self.scaler.update(skip)
         averaged = layout.local_sgd is not None and layout.local_sgd.average_if_due(step + 1)
         if layout.masters and (averaged or not layout.fused_working_copy):

@@ -35,6 +35,7 @@ from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
+from scaletrain.optim.stochastic_rounding import StochasticRounding
 from scaletrain.parallel.context import ContextParallel, parallelize_context
 from scaletrain.parallel.data import DataParallel, JointDataParallel
 from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
@@ -186,7 +187,11 @@ class Layout:
             groups = self.zero.optimizer_groups(groups)
         self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
         if not self.zero:
-            if t.param_dtype != "fp32" or master_device:
+            if t.masters == "none":  # pure bf16: the working weights are the only copy
+                for param in self.model.parameters():
+                    if param.is_floating_point():
+                        param.data = param.detach().to(compute_dtype(t.param_dtype))
+            elif t.param_dtype != "fp32" or master_device:
                 self.masters = MasterWeights(self.model, compute_dtype(t.param_dtype), device=master_device)
                 groups = self.masters.master_groups(groups)
             self.data_parallel = self.replicas.data_parallel(self.model, self.comm, p, t.seed, self.expert_parallel,
@@ -194,6 +199,8 @@ class Layout:
         # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
         self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
         self.optimizer = build_optimizer(groups, t, self._embedding_steps() if t.optimizer == "adamw8bit" else [])
+        # --stochastic-rounding: pure bf16's updates rounded at random (optim/stochastic_rounding.py)
+        self.rounding = StochasticRounding(self.optimizer, t.seed) if t.stochastic_rounding else None
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device; not the 8-bit
         # AdamW's kernel, which leaves them to copy_master_to_model).

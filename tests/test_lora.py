@@ -168,3 +168,22 @@ def test_qlora_keeps_the_base_in_4_bits_and_exports_the_merged_model(base_run, p
     quantized.load_state_dict(tuned)
     tokens = torch.randint(0, 256, (2, 32))
     assert torch.allclose(plain(tokens), quantized(tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("changes", [{}, {"quantize": "nf4"}, {"precision": "bf16", "param_dtype": "bf16"}],
+                         ids=["lora", "qlora", "lora-bf16"])
+def test_the_planner_predicts_an_adapter_fine_tunes_ledger(base_run, prose, tmp_path, changes):
+    """The frozen base (in 4 bits under QLoRA, in bf16 with --param-dtype bf16: no master for a
+    weight that never steps), the adapters' gradients and state: within 5% of the real ledger."""
+    import json
+
+    from scaletrain.finetune.base import as_finetune
+    from scaletrain.plan.hardware import Cluster, cpu_device
+    from scaletrain.plan.predict import predict
+
+    cfg = _finetune_cfg(base_run, prose, tmp_path, report_memory=True, **changes)
+    summary = launch(cfg)
+    ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]
+    planned = predict(as_finetune(cfg), 1, 256, Cluster(cpu_device(1.0, 2**40), 1, 1)).memory
+    for name in ("params", "grads", "optimizer"):
+        assert planned[name] == pytest.approx(ledger[name], rel=0.05), name

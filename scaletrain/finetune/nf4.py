@@ -167,7 +167,7 @@ class NF4Tensor:
 
 def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
     """``weight`` (any shape, any float dtype) in NF4, blocks of 64, with double quantization."""
-    if not torch.isfinite(weight).all():
+    if weight.device.type != "meta" and not torch.isfinite(weight).all():  # the planner's have no values
         raise ValueError("NF4 cannot store a tensor holding inf or nan values.")
     indices, absmax = quantize_blocks(weight, _code_on(nf4_code, weight.device), BLOCK_SIZE)
     mean = absmax.mean()

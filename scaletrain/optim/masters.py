@@ -89,6 +89,9 @@ class MasterWeights:
         for name, param in model.named_parameters():
             if not param.is_floating_point():
                 continue
+            if not param.requires_grad:  # a fine-tune's frozen base: never stepped, so no master
+                param.data = param.detach().to(dtype)
+                continue
             # The master is taken before rounding: it starts from the exact
             # fp32 initialisation, not from its bf16 image.
             master = torch.empty(param.shape, dtype=torch.float32, device=device or param.device,

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import FinetuneConfig, ModelConfig
 from scaletrain.dist.mesh import Group
+from scaletrain.finetune.base import add_adapters
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelShape, ModelSpec, TensorPlan
 from scaletrain.parallel.experts import parallelize_experts
@@ -47,11 +48,14 @@ class Planned:
 
     spec: ModelSpec = field(compare=False)
     cfg: Any
+    adapters: tuple = ()  # a LoRA fine-tune's (rank, targets, quantize): the base frozen, maybe in 4 bits
 
     @classmethod
-    def of(cls, model: ModelConfig, vocab_size: int, seq_len: int) -> Planned:
+    def of(cls, model: ModelConfig, vocab_size: int, seq_len: int, finetune: FinetuneConfig | None = None) -> Planned:
         spec = spec_for(model.name)
-        return cls(spec, spec.configure(model, vocab_size, seq_len))
+        adapters = (finetune.lora_rank, finetune.lora_targets, finetune.quantize) if finetune and finetune.lora_rank \
+            else ()
+        return cls(spec, spec.configure(model, vocab_size, seq_len), adapters)
 
     @functools.cached_property
     def shape(self) -> ModelShape:
@@ -115,6 +119,12 @@ class RankWeights:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    def untrained_bytes(self, w: int) -> int:
+        """What the rank holds and does not train: frozen weights (a fine-tune's base) at ``w``
+        bytes each, and buffers (a 4-bit base's codes and scales) at their own."""
+        frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        return w * frozen + sum(b.numel() * b.element_size() for b in self.model.buffers())
+
 
 def _first_rank(name: str, size: int) -> Group:
     """Rank 0's view of a group of ``size``: enough for the transforms, which talk only later."""
@@ -127,6 +137,9 @@ def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset
     and the names of the weights tp slices."""
     with torch.device("meta"):
         whole = model.spec.build(model.cfg)
+        if model.adapters:  # the trainer's own adapters, and its 4-bit base's buffers at their sizes
+            rank, targets, quantize = model.adapters
+            add_adapters(whole, FinetuneConfig(lora_rank=rank, lora_targets=targets, quantize=quantize), model.spec)
     sliced: frozenset[str] = frozenset()
     if tp > 1:
         plan = parallelize(whole, model.tensor_plan, None, _first_rank("tp", tp),

@@ -142,7 +142,8 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
              + (4 * n if masters else 0))
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
-    return {"params": w * n, "grads": r * n + extra_grads, "optimizer": state, "host": host, "buffers": 0}
+    return {"params": w * n + weights.untrained_bytes(w), "grads": r * n + extra_grads, "optimizer": state,
+            "host": host, "buffers": 0}
 
 
 def _zero_memory(cfg: Config, weights: RankWeights, n: int, w: int, r: int, masters: bool,
@@ -164,7 +165,7 @@ def _zero_memory(cfg: Config, weights: RankWeights, n: int, w: int, r: int, mast
         root, *layers = padded
         buffers += w * (root + sum(sorted(layers)[-ZERO3_GATHERED_LAYERS:]))
     return {
-        "params": w * (shard_total if stage == 3 else sum(padded)),
+        "params": w * (shard_total if stage == 3 else sum(padded)) + weights.untrained_bytes(w),
         "grads": r * (sum(padded) if stage == 1 else shard_total) + extra_grads,
         "optimizer": state,
         "host": state + extra_grads if offloaded else 0,

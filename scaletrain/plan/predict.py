@@ -19,7 +19,7 @@ from scaletrain.plan.traffic import Groups, step_traffic
 def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Prediction:
     """Memory, communication and time of training ``cfg`` on ``world`` ranks of ``cluster``."""
     p, t = cfg.parallel, cfg.train
-    model = Planned.of(cfg.model, vocab_size, cfg.data.seq_len)
+    model = Planned.of(cfg.model, vocab_size, cfg.data.seq_len, cfg.finetune)
     micro, virtual = p.pipeline_sizes()
     split = Split(tp=p.tp, ep=p.ep, pp=p.pp, virtual=virtual)
     x = activations.shape_of(model.shape, model.tensor_plan, t.micro_batch, p.tp, p.sp, p.cp, t.precision,

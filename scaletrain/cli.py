@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "all-reduce against the backend's, bus bandwidth from 4 KiB to 64 MiB on --nproc "
                     "ranks (--steps timed calls per size), plotted. prepare: scaletrain prepare's tokens/s "
                     "with 1 and --workers processes and its peak memory, on generated corpora of --gigabytes. "
+                    "finetune: the fine-tuning ladder (docs/finetuning.md), each rung's memory at four points "
+                    "of a step, peak, time and loss, measured here, or with --gpu-memory predicted for a GPU; "
+                    "its defaults: --model llama-small --seq-len 128 --micro-batch 4 --steps 10. "
                     "Defaults differ from train: "
                     "--steps 20 --eval-batches 4 --cache-dir runs/.cache.")
     bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
@@ -93,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                            f"[all; the baseline always runs]")
     bench.add_argument("--warmup", type=int, default=3, metavar="N",
                        help="first steps left out of the timing (metering, compilation) [3]")
-    bench.add_argument("--plot", metavar="FILE", default=str(Path("runs", "bench-allreduce.png")),
-                       help="where bench allreduce draws its figure [runs/bench-allreduce.png]")
+    bench.add_argument("--plot", metavar="FILE",
+                       help="where bench allreduce and bench finetune draw their figures [runs/bench-WHAT.png]")
+    bench.add_argument("--rungs", metavar="A,B", help="bench finetune's rungs [all; dp, zero1-3, hybrid with --nproc]")
+    bench.add_argument("--gpu-memory", metavar="SIZE",
+                       help="bench finetune: predict every rung for an H100 with this much memory (80GB, 40GiB) "
+                            "instead of measuring here")
     bench.add_argument("--gigabytes", default="0.5,3", metavar="A,B",
                        help="bench prepare's generated corpus sizes, in GB [0.5,3]")
     bench.add_argument("--folder", metavar="DIR", help="where bench prepare writes its corpora [a temporary folder]")
@@ -282,16 +289,25 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import adam, allreduce, dp, pp, techniques, tp, zero
+    from scaletrain.bench import adam, allreduce, dp, finetune, pp, techniques, tp, zero
+    from scaletrain.bench.finetune import FINETUNE_DEFAULTS
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
         raise UserError(f"--warmup must not be negative, not {args.warmup}.")
-    cfg = resolve(args, Config().replace(**BENCH_DEFAULTS))
+    defaults = {**BENCH_DEFAULTS, **(FINETUNE_DEFAULTS if args.what == "finetune" else {})}
+    cfg = resolve(args, Config().replace(**defaults))
     check_values(cfg)
-    if args.what == "allreduce":  # the only figure, drawn after the measurement
-        writable_file("--plot", args.plot)
-    if args.what == "techniques":
+    plot = Path(args.plot or Path("runs", f"bench-{args.what}.png"))
+    if args.what in ("allreduce", "finetune"):  # the figures, drawn after the measurement
+        writable_file("--plot", str(plot))
+    if args.what == "finetune":
+        from scaletrain.bench import finetune_report
+
+        memory = _parse_size(args.gpu_memory) if args.gpu_memory else None
+        result, table = finetune.run(cfg, args.rungs, args.warmup, memory), finetune_report.format_table
+        finetune_report.plot(result, plot)
+    elif args.what == "techniques":
         result, table = techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), \
             techniques.format_table
     elif args.what == "dp":
@@ -321,7 +337,7 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = run(cfg, args.warmup), softmax.format_table
     else:
         result = allreduce.run(cfg.parallel.nproc, repeats=cfg.train.steps, warmup=args.warmup,
-                               plot=Path(args.plot), timeout_s=cfg.parallel.timeout)
+                               plot=plot, timeout_s=cfg.parallel.timeout)
         table = allreduce.format_table
     print(json.dumps(result) if args.json else table(result))
     return 0

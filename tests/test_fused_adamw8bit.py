@@ -1,5 +1,6 @@
 """The 8-bit AdamW kernel (kernels/adamw8bit.py) against the pure-PyTorch AdamW8bit: one step
-from a worn state, ties on the map's midpoints, a model over steps, bf16 parameters, training."""
+from a worn state, ties on the map's midpoints, a model over steps, bf16 parameters, a NaN,
+the refusals, and training with --fused triton."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _pair(param: torch.Tensor, state: dict | None = None, **hyper) -> list[tuple
         p = param.detach().clone().to(DEVICE).requires_grad_()
         opt = AdamW8bit([p], fused=fused, **{**HYPER, **hyper})
         if state is not None:
-            opt.state[p] = {key: value.to(DEVICE) if key != "step" else value.clone()
+            # The step count stays a CPU scalar, as the optimizer keeps it.
+            opt.state[p] = {key: value if key == "step" else value.to(DEVICE)
                             for key, value in copy.deepcopy(state).items()}
         runs.append((p, opt))
     return runs
@@ -153,6 +155,21 @@ def test_bf16_parameters_match_the_reference_within_rounding():
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
     for key in CODES:
         _assert_codes_agree(want_opt.state[want][key], got_opt.state[got][key])
+
+
+def test_a_nan_gradient_poisons_its_blocks_maxima_as_in_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    runs = _pair(torch.randn(2 * BLOCK, generator=gen))
+    grad = torch.randn(2 * BLOCK, generator=gen)
+    grad[7] = float("nan")
+    for p, opt in runs:
+        p.grad = grad.to(DEVICE)
+        opt.step()
+    (want, want_opt), (got, got_opt) = runs
+    for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+        torch.testing.assert_close(got_opt.state[got][key], want_opt.state[want][key], equal_nan=True)
+        assert got_opt.state[got][key][0].isnan()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
 def test_unfit_tensors_are_refused():

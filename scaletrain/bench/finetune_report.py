@@ -1,0 +1,79 @@
+"""``bench finetune``'s table and its bar chart of memory per rung (bench/finetune.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scaletrain.train.step_memory import POINTS, total
+
+MIB = 2**20
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+def _figures(row: dict) -> dict | None:
+    """What a row shows: its measurement, or (predicted mode) its prediction; None when it did not run."""
+    if "measured" in row:
+        return row["measured"]
+    if "would_run_out_of_memory" in row:
+        return None
+    return row["predicted"]
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}G" if nbytes >= 2**30 else f"{nbytes / MIB:.2f}M"
+
+
+def format_table(result: dict) -> str:
+    s = result["setup"]
+    title = (f"bench finetune ({result['mode']}): {s['model']}, seq {s['seq_len']}, micro-batch {s['micro_batch']}, "
+             f"on {result['device']} ({result['machine']})")
+    header = (f"{'rung':<14}{'ranks':>6}" + "".join(f"{p.replace('_', ' '):>16}" for p in POINTS)
+              + f"{'peak':>11}{'step s':>9}{'tokens/s':>10}{'loss':>8}  flags")
+    lines = [title, header]
+    for name, row in result["rungs"].items():
+        figures = _figures(row)
+        if figures is None:
+            predicted = row["predicted"]["peak_bytes"]
+            lines.append(f"{name:<14}{row['ranks']:>6}  would run out of memory: the planner predicts "
+                         f"{_size(predicted)} per rank  {row['flags']}")
+            continue
+        points = "".join(f"{_size(total(figures['points'][p])):>16}" for p in POINTS)
+        timed = (f"{figures['step_s']:>9.3f}{figures['tokens_per_s']:>10.0f}{figures['loss']:>8.3f}"
+                 if "loss" in figures else f"{'-':>9}{'-':>10}{'-':>8}")
+        lines.append(f"{name:<14}{row['ranks']:>6}{points}{_size(figures['peak_bytes']):>11}{timed}  {row['flags']}")
+    lines.append("Each point: parameters + gradients + optimizer state + saved activations at that moment of a "
+                 "step (the most loaded rank); peak: the largest point, or the GPU allocator's peak.")
+    if result["mode"] == "predicted":
+        lines.append("Predicted by the planner (scaletrain plan's memory model): nothing ran; peak: the "
+                     "planner's total, with its allowance for buffers, the loss's logits and fragmentation.")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Memory per rung as stacked bars (each rung's fullest point, by category), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    names, stacks = [], {category: [] for category in CATEGORIES}
+    for name, row in result["rungs"].items():
+        figures = _figures(row) or row["predicted"]
+        fullest = max(figures["points"].values(), key=total)
+        names.append(name if _figures(row) else f"{name}\n(out of memory)")
+        for category in CATEGORIES:
+            stacks[category].append(fullest[category] / MIB)
+    figure, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(names)), 5))
+    bottom = [0.0] * len(names)
+    for category, values in stacks.items():
+        ax.bar(names, values, bottom=bottom, label=category)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("MiB per rank, at the step's fullest point")
+    ax.set_title(f"bench finetune ({result['mode']}): {result['setup']['model']} on {result['device']}", fontsize=10)
+    ax.tick_params(axis="x", labelrotation=45, labelsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=120)
+    plt.close(figure)

@@ -150,12 +150,15 @@ def run(cfg: Config, names_text: str | None, warmup: int, gpu_memory: int | None
         cluster = Cluster(DEVICES["H100"], 1, 1).with_memory(gpu_memory)
         rows = {name: {"flags": flags_of(rungs[name]), "ranks": configs[name].parallel.nproc,
                        "predicted": _prediction(configs[name], vocab, cluster)} for name in names}
+        for row in rows.values():
+            if not row["predicted"]["fits"]:
+                row["would_run_out_of_memory"] = True
         device = f"H100 with {gpu_memory / 1e9:g} GB (predicted)"
     else:
         rows, device = _measure(configs, rungs, warmup)
     t = cfg.train
-    return {"what": "finetune", "machine": machine(), "device": device, "mode": "predicted" if gpu_memory else
-            "measured", "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
+    return {"what": "finetune", "machine": machine(), "device": device, "device_memory": gpu_memory,
+            "mode": "predicted" if gpu_memory else "measured", "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
                                   "steps": t.steps, "warmup": warmup}, "rungs": rows}
 
 

@@ -10,13 +10,12 @@ MIB = 2**20
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 
-def _figures(row: dict) -> dict | None:
-    """What a row shows: its measurement, or (predicted mode) its prediction; None when it did not run."""
+def _figures(row: dict, mode: str) -> dict | None:
+    """What a row shows: its measurement, or its prediction; None for a rung that was to be measured
+    and was predicted not to fit."""
     if "measured" in row:
         return row["measured"]
-    if "would_run_out_of_memory" in row:
-        return None
-    return row["predicted"]
+    return row["predicted"] if mode == "predicted" else None
 
 
 def _size(nbytes: float) -> str:
@@ -27,19 +26,22 @@ def format_table(result: dict) -> str:
     s = result["setup"]
     title = (f"bench finetune ({result['mode']}): {s['model']}, seq {s['seq_len']}, micro-batch {s['micro_batch']}, "
              f"on {result['device']} ({result['machine']})")
+    timing = f"{'step s':>9}{'tokens/s':>10}{'loss':>8}" if result["mode"] == "measured" else f"{'on the GPU':>27}"
     header = (f"{'rung':<14}{'ranks':>6}" + "".join(f"{p.replace('_', ' '):>16}" for p in POINTS)
-              + f"{'peak':>11}{'step s':>9}{'tokens/s':>10}{'loss':>8}  flags")
+              + f"{'peak':>11}{timing}  flags")
     lines = [title, header]
     for name, row in result["rungs"].items():
-        figures = _figures(row)
+        figures = _figures(row, result["mode"])
         if figures is None:
             predicted = row["predicted"]["peak_bytes"]
             lines.append(f"{name:<14}{row['ranks']:>6}  would run out of memory: the planner predicts "
                          f"{_size(predicted)} per rank  {row['flags']}")
             continue
         points = "".join(f"{_size(total(figures['points'][p])):>16}" for p in POINTS)
-        timed = (f"{figures['step_s']:>9.3f}{figures['tokens_per_s']:>10.0f}{figures['loss']:>8.3f}"
-                 if "loss" in figures else f"{'-':>9}{'-':>10}{'-':>8}")
+        if "loss" in figures:
+            timed = f"{figures['step_s']:>9.3f}{figures['tokens_per_s']:>10.0f}{figures['loss']:>8.3f}"
+        else:
+            timed = f"{'out of memory' if row.get('would_run_out_of_memory') else 'fits':>27}"
         lines.append(f"{name:<14}{row['ranks']:>6}{points}{_size(figures['peak_bytes']):>11}{timed}  {row['flags']}")
     lines.append("Each point: parameters + gradients + optimizer state + saved activations at that moment of a "
                  "step (the most loaded rank); peak: the largest point, or the GPU allocator's peak.")
@@ -56,22 +58,27 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt
 
+    rows = result["rungs"].values()
+    largest = max(max(map(total, (_figures(r, result["mode"]) or r["predicted"])["points"].values())) for r in rows)
+    unit, unit_name = (2**30, "GiB") if largest > 4 * 2**30 else (MIB, "MiB")
     names, stacks = [], {category: [] for category in CATEGORIES}
     for name, row in result["rungs"].items():
-        figures = _figures(row) or row["predicted"]
+        figures = _figures(row, result["mode"]) or row["predicted"]
         fullest = max(figures["points"].values(), key=total)
-        names.append(name if _figures(row) else f"{name}\n(out of memory)")
+        names.append(f"{name}\n(out of memory)" if row.get("would_run_out_of_memory") else name)
         for category in CATEGORIES:
-            stacks[category].append(fullest[category] / MIB)
+            stacks[category].append(fullest[category] / unit)
     figure, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(names)), 5))
     bottom = [0.0] * len(names)
     for category, values in stacks.items():
         ax.bar(names, values, bottom=bottom, label=category)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("MiB per rank, at the step's fullest point")
+    if result.get("device_memory"):
+        ax.axhline(result["device_memory"] / unit, color="black", linestyle="--", label="the device's memory")
+    ax.set_ylabel(f"{unit_name} per rank, at the step's fullest point")
     ax.set_title(f"bench finetune ({result['mode']}): {result['setup']['model']} on {result['device']}", fontsize=10)
     ax.tick_params(axis="x", labelrotation=45, labelsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="best")
     ax.grid(True, axis="y", alpha=0.3)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

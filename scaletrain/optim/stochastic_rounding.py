@@ -32,8 +32,8 @@ _LOW_BITS = 1 << 16  # the fp32 bits below bf16's
 
 def round_stochastically(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """fp32 ``x`` rounded to bf16, up or down with the probabilities of the module docstring."""
-    noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, generator=generator, device="cpu")
-    bits = x.contiguous().view(torch.int32) + noise.to(x.device)
+    noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, generator=generator, device=x.device)
+    bits = x.contiguous().view(torch.int32) + noise
     return (bits & -_LOW_BITS).view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
 
 
@@ -43,7 +43,7 @@ class StochasticRounding:
 
     def __init__(self, optimizer: torch.optim.Optimizer, seed: int):
         self.optimizer, self.seed = optimizer, seed
-        self.generator = torch.Generator()
+        self.generators: dict[torch.device, torch.Generator] = {}  # one per device: the noise is drawn there
         self.step_number = 0  # the noise's seed: a resumed run draws what the straight run drew
 
     def at(self, step_number: int) -> StochasticRounding:
@@ -64,15 +64,18 @@ class StochasticRounding:
                 for p in params:
                     index += 1
                     if p.grad is not None:
-                        self.generator.manual_seed(((self.seed * 1_000_003 + step) * 10_007 + index) % 2**63)
+                        if p.device not in self.generators:
+                            self.generators[p.device] = torch.Generator(device=p.device)
+                        generator = self.generators[p.device]
+                        generator.manual_seed(((self.seed * 1_000_003 + step) * 10_007 + index) % 2**63)
                         group["params"] = [p]
-                        self._step_one(p)
+                        self._step_one(p, generator)
                 group["params"] = []
         finally:
             for group, params in zip(groups, all_params):
                 group["params"] = params
 
-    def _step_one(self, p: torch.Tensor) -> None:
+    def _step_one(self, p: torch.Tensor, generator: torch.Generator) -> None:
         weight, grad = p.data, p.grad
         state = self.optimizer.state.get(p, {})
         p.data, p.grad = weight.float(), grad.float()
@@ -80,7 +83,7 @@ class StochasticRounding:
             if _follows_weight(value, p):
                 state[key] = value.float()
         self.optimizer.step()
-        weight.copy_(round_stochastically(p.data, self.generator))  # into the weight's storage: views stay
+        weight.copy_(round_stochastically(p.data, generator))  # into the weight's storage: views stay
         p.data, p.grad = weight, grad
         state = self.optimizer.state[p]  # the first step creates it, from the fp32 copy
         for key, value in state.items():

@@ -20,8 +20,8 @@ data parallelism is set against ZeRO's stages. Each rung here is that step, as f
     qlora           lora + --quantize nf4 (the base in 4 bits)
     dp, zero1, zero2, zero3, hybrid   (with --nproc N) bf16-mixed over N processes
 
-Measured (no ``--gpu-memory``): each rung trains ``--steps`` steps here, alone (one after the
-other, so a GPU's allocator figures are the rung's own), and reports its step's memory at the
+Measured (no ``--gpu-memory``): each rung trains ``--steps`` steps here, alone, in processes of
+its own (one after the other, so a GPU's allocator figures are the rung's own), and reports its step's memory at the
 four points (train/step_memory.py; the most loaded rank of a sharded rung), the peak, the
 median step time after ``--warmup``, tokens/s and the final loss. A rung the planner predicts
 not to fit this device's memory (a GPU's, or this host's) is reported as "would run out of
@@ -33,7 +33,6 @@ with SIZE of memory, with nothing run: the table of a GPU this machine does not 
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 import time
@@ -192,43 +191,31 @@ def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) ->
                 base_run = base_run or _write_base(cfg.replace(lora_rank=0, quantize="none"), spec, folder)
                 cfg = cfg.replace(base=str(base_run))
             cfg = as_finetune(cfg)
-            if world > 1:
-                ranks = spawn_local(world, _sharded_worker, (cfg.replace(out=str(folder / name)), spec, warmup))
-                row["measured"] = _merged(ranks)
-            else:
-                row["measured"] = _in_process(cfg.replace(out=str(folder / name)), spec, warmup)
+            # Each rung in processes of its own: its allocator's figures, and the memory it leaves, are its own.
+            ranks = spawn_local(world, _rung_worker, (cfg.replace(out=str(folder / name)), spec, warmup))
+            row["measured"] = _merged(ranks)
     return rows, device_name
 
 
 def _write_base(cfg: Config, spec: DataSpec, folder: Path) -> Path:
-    """The adapter rungs' base: the preset's initial weights, saved as a run folder."""
+    """The adapter rungs' base: the preset's initial weights, saved as a run folder (by a process of its own)."""
     run_dir = folder / "base"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
-    try:
-        mesh = Mesh.build(cfg.parallel.mesh_dims(1), 0, 1)
-        Trainer(cfg, spec, runtime, mesh, Comm(), run_dir).save(0)
-    finally:
-        shutdown(runtime)
+    spawn_local(1, _rung_worker, (cfg.replace(out=str(run_dir)), spec, None))
     return run_dir
 
 
-def _in_process(cfg: Config, spec: DataSpec, warmup: int) -> dict:
-    env = detect_environment()
-    runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
-    try:
-        return _train(cfg, spec, runtime, Mesh.build(cfg.parallel.mesh_dims(1), 0, 1), warmup)
-    finally:
-        shutdown(runtime)
-
-
-def _sharded_worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+def _rung_worker(cfg: Config, spec: DataSpec, warmup: int | None) -> dict | None:
+    """One rank of a rung: its steps measured (`_train`); with ``warmup`` None, the model's
+    initial weights saved as the run's step 0 instead."""
     env = detect_environment()
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
     try:
         mesh = Mesh.build(cfg.parallel.mesh_dims(env.world_size), env.rank, env.world_size)
+        if warmup is None:
+            Trainer(cfg, spec, runtime, mesh, Comm(), Path(cfg.run.out)).save(0)
+            return None
         return _train(cfg, spec, runtime, mesh, warmup)
     finally:
         shutdown(runtime)
@@ -249,13 +236,8 @@ def _train(cfg: Config, spec: DataSpec, runtime, mesh: Mesh, warmup: int) -> dic
     points = ledger["points"]
     peak = max([total(row) for row in points.values()] + [row.get("cuda_peak", 0) for row in points.values()])
     step_s = median(times[warmup:])
-    result = {"points": points, "peak_bytes": peak, "activations_peak": ledger["activations_peak"],
-              "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s, "loss": losses[-1]}
-    del trainer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()  # the next rung's allocator figures are its own
-    return result
+    return {"points": points, "peak_bytes": peak, "activations_peak": ledger["activations_peak"],
+            "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s, "loss": losses[-1]}
 
 
 def _merged(ranks: dict[int, dict]) -> dict:

@@ -69,6 +69,9 @@ def test_the_measured_ladder_across_one_and_two_processes(tmp_path, corpus):
     assert set(rows["zero3"]["measured"]["per_rank"]) == {"0", "1"}
     assert _at(rows["zero3"], "after_step", "optimizer") < 0.6 * _at(rows["dp"], "after_step", "optimizer")
     assert png.read_bytes().startswith(b"\x89PNG")
+    # the bench contract's figures: the other rungs' median step time against the full rung's
+    assert result["peer"]["median_s"] == rows["full"]["measured"]["step_s"]
+    assert result["ratio"] == pytest.approx(result["ours"]["median_s"] / result["peer"]["median_s"])
 
 
 def test_a_rung_predicted_not_to_fit_is_reported_instead_of_run(tmp_path, corpus):

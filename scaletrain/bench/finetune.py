@@ -157,8 +157,25 @@ def run(cfg: Config, names_text: str | None, warmup: int, gpu_memory: int | None
         rows, device = _measure(configs, rungs, warmup)
     t = cfg.train
     return {"what": "finetune", "machine": machine(), "device": device, "device_memory": gpu_memory,
-            "mode": "predicted" if gpu_memory else "measured", "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
-                                  "steps": t.steps, "warmup": warmup}, "rungs": rows}
+            "mode": "predicted" if gpu_memory else "measured",
+            "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
+                      "steps": t.steps, "warmup": warmup},
+            "rungs": rows, **_against_the_first(rows)}
+
+
+def _against_the_first(rows: dict[str, dict]) -> dict[str, Any]:
+    """The bench contract's peer, ours and ratio: the first rung (the full fine-tune, unless
+    --rungs leaves it out) against the others, by median step time where they ran, else by
+    their peaks."""
+    first, *others = rows
+    shown = {name: row.get("measured", row["predicted"]) for name, row in rows.items()}
+    timed = [name for name in others if "step_s" in shown[name]]
+    figure = "median_s" if "step_s" in shown[first] and timed else "peak_bytes"
+    value = {name: shown[name]["step_s" if figure == "median_s" else "peak_bytes"] for name in rows}
+    pool = timed if figure == "median_s" else others
+    ours = median([value[name] for name in pool]) if pool else float("nan")
+    return {"peer": {"name": f"the {first} rung", figure: value[first]}, "ours": {figure: ours},
+            "ratio": ours / value[first]}
 
 
 def _device_memory(world: int) -> tuple[int, str]:

@@ -28,7 +28,7 @@ from scaletrain.config_checks import check_values  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402
 from scaletrain.models import TINY_PRESET  # noqa: E402
 from scaletrain.paths import readable_dir, writable_file  # noqa: E402
-from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device  # noqa: E402
+from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device, parse_size  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from scaletrain.bench import BENCHMARKS
     from scaletrain.bench.techniques import TECHNIQUES
+    from scaletrain.models import LADDER_PRESET
 
     bench = commands.add_parser(
         "bench", help="measure techniques side by side",
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with 1 and --workers processes and its peak memory, on generated corpora of --gigabytes. "
                     "finetune: the fine-tuning ladder (docs/finetuning.md), each rung's memory at four points "
                     "of a step, peak, time and loss, measured here, or with --gpu-memory predicted for a GPU; "
-                    "its defaults: --model llama-small --seq-len 128 --micro-batch 4 --steps 10. "
+                    f"its defaults: --model {LADDER_PRESET} --seq-len 128 --micro-batch 4 --steps 10. "
                     "Defaults differ from train: "
                     "--steps 20 --eval-batches 4 --cache-dir runs/.cache.")
     bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
@@ -304,7 +305,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "finetune":
         from scaletrain.bench import finetune_report
 
-        memory = _parse_size(args.gpu_memory) if args.gpu_memory else None
+        memory = parse_size(args.gpu_memory) if args.gpu_memory else None
         result, table = finetune.run(cfg, args.rungs, args.warmup, memory), finetune_report.format_table
         finetune_report.plot(result, plot)
     elif args.what == "techniques":
@@ -394,21 +395,6 @@ PLANNED_VOCAB = 50304  # a 50257-token byte-level BPE, rounded up to a multiple 
 PLAN_POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
                  "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
                  "moe_top_k", "shard_group")
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _parse_size(text: str) -> int:
-    """``80GB``, ``40GiB``, ``512MB``: decimal and binary units, a unit required (80 alone is ambiguous)."""
-    import re
-
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", text.upper())
-    if match is None or match[2] not in SIZE_UNITS or float(match[1]) <= 0:
-        raise UserError(f"--gpu-memory {text!r} is not a size; write a positive number with a unit, such as "
-                        f"80GB, 40GiB or 512MB.")
-    return int(float(match[1]) * SIZE_UNITS[match[2]])
-
-
 def _plan_cluster(args: argparse.Namespace) -> Cluster:
     """The devices to plan for. A CPU "node" is this machine: its ranks share its memory."""
     per_node = args.gpus_per_node or min(8, args.gpus)
@@ -424,7 +410,7 @@ def _plan_cluster(args: argparse.Namespace) -> Cluster:
     else:
         device = DEVICES[args.gpu]
     cluster = Cluster(device, args.gpus, per_node)
-    return cluster.with_memory(_parse_size(args.gpu_memory)) if args.gpu_memory else cluster
+    return cluster.with_memory(parse_size(args.gpu_memory)) if args.gpu_memory else cluster
 
 
 def _plan_base(args: argparse.Namespace, gpu: bool) -> Config:

@@ -49,6 +49,7 @@ from scaletrain.dist.launch import detect_environment, init_distributed, shutdow
 from scaletrain.dist.mesh import Mesh
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
+from scaletrain.models import LADDER_PRESET
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
 from scaletrain.plan.predict import predict
 from scaletrain.train.data_setup import DataSpec, prepare_data
@@ -58,7 +59,7 @@ from scaletrain.train.trainer import Trainer
 SINGLE = ("full", "smaller-batch", "accumulation", "bf16-mixed", "pure-bf16", "pure-bf16-sr", "sgd", "adamw8bit",
           "recompute", "offload", "lora", "qlora")
 SHARDED = ("dp", "zero1", "zero2", "zero3", "hybrid")
-FINETUNE_DEFAULTS = {"name": "llama-small", "seq_len": 128, "micro_batch": 4, "steps": 10}
+FINETUNE_DEFAULTS = {"name": LADDER_PRESET, "seq_len": 128, "micro_batch": 4, "steps": 10}
 LORA_RANK = 16
 
 

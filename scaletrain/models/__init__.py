@@ -25,6 +25,7 @@ PRESETS: dict[str, ModelSpec] = {name: spec for spec in FAMILIES for name in spe
 PRESET_NAMES: tuple[str, ...] = (*PRESETS, CLASSIFIER)
 DEFAULT_PRESET = "gpt-small"  # what `scaletrain train` trains with no --model
 TINY_PRESET = "gpt-tiny"  # seconds per step on a CPU: `scaletrain parity`'s default
+LADDER_PRESET = "llama-small"  # `bench finetune`'s default: a CPU-sized model of the family the lab fine-tunes
 PLANNED_PRESET = "gpt2-124m"  # what `scaletrain plan` weighs with no --model
 
 
@@ -55,4 +56,4 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, n_features: 
 
 
 __all__ = ["GPT", "GPTConfig", "MLPClassifier", "FAMILIES", "PRESETS", "PRESET_NAMES", "DEFAULT_PRESET", "TINY_PRESET",
-           "PLANNED_PRESET", "spec_for", "spec_of_hf", "family_config", "build_model"]
+           "LADDER_PRESET", "PLANNED_PRESET", "spec_for", "spec_of_hf", "family_config", "build_model"]

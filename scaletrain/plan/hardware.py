@@ -36,7 +36,10 @@ bandwidth that NCCL's all-reduce tests reach of the link's rate).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
+
+from scaletrain.errors import UserError
 
 GB = 10**9
 
@@ -100,3 +103,17 @@ class Cluster:
     def flops(self, precision: str) -> float:
         """Achievable FLOP/s of one device at ``precision``."""
         return self.device.tflops[precision] * 1e12 * self.device.efficiency
+
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``--gpu-memory``'s ``80GB``, ``40GiB``, ``512MB``: decimal and binary units, a unit required
+    (80 alone is ambiguous)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", text.upper())
+    if match is None or match[2] not in SIZE_UNITS or float(match[1]) <= 0:
+        raise UserError(f"--gpu-memory {text!r} is not a size; write a positive number with a unit, such as "
+                        f"80GB, 40GiB or 512MB.")
+    return int(float(match[1]) * SIZE_UNITS[match[2]])

@@ -43,8 +43,8 @@ from scaletrain.parallel.zero import layer_modules
 @dataclass(frozen=True)
 class Planned:
     """A model as the planner weighs it: its family's spec (how to build, split and cut it)
-    and the family's own config. Equal and hashed by the config alone, whose class is the
-    family's, so that the caches below key on it."""
+    and the family's own config (and a fine-tune's adapters). Equal and hashed by the config
+    and the adapters alone, the config's class the family's, so that the caches below key on them."""
 
     spec: ModelSpec = field(compare=False)
     cfg: Any

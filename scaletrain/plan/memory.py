@@ -20,7 +20,13 @@ weights (dp x ep x cp), or with ``--shard-group`` the ranks of a shard group. Ev
 counter. Adafactor keeps row and column sums of each matrix (and full
 statistics of vectors) instead of 8 bytes per element. This is the
 familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW
-(``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32.
+(``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32. Pure bf16
+(``--masters none``) has no master, and AdamW's moments and SGD's momentum
+take the weights' 2 bytes: 2 + 2 + 4 = 8. SGD keeps one momentum buffer (or
+none), 8-bit AdamW 2 bytes and two fp32 scales per block of 2048 (fp32
+moments for tensors under 4096 elements and the embedding tables). A LoRA
+fine-tune's frozen base (and a 4-bit base's codes and scales, which are
+buffers) counts under ``params`` whole on every rank, its adapters as above.
 
 ``--offload optimizer`` keeps the masters, their gradients and the
 optimizer state in host memory: ``host``, not part of what the device must fit.

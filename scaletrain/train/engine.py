@@ -75,9 +75,9 @@ from scaletrain.precision import DynamicLossScaler, autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.layout import Layout
 from scaletrain.train.memory import ActivationMeter, memory_ledger
-from scaletrain.train.step_memory import StepMemory
 from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
 from scaletrain.train.routing import RoutingStats
+from scaletrain.train.step_memory import StepMemory
 from scaletrain.train.step_window import PendingStep
 
 Batch = tuple[torch.Tensor, ...]
@@ -198,9 +198,10 @@ class Engine:
         return compressed
 
     def _meter_first_micro_batch(self, micro: int):
-        """With report_memory, measure saved activations of the run's first micro-batch (the
-        meter slows the step, so once is enough); with a pipeline, of its first round, whose
-        schedule decides how many micro-batches are alive at once."""
+        """With report_memory, measure saved activations of the measured step's first
+        micro-batch (the meter slows the step, so once is enough), and take the step's first
+        point; with a pipeline, of its first round, whose schedule decides how many
+        micro-batches are alive at once."""
         if (not self.report_memory or self.activation_meter is not None or micro != 0
                 or self._measured_step != self._step_under_way):
             return nullcontext()

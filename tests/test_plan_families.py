@@ -129,7 +129,8 @@ def test_llama3_8b_weights_are_its_parameters(param_dtype, nbytes):
     assert halved == nbytes * ((LLAMA3_8B_PARAMS - norms) // 2 + norms)
 
 
-@pytest.mark.parametrize("model, gpus", [("llama3-8b", 8), ("llama3-70b", 64)])
+@pytest.mark.parametrize("model, gpus", [("llama3-8b", 8),
+                                         pytest.param("llama3-70b", 64, marks=pytest.mark.slow)])  # a 30 s search
 def test_plan_recommends_a_layout_for_llama3(capsys, model, gpus):
     """The whole search from meta-device builds: a layout that fits an 80 GB H100 and fills the cluster."""
     assert main(["plan", "--model", model, "--gpus", str(gpus), "--top", "3", "--json"]) == 0

@@ -20,10 +20,11 @@ data parallelism is set against ZeRO's stages. Each rung here is that step, as f
     qlora           lora + --quantize nf4 (the base in 4 bits)
     dp, zero1, zero2, zero3, hybrid   (with --nproc N) bf16-mixed over N processes
 
-Measured (no ``--gpu-memory``): each rung trains ``--steps`` steps here, alone, in processes of
-its own (one after the other, so a GPU's allocator figures are the rung's own), and reports its step's memory at the
-four points (train/step_memory.py; the most loaded rank of a sharded rung), the peak, the
-median step time after ``--warmup``, tokens/s and the final loss. A rung the planner predicts
+Measured (no ``--gpu-memory``): each rung trains ``--steps`` steps here, alone, in processes
+of its own (one after the other, so a GPU's allocator figures are the rung's own), and reports
+its step's memory at the four points (train/step_memory.py; the most loaded rank of a sharded
+rung), the peak, the median step time after ``--warmup`` (at least 2 leaves out the second
+step, which the memory meter slows), tokens/s and the final loss. A rung the planner predicts
 not to fit this device's memory (a GPU's, or this host's) is reported as "would run out of
 memory", with the prediction, instead of run.
 
@@ -114,10 +115,9 @@ def predicted_points(memory: dict[str, int]) -> dict[str, dict[str, int]]:
     """The planner's categories on the device at the four points: weights, gradient buffers
     (which persist between steps here) and state throughout, the saved activations after
     forward. What offload keeps on the host (the state, then the masters' gradients) is left out."""
-    host = memory["host"]
-    optimizer = max(0, memory["optimizer"] - host)
-    held = {"params": memory["params"], "grads": memory["grads"] - (host - memory["optimizer"] + optimizer),
-            "optimizer": optimizer}
+    state_on_host = min(memory["host"], memory["optimizer"])  # the host holds the state, then master gradients
+    held = {"params": memory["params"], "grads": memory["grads"] - (memory["host"] - state_on_host),
+            "optimizer": memory["optimizer"] - state_on_host}
     return {point: {**held, "activations": memory["activations"] if point == "after_forward" else 0}
             for point in POINTS}
 
@@ -179,11 +179,14 @@ def _against_the_first(rows: dict[str, dict]) -> dict[str, Any]:
             "ratio": ours / value[first]}
 
 
-def _device_memory(world: int) -> tuple[int, str]:
-    """The memory one of ``world`` ranks has here (a GPU's own; a share of the host's), and its name."""
+def _this_machine(world: int) -> tuple[Cluster, str]:
+    """``world`` ranks here, as the planner weighs them (a GPU's memory its own, else a share of
+    the host's, where offloaded state counts too), and the device's name."""
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name()
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world, "this host's CPU"
+        memory = torch.cuda.get_device_properties(0).total_memory
+        return Cluster(DEVICES["H100"], world, world).with_memory(memory), torch.cuda.get_device_name()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+    return Cluster(cpu_device(1.0, memory), world, world), "this host's CPU"
 
 
 def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) -> tuple[dict, str]:
@@ -198,8 +201,8 @@ def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) ->
         for name, cfg in configs.items():
             row = {"flags": flags_of(rungs[name]), "ranks": cfg.parallel.nproc}
             world = cfg.parallel.nproc
-            memory, device_name = _device_memory(world)
-            prediction = _prediction(cfg, spec.vocab_size, Cluster(cpu_device(1.0, memory), world, world))
+            cluster, device_name = _this_machine(world)
+            prediction = _prediction(cfg, spec.vocab_size, cluster)
             row["predicted"] = prediction
             rows[name] = row
             if not prediction["fits"]:

@@ -119,11 +119,22 @@ class RankWeights:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    @functools.cached_property
+    def _untrained(self) -> tuple[int, int]:
+        """Elements of frozen weights and bytes of buffers: counted once (the search asks often)."""
+        frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        return frozen, sum(b.numel() * b.element_size() for b in self.model.buffers())
+
     def untrained_bytes(self, w: int) -> int:
         """What the rank holds and does not train: frozen weights (a fine-tune's base) at ``w``
         bytes each, and buffers (a 4-bit base's codes and scales) at their own."""
-        frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
-        return w * frozen + sum(b.numel() * b.element_size() for b in self.model.buffers())
+        frozen, buffers = self._untrained
+        return w * frozen + buffers
+
+    @functools.cached_property
+    def tables(self) -> frozenset[int]:
+        """The ids of the embedding tables' weights."""
+        return frozenset(id(q) for m in self.model.modules() if isinstance(m, nn.Embedding) for q in m.parameters())
 
 
 def _first_rank(name: str, size: int) -> Group:

@@ -121,16 +121,11 @@ def _pieces_on_rank(unit: list[nn.Parameter], shard: int, rank: int) -> list[tup
 def _shard_state(cfg: Config, weights: RankWeights, units: list[list[nn.Parameter]], shards: list[int],
                  rank: int) -> int:
     """The optimizer state of ``rank``'s shards; 8-bit AdamW keeps the tables' moments in fp32 (AdamW's state)."""
-    t, tables = cfg.train, _tables(weights)
+    t, tables = cfg.train, weights.tables
     pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_rank(unit, shard, rank)]
     return (optimizer_bytes([size for size, p in pieces if id(p) not in tables], t.optimizer, t.momentum)
             + optimizer_bytes([size for size, p in pieces if id(p) in tables],
                               "adamw" if t.optimizer == "adamw8bit" else t.optimizer, t.momentum))
-
-
-def _tables(weights: RankWeights) -> frozenset[int]:
-    """The ids of the embedding tables' weights."""
-    return frozenset(id(q) for m in weights.model.modules() if isinstance(m, nn.Embedding) for q in m.parameters())
 
 
 def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device: bool) -> dict[str, int]:
@@ -144,7 +139,7 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
     if p.zero:
         return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
     n = weights.numel
-    state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, _tables(weights), 4 if masters else w)
+    state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, weights.tables, 4 if masters else w)
              + (4 * n if masters else 0))
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0

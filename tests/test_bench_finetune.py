@@ -48,8 +48,8 @@ def test_the_predicted_ladder_of_a_1b_model_on_a_30gb_gpu():
 
 def test_the_measured_ladder_across_one_and_two_processes(tmp_path, corpus):
     png = tmp_path / "ladder.png"
-    done = run_cli("bench", "finetune", "--model", "llama-small", "--seq-len", "32", "--data", str(corpus), "--steps", "3",
-                   "--warmup", "2", "--rungs", "full,pure-bf16,lora,qlora,dp,zero3", "--nproc", "2",
+    done = run_cli("bench", "finetune", "--model", "llama-small", "--seq-len", "32", "--data", str(corpus),
+                   "--steps", "3", "--warmup", "2", "--rungs", "full,pure-bf16,lora,qlora,dp,zero3", "--nproc", "2",
                    "--json", "--plot", str(png), "--cache-dir", str(tmp_path / "cache"), timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])

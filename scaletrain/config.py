@@ -230,6 +230,9 @@ class RunConfig:
                                       "planned for --steps (for jobs with a time limit)")
     report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
     report_memory: bool = _opt(False, "write and print the memory ledger (memory.json)")
+    tracker: str = _opt("tensorboard", "where records go besides metrics.jsonl, comma-separated: tensorboard, "
+                                       "mlflow (MLFLOW_TRACKING_URI, else ./mlruns)")
+    experiment: str = _opt("scaletrain", "the MLflow experiment of the run")
     progress: bool = _opt(True, "show a progress bar")
     log_every: int = _opt(1, "read each step's loss and gradient norm from the device every K steps, in one "
                              "transfer, so the host never waits for the device mid-run (records stay per step)")

@@ -8,9 +8,13 @@ runs it first; the mesh's own sizes are checked where the mesh is built
 
 from __future__ import annotations
 
+import importlib.util
+
 from scaletrain.config import Config, ParallelConfig
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline import schedules
+from scaletrain.train.trackers import TRACKERS
+from scaletrain.train.trackers import names as tracker_names
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "shard_group", "vocab_size",
@@ -49,6 +53,7 @@ def check_values(cfg: Config) -> None:
         raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
                         f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
     _check_pure_bf16(cfg)
+    _check_trackers(cfg)
     if cfg.parallel.reduce_dtype == "bf16" and cfg.train.param_dtype != "bf16":
         raise UserError("--reduce-dtype bf16 reduces bf16 gradients, which only --param-dtype bf16 "
                         "produces; add it, or keep --reduce-dtype fp32.")
@@ -93,6 +98,16 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def _check_trackers(cfg: Config) -> None:
+    """--tracker (train/trackers.py): known names, their packages installed."""
+    for name in tracker_names(cfg.run.tracker):
+        if name not in TRACKERS:
+            raise UserError(f"--tracker {name} is not a tracker; choose among {', '.join(TRACKERS)}, "
+                            f"comma-separated.")
+        if name == "mlflow" and importlib.util.find_spec("mlflow") is None:
+            raise UserError("--tracker mlflow needs MLflow; pip install 'scaletrain[mlflow]' (or mlflow), or drop it.")
 
 
 def _check_pure_bf16(cfg: Config) -> None:

@@ -40,35 +40,40 @@ def fit(trainer: Trainer) -> RunSummary:
     writer = None
     if trainer.is_main:
         drop_records_after(trainer.run_dir / "metrics.jsonl", trainer.start_step)
-        writer = MetricsWriter(trainer.run_dir, append=cfg.run.resume)
+        writer = MetricsWriter(cfg, trainer.run_dir, append=cfg.run.resume)
     bar = tqdm(total=cfg.train.steps, initial=trainer.start_step, unit="step", dynamic_ncols=True,
                disable=not (trainer.is_main and cfg.run.progress))
     record: dict = {}
     val_loss, saved = None, None
     window = StepWindow(cfg.run.log_every, trainer.tokens_per_step)
-    for step in range(trainer.start_step, end):
-        trainer.step = done = step + 1
-        window.open_if_empty()
-        window.add(trainer.queue_step(step, record=done == end))
-        evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
-        saving = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end
-        if not (window.due(done) or evaluating or saving):
-            continue
-        read = window.read()
-        memory = step_memory_bytes(trainer.device)
-        if evaluating and not any(r.nonfinite for r in read):
-            val_loss = read[-1].record["val_loss"] = trainer.evaluate()
-        for record, nonfinite in ((r.record, r.nonfinite) for r in read):
-            if nonfinite:  # the steps before it are recorded, as a stop at once would have
-                raise trainer.late_stop(record)
-            record.update(mfu=mfu(record["tokens_per_s"], trainer.flops_per_token, trainer.peak,
-                                  trainer.runtime.env.world_size), mem_bytes=memory)
-            if writer:
-                writer.write(record)
-        bar.update(len(read))
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-        if saving:
-            saved = trainer.save(done)
+    try:
+        for step in range(trainer.start_step, end):
+            trainer.step = done = step + 1
+            window.open_if_empty()
+            window.add(trainer.queue_step(step, record=done == end))
+            evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
+            saving = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end
+            if not (window.due(done) or evaluating or saving):
+                continue
+            read = window.read()
+            memory = step_memory_bytes(trainer.device)
+            if evaluating and not any(r.nonfinite for r in read):
+                val_loss = read[-1].record["val_loss"] = trainer.evaluate()
+            for record, nonfinite in ((r.record, r.nonfinite) for r in read):
+                if nonfinite:  # the steps before it are recorded, as a stop at once would have
+                    raise trainer.late_stop(record)
+                record.update(mfu=mfu(record["tokens_per_s"], trainer.flops_per_token, trainer.peak,
+                                      trainer.runtime.env.world_size), mem_bytes=memory)
+                if writer:
+                    writer.write(record)
+            bar.update(len(read))
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            if saving:
+                saved = trainer.save(done)
+    except BaseException:
+        if writer:  # the trackers hear that the run failed; metrics.jsonl holds what was done
+            writer.close(succeeded=False)
+        raise
     bar.close()
     if writer:
         writer.close()

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from scaletrain.config import Config
+from scaletrain.train.trackers import Trackers
+
 # Dense bf16 and tf32 tensor-core peaks from the vendor datasheets, TFLOP/s.
 GPU_PEAK_TFLOPS = {
     "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7},
@@ -95,28 +98,23 @@ def step_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object per optimizer step) and TensorBoard events.
+    """metrics.jsonl (one object per optimizer step), then the run's trackers (train/trackers.py).
 
     Only one rank writes, so the files are the run's, not a rank's.
     """
 
-    def __init__(self, run_dir: Path, *, append: bool):
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only where written
-
+    def __init__(self, cfg: Config, run_dir: Path, *, append: bool):
         self._jsonl = open(run_dir / "metrics.jsonl", "a" if append else "w")
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._trackers = Trackers(cfg, run_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        step = record["step"]
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._tb.add_scalar(key, value, step)
+        self._trackers.log(record)
 
-    def close(self) -> None:
+    def close(self, succeeded: bool = True) -> None:
         self._jsonl.close()
-        self._tb.close()
+        self._trackers.finish(succeeded)
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -1,0 +1,143 @@
+"""Where a run's records go besides metrics.jsonl: ``--tracker tensorboard,mlflow``.
+
+metrics.jsonl is the record of truth, written first, whatever the trackers do. Each tracker
+takes the same records: the resolved configuration once, every step's record (each numeric
+field a metric at that step), and at the end the run folder's files worth keeping. Only the
+main rank tracks (train/loop.py). A tracker that fails, to start or later, is one warning on
+stderr and then dropped: the run goes on, its metrics.jsonl whole.
+
+TensorBoard (the default) writes events into RUN/tensorboard.
+
+MLflow (``pip install '.[mlflow]'``) logs to ``MLFLOW_TRACKING_URI`` (a server, a database,
+any store MLflow takes), or without it to a store of its own in ``./mlruns`` beside where the
+run was started (MLflow's SQLite database ``mlruns/mlflow.db``, the artifacts in
+``mlruns/artifacts``: MLflow 3 keeps its plain-file store only for old data). The run is named after the run folder, in the experiment ``--experiment``; the
+configuration goes in as parameters (``train.lr``, ``parallel.zero``, ...), each record as
+metrics with its step, and config.toml and the tokenizer as artifacts. The run's id is kept
+in RUN/mlflow.json, so a resumed run (``--resume``) continues the same MLflow run; the steps
+redone after the checkpoint are logged again at the same step numbers, and MLflow's metric
+history keeps both, as it keeps every value logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from scaletrain.config import Config
+
+TRACKERS = ("tensorboard", "mlflow")
+
+
+class Tracker(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def finish(self, succeeded: bool) -> None: ...
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    """A record's metrics: its numeric fields but the step (booleans are not metrics)."""
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class TensorBoard:
+    def __init__(self, cfg: Config, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # heavy import, only where written
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in _numbers(record).items():
+            self.writer.add_scalar(key, value, record["step"])
+
+    def finish(self, succeeded: bool) -> None:
+        self.writer.close()
+
+
+class MLflow:
+    def __init__(self, cfg: Config, run_dir: Path):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.run_dir = run_dir
+        saved = run_dir / "mlflow.json"
+        if cfg.run.resume and saved.exists():
+            where = json.loads(saved.read_text())
+            self.client, self.run_id = MlflowClient(where["tracking_uri"]), where["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
+        if uri is None:  # a store of one's own: MLflow's database in ./mlruns, the artifacts beside it
+            local = Path("mlruns").resolve()
+            local.mkdir(exist_ok=True)
+            uri, artifacts = f"sqlite:///{local / 'mlflow.db'}", (local / "artifacts").as_uri()
+        self.client = MlflowClient(uri)
+        experiment = self.client.get_experiment_by_name(cfg.run.experiment)
+        experiment_id = experiment.experiment_id if experiment else \
+            self.client.create_experiment(cfg.run.experiment, artifact_location=artifacts)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
+                                             tags={"scaletrain.run_dir": str(run_dir.resolve())}).info.run_id
+        saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
+        params = [Param(f"{section}.{key}", str(value)) for section, fields in cfg.to_dict().items()
+                  for key, value in fields.items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def log(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, record["step"])
+                                                    for key, value in _numbers(record).items()])
+
+    def finish(self, succeeded: bool) -> None:
+        for name in ("config.toml", "tokenizer.json"):
+            if (self.run_dir / name).exists():
+                self.client.log_artifact(self.run_id, str(self.run_dir / name))
+        self.client.set_terminated(self.run_id, status="FINISHED" if succeeded else "FAILED")
+
+
+_CLASSES = {"tensorboard": TensorBoard, "mlflow": MLflow}
+
+
+def names(text: str) -> list[str]:
+    """``--tracker``'s comma-separated names."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+class Trackers:
+    """The run's trackers, each one dropped, with one warning, at its first failure."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.active: dict[str, Tracker] = {}
+        for name in names(cfg.run.tracker):
+            try:
+                self.active[name] = _CLASSES[name](cfg, run_dir)
+            except Exception as exc:  # a tracker's failure must not end the run: metrics.jsonl goes on
+                _warn(name, "start", exc)
+
+    def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
+        for name, tracker in list(self.active.items()):
+            try:
+                call(tracker)
+            except Exception as exc:  # as above
+                del self.active[name]
+                _warn(name, what, exc)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._each("log a step", lambda tracker: tracker.log(record))
+
+    def finish(self, succeeded: bool) -> None:
+        self._each("finish", lambda tracker: tracker.finish(succeeded))
+
+
+def _warn(name: str, what: str, exc: Exception) -> None:
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    print(f"warning: --tracker {name} could not {what} ({first_line}); it is dropped for the rest of the run, "
+          f"and metrics.jsonl keeps every record.", file=sys.stderr)

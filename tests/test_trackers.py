@@ -1,0 +1,74 @@
+"""--tracker (train/trackers.py) against a real MLflow store: every record of metrics.jsonl read
+back through MLflow's client, the configuration and files, a resumed run continuing its MLflow
+run, and a tracker that cannot be reached costing one warning, not the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config_checks import check_values
+from scaletrain.errors import UserError
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.run import launch
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def _runs(folder):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{folder / 'mlruns' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("scaletrain")
+    return client, client.search_runs([experiment.experiment_id])
+
+
+def test_mlflow_holds_what_metrics_jsonl_holds(tiny_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default store: ./mlruns
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    summary = launch(tiny_cfg.replace(tracker="tensorboard,mlflow", eval_every=2))
+    records = read_metrics(summary.run_dir / "metrics.jsonl")
+    client, (run,) = _runs(tmp_path)
+    assert run.info.status == "FINISHED" and run.info.run_name == summary.run_dir.name
+    assert run.data.params["train.lr"] == str(tiny_cfg.train.lr) and run.data.params["model.name"] == "gpt-tiny"
+    numeric = {key for record in records for key, value in record.items()
+               if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "val_loss"} <= numeric
+    for key in numeric:
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert logged == [(r["step"], pytest.approx(float(r[key]))) for r in records if key in r and r[key] is not None]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.toml"}
+    assert any((summary.run_dir / "tensorboard").iterdir())  # and TensorBoard beside it
+
+
+def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tiny_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = tiny_cfg.replace(tracker="mlflow")
+    launch(cfg.replace(stop_at=2))
+    launch(cfg.replace(resume=True))
+    client, (run,) = _runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")}) == [1, 2, 3, 4]
+
+
+def test_an_unreachable_tracker_is_one_warning_and_the_run_goes_on(tiny_cfg, monkeypatch, capfd):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    summary = launch(tiny_cfg.replace(tracker="tensorboard,mlflow"))
+    assert [r["step"] for r in read_metrics(summary.run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: --tracker")]
+    assert len(warnings) == 1 and "--tracker mlflow could not start" in warnings[0]
+    assert not (summary.run_dir / "mlflow.json").exists()
+
+
+def test_an_unknown_tracker_is_refused_in_one_sentence(tiny_cfg):
+    with pytest.raises(UserError, match="--tracker comet is not a tracker; choose among tensorboard, mlflow"):
+        check_values(tiny_cfg.replace(tracker="tensorboard,comet"))
+
+
+def test_a_records_metrics_are_its_numbers_but_the_step():
+    from scaletrain.train.trackers import _numbers
+
+    assert _numbers({"step": 3, "loss": 1.5, "skipped_steps": 0, "mfu": None, "note": "x", "flag": True}) == \
+        {"loss": 1.5, "skipped_steps": 0.0}

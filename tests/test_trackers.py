@@ -1,8 +1,17 @@
-"""--tracker (train/trackers.py) against a real MLflow store: every record of metrics.jsonl read
-back through MLflow's client, the configuration and files, a resumed run continuing its MLflow
-run, and a tracker that cannot be reached costing one warning, not the run."""
+"""--tracker (train/trackers.py) against a real MLflow store and a real ``mlflow server`` started
+here: every record of metrics.jsonl read back through MLflow's client, the configuration and
+files, a resumed run continuing its MLflow run, and a tracker that cannot be reached costing one
+warning, not the run."""
 
 from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -38,6 +47,48 @@ def test_mlflow_holds_what_metrics_jsonl_holds(tiny_cfg, tmp_path, monkeypatch):
         assert logged == [(r["step"], pytest.approx(float(r[key]))) for r in records if key in r and r[key] is not None]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.toml"}
     assert any((summary.run_dir / "tensorboard").iterdir())  # and TensorBoard beside it
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """``mlflow server`` on 127.0.0.1, its own database and artifact folder; stopped after the test."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination",
+         str(tmp_path / "server-artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not start (exit code {server.poll()})")
+                time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its workers
+        server.wait(timeout=30)
+
+
+def test_a_run_tracked_by_an_mlflow_server(tiny_cfg, mlflow_server, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    summary = launch(tiny_cfg.replace(tracker="mlflow", experiment="service"))
+    client = MlflowClient(mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("service").experiment_id])
+    records = read_metrics(summary.run_dir / "metrics.jsonl")
+    assert run.info.status == "FINISHED"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == \
+        [(r["step"], pytest.approx(r["loss"])) for r in records]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.toml"}  # uploaded to the server
 
 
 def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tiny_cfg, tmp_path, monkeypatch):

@@ -32,8 +32,11 @@ def _runs(folder):
 
 
 def test_mlflow_holds_what_metrics_jsonl_holds(tiny_cfg, tmp_path, monkeypatch):
+    from scaletrain.train import trackers
+
     monkeypatch.chdir(tmp_path)  # the default store: ./mlruns
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(trackers, "SYSTEM_EVERY_S", 0.05)  # samples within a run of a second
     summary = launch(tiny_cfg.replace(tracker="tensorboard,mlflow", eval_every=2))
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     client, (run,) = _runs(tmp_path)
@@ -46,6 +49,8 @@ def test_mlflow_holds_what_metrics_jsonl_holds(tiny_cfg, tmp_path, monkeypatch):
         logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert logged == [(r["step"], pytest.approx(float(r[key]))) for r in records if key in r and r[key] is not None]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.toml"}
+    assert "system/cpu_utilization_percentage" in run.data.metrics  # MLflow's own monitor of the machine
+    assert run.data.metrics["system/system_memory_usage_megabytes"] > 0
     assert any((summary.run_dir / "tensorboard").iterdir())  # and TensorBoard beside it
 
 

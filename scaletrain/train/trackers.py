@@ -13,7 +13,9 @@ any store MLflow takes), or without it to a store of its own in ``./mlruns`` bes
 run was started (MLflow's SQLite database ``mlruns/mlflow.db``, the artifacts in
 ``mlruns/artifacts``: MLflow 3 keeps its plain-file store only for old data). The run is named after the run folder, in the experiment ``--experiment``; the
 configuration goes in as parameters (``train.lr``, ``parallel.zero``, ...), each record as
-metrics with its step, and config.toml and the tokenizer as artifacts. The run's id is kept
+metrics with its step, MLflow's system metrics (CPU, memory, disk, network, GPUs) every
+SYSTEM_EVERY_S seconds (a run shorter than that has none), and config.toml and the tokenizer
+as artifacts. The run's id is kept
 in RUN/mlflow.json, so a resumed run (``--resume``) continues the same MLflow run; the steps
 redone after the checkpoint are logged again at the same step numbers, and MLflow's metric
 history keeps both, as it keeps every value logged.
@@ -22,6 +24,7 @@ history keeps both, as it keeps every value logged.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +35,7 @@ from typing import Any, Protocol
 from scaletrain.config import Config
 
 TRACKERS = ("tensorboard", "mlflow")
+SYSTEM_EVERY_S = 2.0  # MLflow's system metrics: a sample every this many seconds
 
 
 class Tracker(Protocol):
@@ -65,12 +69,14 @@ class MLflow:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would interleave with the run's
         self.run_dir = run_dir
         saved = run_dir / "mlflow.json"
         if cfg.run.resume and saved.exists():
             where = json.loads(saved.read_text())
             self.client, self.run_id = MlflowClient(where["tracking_uri"]), where["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
+            self.system = _system_metrics(self.run_id, where["tracking_uri"], resume=True)
             return
         uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
         if uri is None:  # a store of one's own: MLflow's database in ./mlruns, the artifacts beside it
@@ -84,6 +90,7 @@ class MLflow:
         self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
                                              tags={"scaletrain.run_dir": str(run_dir.resolve())}).info.run_id
         saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
+        self.system = _system_metrics(self.run_id, uri, resume=False)
         params = [Param(f"{section}.{key}", str(value)) for section, fields in cfg.to_dict().items()
                   for key, value in fields.items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
@@ -97,10 +104,21 @@ class MLflow:
                                                     for key, value in _numbers(record).items()])
 
     def finish(self, succeeded: bool) -> None:
+        self.system.finish()
         for name in ("config.toml", "tokenizer.json"):
             if (self.run_dir / name).exists():
                 self.client.log_artifact(self.run_id, str(self.run_dir / name))
         self.client.set_terminated(self.run_id, status="FINISHED" if succeeded else "FAILED")
+
+
+def _system_metrics(run_id: str, uri: str, resume: bool):
+    """MLflow's own monitor of the machine (``system/cpu_utilization_percentage``, memory, disk,
+    network, and each GPU's use and memory), sampled on a thread of its own every SYSTEM_EVERY_S."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_EVERY_S, resume_logging=resume, tracking_uri=uri)
+    monitor.start()
+    return monitor
 
 
 _CLASSES = {"tensorboard": TensorBoard, "mlflow": MLflow}

@@ -233,6 +233,8 @@ class RunConfig:
     tracker: str = _opt("tensorboard", "where records go besides metrics.jsonl, comma-separated: tensorboard, "
                                        "mlflow (MLFLOW_TRACKING_URI, else ./mlruns)")
     experiment: str = _opt("scaletrain", "the MLflow experiment of the run")
+    register: str | None = _opt(None, "with --tracker mlflow: register the final model under this name (a new "
+                                      "version each run)")
     progress: bool = _opt(True, "show a progress bar")
     log_every: int = _opt(1, "read each step's loss and gradient norm from the device every K steps, in one "
                              "transfer, so the host never waits for the device mid-run (records stay per step)")

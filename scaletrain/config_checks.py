@@ -108,6 +108,9 @@ def _check_trackers(cfg: Config) -> None:
                             f"comma-separated.")
         if name == "mlflow" and importlib.util.find_spec("mlflow") is None:
             raise UserError("--tracker mlflow needs MLflow; pip install 'scaletrain[mlflow]' (or mlflow), or drop it.")
+    if cfg.run.register and "mlflow" not in tracker_names(cfg.run.tracker):
+        raise UserError(f"--register {cfg.run.register} registers the model in MLflow's registry; add mlflow to "
+                        f"--tracker, or drop --register.")
 
 
 def _check_pure_bf16(cfg: Config) -> None:

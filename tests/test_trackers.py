@@ -37,9 +37,12 @@ def test_mlflow_holds_what_metrics_jsonl_holds(tiny_cfg, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default store: ./mlruns
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr(trackers, "SYSTEM_EVERY_S", 0.05)  # samples within a run of a second
-    summary = launch(tiny_cfg.replace(tracker="tensorboard,mlflow", eval_every=2))
+    summary = launch(tiny_cfg.replace(tracker="tensorboard,mlflow", eval_every=2, register="tiny-lm"))
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     client, (run,) = _runs(tmp_path)
+    (version,) = client.search_model_versions("name = 'tiny-lm'")  # the final model, registered
+    assert version.run_id == run.info.run_id and version.source.endswith("/model")
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
     assert run.info.status == "FINISHED" and run.info.run_name == summary.run_dir.name
     assert run.data.params["train.lr"] == str(tiny_cfg.train.lr) and run.data.params["model.name"] == "gpt-tiny"
     numeric = {key for record in records for key, value in record.items()
@@ -121,6 +124,8 @@ def test_an_unreachable_tracker_is_one_warning_and_the_run_goes_on(tiny_cfg, mon
 def test_an_unknown_tracker_is_refused_in_one_sentence(tiny_cfg):
     with pytest.raises(UserError, match="--tracker comet is not a tracker; choose among tensorboard, mlflow"):
         check_values(tiny_cfg.replace(tracker="tensorboard,comet"))
+    with pytest.raises(UserError, match="--register lm registers the model in MLflow's registry; add mlflow"):
+        check_values(tiny_cfg.replace(register="lm"))
 
 
 def test_a_records_metrics_are_its_numbers_but_the_step():

@@ -76,7 +76,7 @@ def fit(trainer: Trainer) -> RunSummary:
         raise
     bar.close()
     if writer:
-        writer.close()
+        writer.close(succeeded=True, final=saved if end == cfg.train.steps else None)
     # Every rank of the main rank's model replica (its tp and pp ranks, and the ep ranks holding
     # the other experts) computes the sample with it; cp's first rank alone runs whole sequences.
     in_first_replica = all(trainer.mesh.coords[dim] == 0 for dim in ("dp", "cp"))

@@ -112,9 +112,10 @@ class MetricsWriter:
         self._jsonl.flush()
         self._trackers.log(record)
 
-    def close(self, succeeded: bool = True) -> None:
+    def close(self, succeeded: bool, final: Path | None = None) -> None:
+        """``final``: the run's last checkpoint, when it reached its last step (train/trackers.py)."""
         self._jsonl.close()
-        self._trackers.finish(succeeded)
+        self._trackers.finish(succeeded, final)
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -14,8 +14,9 @@ run was started (MLflow's SQLite database ``mlruns/mlflow.db``, the artifacts in
 ``mlruns/artifacts``: MLflow 3 keeps its plain-file store only for old data). The run is named after the run folder, in the experiment ``--experiment``; the
 configuration goes in as parameters (``train.lr``, ``parallel.zero``, ...), each record as
 metrics with its step, MLflow's system metrics (CPU, memory, disk, network, GPUs) every
-SYSTEM_EVERY_S seconds (a run shorter than that has none), and config.toml and the tokenizer
-as artifacts. The run's id is kept
+SYSTEM_EVERY_S seconds (a run shorter than that has none), config.toml and the tokenizer as
+artifacts, and at the run's last step its model, exported as by ``scaletrain export``, as the
+artifact ``model`` (with ``--register NAME``, a new version of the registered model NAME). The run's id is kept
 in RUN/mlflow.json, so a resumed run (``--resume``) continues the same MLflow run; the steps
 redone after the checkpoint are logged again at the same step numbers, and MLflow's metric
 history keeps both, as it keeps every value logged.
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +43,7 @@ SYSTEM_EVERY_S = 2.0  # MLflow's system metrics: a sample every this many second
 class Tracker(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
-    def finish(self, succeeded: bool) -> None: ...
+    def finish(self, succeeded: bool, final: Path | None) -> None: ...
 
 
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
@@ -60,7 +62,7 @@ class TensorBoard:
         for key, value in _numbers(record).items():
             self.writer.add_scalar(key, value, record["step"])
 
-    def finish(self, succeeded: bool) -> None:
+    def finish(self, succeeded: bool, final: Path | None) -> None:
         self.writer.close()
 
 
@@ -70,7 +72,7 @@ class MLflow:
         from mlflow.tracking import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would interleave with the run's
-        self.run_dir = run_dir
+        self.run_dir, self.register = run_dir, cfg.run.register
         saved = run_dir / "mlflow.json"
         if cfg.run.resume and saved.exists():
             where = json.loads(saved.read_text())
@@ -103,12 +105,28 @@ class MLflow:
         self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, record["step"])
                                                     for key, value in _numbers(record).items()])
 
-    def finish(self, succeeded: bool) -> None:
+    def finish(self, succeeded: bool, final: Path | None) -> None:
         self.system.finish()
         for name in ("config.toml", "tokenizer.json"):
             if (self.run_dir / name).exists():
                 self.client.log_artifact(self.run_id, str(self.run_dir / name))
+        if final is not None:
+            self._log_model(final)
         self.client.set_terminated(self.run_id, status="FINISHED" if succeeded else "FAILED")
+
+    def _log_model(self, checkpoint: Path) -> None:
+        """The final checkpoint exported (``scaletrain export``) as the artifact ``model``, and with
+        ``--register NAME`` a new version of the registered model NAME made from it."""
+        from scaletrain.export import export
+
+        with tempfile.TemporaryDirectory() as folder:
+            export(checkpoint, Path(folder) / "model.safetensors")
+            self.client.log_artifact(self.run_id, str(Path(folder) / "model.safetensors"), artifact_path="model")
+        if self.register:
+            if not self.client.search_registered_models(filter_string=f"name = '{self.register}'"):
+                self.client.create_registered_model(self.register)
+            source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
+            self.client.create_model_version(self.register, source, run_id=self.run_id)
 
 
 def _system_metrics(run_id: str, uri: str, resume: bool):
@@ -151,8 +169,9 @@ class Trackers:
     def log(self, record: dict[str, Any]) -> None:
         self._each("log a step", lambda tracker: tracker.log(record))
 
-    def finish(self, succeeded: bool) -> None:
-        self._each("finish", lambda tracker: tracker.finish(succeeded))
+    def finish(self, succeeded: bool, final: Path | None) -> None:
+        """The run's end; ``final``: its last checkpoint, when the run reached its last step."""
+        self._each("finish", lambda tracker: tracker.finish(succeeded, final))
 
 
 def _warn(name: str, what: str, exc: Exception) -> None:

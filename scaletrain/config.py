@@ -231,8 +231,8 @@ class RunConfig:
     report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
     report_memory: bool = _opt(False, "write and print the memory ledger (memory.json)")
     tracker: str = _opt("tensorboard", "where records go besides metrics.jsonl, comma-separated: tensorboard, "
-                                       "mlflow (MLFLOW_TRACKING_URI, else ./mlruns)")
-    experiment: str = _opt("scaletrain", "the MLflow experiment of the run")
+                                       "mlflow (MLFLOW_TRACKING_URI, else ./mlruns), wandb")
+    experiment: str = _opt("scaletrain", "the MLflow experiment, or the W&B project, of the run")
     register: str | None = _opt(None, "with --tracker mlflow: register the final model under this name (a new "
                                       "version each run)")
     progress: bool = _opt(True, "show a progress bar")

@@ -5,6 +5,7 @@ warning, not the run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -121,8 +122,22 @@ def test_an_unreachable_tracker_is_one_warning_and_the_run_goes_on(tiny_cfg, mon
     assert not (summary.run_dir / "mlflow.json").exists()
 
 
+def test_wandb_offline_logs_every_record_without_a_network(tiny_cfg, monkeypatch):
+    """W&B offline: its run in RUN/wandb, its transaction log holding each step's numbers (the
+    log is W&B's own binary format, whose values are JSON strings: found as they are written)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    summary = launch(tiny_cfg.replace(tracker="wandb"))
+    run_id = json.loads((summary.run_dir / "wandb.json").read_text())["run_id"]
+    (log,) = (summary.run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    written = log.read_bytes()
+    for record in read_metrics(summary.run_dir / "metrics.jsonl"):
+        assert json.dumps(record["loss"]).encode() in written and json.dumps(record["grad_norm"]).encode() in written
+    assert b"micro_batch" in written  # the configuration, as W&B's config
+
+
 def test_an_unknown_tracker_is_refused_in_one_sentence(tiny_cfg):
-    with pytest.raises(UserError, match="--tracker comet is not a tracker; choose among tensorboard, mlflow"):
+    with pytest.raises(UserError, match="--tracker comet is not a tracker; choose among tensorboard, mlflow, wandb"):
         check_values(tiny_cfg.replace(tracker="tensorboard,comet"))
     with pytest.raises(UserError, match="--register lm registers the model in MLflow's registry; add mlflow"):
         check_values(tiny_cfg.replace(register="lm"))

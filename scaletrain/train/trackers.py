@@ -8,6 +8,14 @@ stderr and then dropped: the run goes on, its metrics.jsonl whole.
 
 TensorBoard (the default) writes events into RUN/tensorboard.
 
+Weights & Biases (``pip install '.[wandb]'``) logs a run named after the run folder in the
+project ``--experiment``, the configuration as its config, each record's numbers at their
+step; its files go under RUN/wandb. Its own settings apply:
+``WANDB_MODE=offline`` logs without a network (``wandb sync`` uploads later), and without a
+login online mode cannot start (one warning, as below). A resumed run continues the same W&B
+run (its id in RUN/wandb.json); W&B ignores steps lower than ones it has seen, so the steps
+redone after a checkpoint keep their first values there.
+
 MLflow (``pip install '.[mlflow]'``) logs to ``MLFLOW_TRACKING_URI`` (a server, a database,
 any store MLflow takes), or without it to a store of its own in ``./mlruns`` beside where the
 run was started (MLflow's SQLite database ``mlruns/mlflow.db``, the artifacts in
@@ -36,7 +44,7 @@ from typing import Any, Protocol
 
 from scaletrain.config import Config
 
-TRACKERS = ("tensorboard", "mlflow")
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 SYSTEM_EVERY_S = 2.0  # MLflow's system metrics: a sample every this many seconds
 
 
@@ -129,6 +137,24 @@ class MLflow:
             self.client.create_model_version(self.register, source, run_id=self.run_id)
 
 
+class WandB:
+    def __init__(self, cfg: Config, run_dir: Path):
+        import wandb
+
+        saved = run_dir / "wandb.json"
+        run_id = json.loads(saved.read_text())["run_id"] if cfg.run.resume and saved.exists() else None
+        self.run = wandb.init(project=cfg.run.experiment, name=run_dir.name, dir=str(run_dir), id=run_id,
+                              resume="allow" if run_id else None, config=cfg.to_dict(),
+                              settings=wandb.Settings(console="off", silent=True))
+        saved.write_text(json.dumps({"run_id": self.run.id}))
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(_numbers(record), step=record["step"])
+
+    def finish(self, succeeded: bool, final: Path | None) -> None:
+        self.run.finish(exit_code=0 if succeeded else 1)
+
+
 def _system_metrics(run_id: str, uri: str, resume: bool):
     """MLflow's own monitor of the machine (``system/cpu_utilization_percentage``, memory, disk,
     network, and each GPU's use and memory), sampled on a thread of its own every SYSTEM_EVERY_S."""
@@ -139,7 +165,7 @@ def _system_metrics(run_id: str, uri: str, resume: bool):
     return monitor
 
 
-_CLASSES = {"tensorboard": TensorBoard, "mlflow": MLflow}
+_CLASSES = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
 
 
 def names(text: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Where a run's records go besides metrics.jsonl: ``--tracker tensorboard,mlflow``.
+"""Where a run's records go besides metrics.jsonl: ``--tracker tensorboard,mlflow,wandb``.
 
 metrics.jsonl is the record of truth, written first, whatever the trackers do. Each tracker
 takes the same records: the resolved configuration once, every step's record (each numeric
@@ -8,26 +8,27 @@ stderr and then dropped: the run goes on, its metrics.jsonl whole.
 
 TensorBoard (the default) writes events into RUN/tensorboard.
 
-Weights & Biases (``pip install '.[wandb]'``) logs a run named after the run folder in the
-project ``--experiment``, the configuration as its config, each record's numbers at their
-step; its files go under RUN/wandb. Its own settings apply:
-``WANDB_MODE=offline`` logs without a network (``wandb sync`` uploads later), and without a
-login online mode cannot start (one warning, as below). A resumed run continues the same W&B
-run (its id in RUN/wandb.json); W&B ignores steps lower than ones it has seen, so the steps
-redone after a checkpoint keep their first values there.
-
 MLflow (``pip install '.[mlflow]'``) logs to ``MLFLOW_TRACKING_URI`` (a server, a database,
 any store MLflow takes), or without it to a store of its own in ``./mlruns`` beside where the
 run was started (MLflow's SQLite database ``mlruns/mlflow.db``, the artifacts in
-``mlruns/artifacts``: MLflow 3 keeps its plain-file store only for old data). The run is named after the run folder, in the experiment ``--experiment``; the
-configuration goes in as parameters (``train.lr``, ``parallel.zero``, ...), each record as
-metrics with its step, MLflow's system metrics (CPU, memory, disk, network, GPUs) every
-SYSTEM_EVERY_S seconds (a run shorter than that has none), config.toml and the tokenizer as
-artifacts, and at the run's last step its model, exported as by ``scaletrain export``, as the
-artifact ``model`` (with ``--register NAME``, a new version of the registered model NAME). The run's id is kept
-in RUN/mlflow.json, so a resumed run (``--resume``) continues the same MLflow run; the steps
+``mlruns/artifacts``: MLflow 3 keeps its plain-file store only for old data). The run is
+named after the run folder, in the experiment ``--experiment``; the configuration goes in as
+parameters (``train.lr``, ``parallel.zero``, ...), each record as metrics with its step,
+MLflow's system metrics (CPU, memory, disk, network, GPUs) every SYSTEM_EVERY_S seconds (a run
+shorter than that has none), config.toml and the tokenizer as artifacts, and at the run's
+last step its model, exported as by ``scaletrain export``, as the artifact ``model`` (with
+``--register NAME``, a new version of the registered model NAME). The run's id is kept in
+RUN/mlflow.json, so a resumed run (``--resume``) continues the same MLflow run; the steps
 redone after the checkpoint are logged again at the same step numbers, and MLflow's metric
 history keeps both, as it keeps every value logged.
+
+Weights & Biases (``pip install '.[wandb]'``) logs a run named after the run folder in the
+project ``--experiment``, the configuration as its config, each record's numbers at their
+step; its files go under RUN/wandb. Its own settings apply: ``WANDB_MODE=offline`` logs
+without a network (``wandb sync`` uploads later), and without a login online mode cannot
+start (one warning, as above). A resumed run continues the same W&B run (its id in
+RUN/wandb.json); W&B ignores steps lower than ones it has seen, so the steps redone after a
+checkpoint keep their first values there.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from scaletrain.bench import machine, median
+from scaletrain.bench.techniques import flags_of
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.dist.comm import Comm
@@ -101,14 +102,9 @@ def selected(text: str | None, rungs: dict[str, dict]) -> list[str]:
     return [n for n in rungs if n in names]
 
 
-def flags_of(changes: dict) -> str:
-    """A rung's flags as a user types them."""
-    words = []
-    for key, value in changes.items():
-        if key not in ("nproc", "dp"):
-            flag = "--" + key.replace("_", "-")
-            words.append(flag if value is True else f"{flag} {value}")
-    return " ".join(words) or "(none)"
+def rung_flags(changes: dict) -> str:
+    """A rung's flags as a user types them (the process count shows in its own column)."""
+    return flags_of({key: value for key, value in changes.items() if key not in ("nproc", "dp")})
 
 
 def predicted_points(memory: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -148,7 +144,7 @@ def run(cfg: Config, names_text: str | None, warmup: int, gpu_memory: int | None
     vocab = first.model.n_vocab or first.data.vocab_size
     if gpu_memory is not None:
         cluster = Cluster(DEVICES["H100"], 1, 1).with_memory(gpu_memory)
-        rows = {name: {"flags": flags_of(rungs[name]), "ranks": configs[name].parallel.nproc,
+        rows = {name: {"flags": rung_flags(rungs[name]), "ranks": configs[name].parallel.nproc,
                        "predicted": _prediction(configs[name], vocab, cluster)} for name in names}
         for row in rows.values():
             if not row["predicted"]["fits"]:
@@ -199,7 +195,7 @@ def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) ->
         folder = Path(tmp)
         base_run = None
         for name, cfg in configs.items():
-            row = {"flags": flags_of(rungs[name]), "ranks": cfg.parallel.nproc}
+            row = {"flags": rung_flags(rungs[name]), "ranks": cfg.parallel.nproc}
             world = cfg.parallel.nproc
             cluster, device_name = _this_machine(world)
             prediction = _prediction(cfg, spec.vocab_size, cluster)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.train.step_memory import POINTS, total
+from scaletrain.train.step_memory import ENTRIES, POINTS, total
 
 MIB = 2**20
-CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 
 def _figures(row: dict, mode: str) -> dict | None:
@@ -61,12 +60,12 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rungs"].values()
     largest = max(max(map(total, (_figures(r, result["mode"]) or r["predicted"])["points"].values())) for r in rows)
     unit, unit_name = (2**30, "GiB") if largest > 4 * 2**30 else (MIB, "MiB")
-    names, stacks = [], {category: [] for category in CATEGORIES}
+    names, stacks = [], {category: [] for category in ENTRIES}
     for name, row in result["rungs"].items():
         figures = _figures(row, result["mode"]) or row["predicted"]
         fullest = max(figures["points"].values(), key=total)
         names.append(f"{name}\n(out of memory)" if row.get("would_run_out_of_memory") else name)
-        for category in CATEGORIES:
+        for category in ENTRIES:
             stacks[category].append(fullest[category] / unit)
     figure, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(names)), 5))
     bottom = [0.0] * len(names)

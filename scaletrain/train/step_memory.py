@@ -35,6 +35,7 @@ import torch
 from scaletrain.train.memory import CATEGORIES, ActivationMeter
 
 POINTS = ("before_forward", "after_forward", "after_backward", "after_step")
+ENTRIES = (*CATEGORIES, "activations")  # what a point holds, cuda_* aside
 CUDA = ("cuda_allocated", "cuda_peak", "cuda_reserved")
 
 
@@ -63,12 +64,12 @@ class StepMemory:
 
 def total(row: dict[str, int]) -> int:
     """A point's tensors in all: parameters, gradients, optimizer state and saved activations."""
-    return sum(row[name] for name in (*CATEGORIES, "activations"))
+    return sum(row[name] for name in ENTRIES)
 
 
 def format_points(points: dict[str, dict[str, int]]) -> str:
     """The points as aligned text, in MiB: one row per point, one column per entry."""
-    columns = [*CATEGORIES, "activations", "total",
+    columns = [*ENTRIES, "total",
                *(name for name in CUDA if any(name in row for row in points.values()))]
     lines = [f"{'step memory (MiB)':<18}" + "".join(f"{name:>16}" for name in columns)]
     for point in POINTS:

@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from scaletrain.dist.mesh import ParallelDims
+from scaletrain.dist.ray_launch import RayPlacement
 from scaletrain.errors import UserError
 from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES
 from scaletrain.parallel.pipeline import schedules
@@ -151,7 +152,16 @@ class ParallelConfig:
     nproc: int = _opt(1, "spawn this many local workers (otherwise read torchrun/SLURM/MPI)")
     max_restarts: int = _opt(0, "with --nproc: restart the workers this many times after a failure, each "
                                 "time from the newest complete checkpoint (under torchrun: its own "
-                                "--max-restarts)")
+                                "--max-restarts; under Ray: its FailureConfig)")
+    launcher: str = _opt("local", "who starts the --nproc workers: this machine (torch's elastic agent, as "
+                                  "torchrun), or Ray Train on a Ray cluster (pip install 'scaletrain[ray]')",
+                         choices=("local", "ray"))
+    ray_address: str | None = _opt(None, "with --launcher ray: the cluster ('auto': the one ray start began on "
+                                         "this machine, HOST:6379, ray://HOST:10001; default: the cluster of a "
+                                         "ray job submit, else a new one on this machine)")
+    cpus_per_worker: float = _opt(1.0, "with --launcher ray: CPUs reserved for each worker (its torch threads)")
+    gpus_per_worker: float = _opt(0.0, "with --launcher ray: GPUs reserved for each worker (0: gloo on CPUs; "
+                                       "1 or more: nccl; a fraction shares a GPU, for one-worker runs)")
     dp: int | None = _opt(None, "data-parallel size (default: what the other sizes leave)")
     tp: int = _opt(1, "tensor-parallel size (Megatron: attention heads, MLP features and the "
                       "vocabulary split over this many ranks)")
@@ -206,6 +216,10 @@ class ParallelConfig:
     sync_every: int = _opt(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
                               "and the dp replicas' parameters are averaged every N steps (1: plain data "
                               "parallelism, gradients averaged every step)")
+
+    def ray_placement(self) -> RayPlacement:
+        """Where --launcher ray puts the workers (dist/ray_launch.py)."""
+        return RayPlacement(self.ray_address, self.cpus_per_worker, self.gpus_per_worker)
 
     def mesh_dims(self, world_size: int) -> ParallelDims:
         """The mesh these sizes make of ``world_size`` ranks (dp filled in), in ``mesh_order``."""
@@ -338,21 +352,23 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} options")
         for fld in dataclasses.fields(cls):
-            key = _flag_key(fld)
-            flag = "--" + key.replace("_", "-")
-            default_text = fld.default if fld.default is not None else "see help"
-            help_text = f"{fld.metadata['help']} [{default_text}]" if fld.default is not None \
-                else fld.metadata["help"]
-            typ = _base_type(fld)
-            if typ is bool:
-                group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction,
-                                   default=None, help=help_text)
-            elif typ is list:
-                group.add_argument(flag, dest=key, action="append", default=None, help=help_text, metavar="PATH")
-            else:
-                group.add_argument(flag, dest=key, type=typ, default=None,
-                                   choices=fld.metadata.get("choices"), help=help_text,
-                                   metavar=typ.__name__.upper() if not fld.metadata.get("choices") else None)
+            add_field_flag(group, fld, None)
+
+
+def add_field_flag(group, fld: dataclasses.Field, default: Any) -> None:
+    """The flag of one configuration field, its help text and choices, parsed to ``default`` when not given."""
+    key = _flag_key(fld)
+    flag = "--" + key.replace("_", "-")
+    default_text = fld.default if fld.default is not None else "see help"
+    help_text = f"{fld.metadata['help']} [{default_text}]" if fld.default is not None else fld.metadata["help"]
+    typ = _base_type(fld)
+    if typ is bool:
+        group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+    elif typ is list:
+        group.add_argument(flag, dest=key, action="append", default=default, help=help_text, metavar="PATH")
+    else:
+        group.add_argument(flag, dest=key, type=typ, default=default, choices=fld.metadata.get("choices"),
+                           help=help_text, metavar=typ.__name__.upper() if not fld.metadata.get("choices") else None)
 
 
 def load_toml(path: str | Path, flag: str = "--config") -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 from scaletrain.config import Config, ParallelConfig
+from scaletrain.dist.ray_launch import check_placement
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.train.trackers import TRACKERS
@@ -79,9 +80,10 @@ def check_values(cfg: Config) -> None:
     if cfg.train.on_nan == "stop" and cfg.train.precision == "fp16":
         raise UserError("--on-nan stop contradicts --precision fp16, whose loss scaling finds its scale by "
                         "skipping the steps that overflow; use --on-nan skip or another precision.")
-    if cfg.parallel.max_restarts and cfg.parallel.nproc < 2:
+    if cfg.parallel.max_restarts and cfg.parallel.nproc < 2 and cfg.parallel.launcher == "local":
         raise UserError("--max-restarts restarts the workers that --nproc spawns; add --nproc, or under "
                         "torchrun give torchrun its own --max-restarts.")
+    check_launcher(cfg.parallel)
     if cfg.train.fused == "triton" and cfg.train.optimizer not in ("adamw", "adamw8bit"):
         raise UserError("--fused triton fuses AdamW and 8-bit AdamW; drop it, or use --optimizer adamw "
                         "or adamw8bit.")
@@ -98,6 +100,17 @@ def check_values(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
+
+
+def check_launcher(p: ParallelConfig) -> None:
+    """--launcher ray's own options: given only with it, and a placement Ray can make."""
+    if p.launcher == "ray":
+        check_placement(p.ray_placement(), p.nproc, p.backend)
+        return
+    for flag, used in (("--ray-address", p.ray_address is not None), ("--cpus-per-worker", p.cpus_per_worker != 1),
+                       ("--gpus-per-worker", p.gpus_per_worker != 0)):
+        if used:
+            raise UserError(f"{flag} places Ray workers; add --launcher ray, or drop {flag}.")
 
 
 def _check_trackers(cfg: Config) -> None:

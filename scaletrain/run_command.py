@@ -3,6 +3,7 @@
     scaletrain run --nproc 4 train.py --epochs 3
     scaletrain run --nproc 4 --max-restarts 2 train.py
     srun -n 8 scaletrain run train.py            (or torchrun, mpirun: the same script)
+    scaletrain run --launcher ray --nproc 8 --gpus-per-worker 1 train.py
 
 With ``--nproc N``, N local worker processes (torch's elastic agent, as
 torchrun starts them) each run the script as ``__main__`` with ``sys.argv``
@@ -13,7 +14,8 @@ set to ``[SCRIPT, *ARGS]`` and the variables of ``init_process_group``'s
 process is one of a job another launcher started, or the only one: its place
 is read as the trainer reads it (dist/launch.py: torchrun's variables,
 SLURM's, Open MPI's or MPICH's) and written into those same variables, so one
-script runs unchanged under every launcher.
+script runs unchanged under every launcher. With ``--launcher ray`` the N workers are Ray
+Train workers on a Ray cluster (dist/ray_launch.py), given the same variables.
 
 Failures are reported as the trainer's are: a rank that raises is named with
 its traceback, a rank that is killed with its signal, and ``--max-restarts
@@ -25,15 +27,19 @@ A script that exits with a non-zero code fails its rank as an exception does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
+from scaletrain.config import ParallelConfig, add_field_flag
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.paths import readable_file
 
 SCRIPT_WANTED = "a Python script to run"
+RAY_OPTIONS = ("launcher", "ray_address", "cpus_per_worker", "gpus_per_worker")  # as scaletrain train's
 
 
 def add_run_parser(commands) -> None:
@@ -46,6 +52,9 @@ def add_run_parser(commands) -> None:
     run.add_argument("--nproc", type=int, default=1, metavar="N", help="local worker processes [1]")
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="start every worker again after a failure, up to K times [0]")
+    placement = {fld.name: fld for fld in dataclasses.fields(ParallelConfig)}
+    for name in RAY_OPTIONS:
+        add_field_flag(run, placement[name], placement[name].default)
     run.add_argument("script", metavar="SCRIPT", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
 
@@ -80,7 +89,9 @@ def run_script(script: str, args: list[str]) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from scaletrain.config_checks import check_launcher
     from scaletrain.dist.launch import WorkerFailed, spawn_local
+    from scaletrain.dist.ray_launch import launch_ray, ray_cluster
 
     script = readable_file("SCRIPT", args.script, SCRIPT_WANTED)
     if script.suffix != ".py":
@@ -89,6 +100,15 @@ def run_command(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc is {args.nproc}; use 1 or more processes.")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts is {args.max_restarts}; use 0 or more.")
+    parallel = ParallelConfig(nproc=args.nproc, max_restarts=args.max_restarts,
+                              **{name: getattr(args, name) for name in RAY_OPTIONS})
+    check_launcher(parallel)
+    if parallel.launcher == "ray":
+        with ray_cluster(parallel.ray_placement(), args.nproc):
+            launch_ray(args.nproc, run_script, (str(script), args.args), placement=parallel.ray_placement(),
+                       max_restarts=args.max_restarts, name=f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}",
+                       storage=None, timeout_s=parallel.timeout, own_group=False)
+        return 0
     if args.nproc == 1 and args.max_restarts == 0:
         run_script(str(script), args.args)
         return 0

@@ -5,6 +5,8 @@ Launchers announce a process's place through environment variables; they are
 read in this order, the first that applies wins:
 
   torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+  Ray        the same variables, in a Ray Train worker (SCALETRAIN_LAUNCHER=ray,
+             dist/ray_launch.py), whose process group Ray has already made
   Slurm      srun with more than one task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
              SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE ("4(x2),3") with SLURM_NODEID;
              MASTER_ADDR else the first host of the step's node list (task 0 runs
@@ -55,6 +57,7 @@ from scaletrain.errors import JobFailed, UserError
 DEFAULT_ADDR = "127.0.0.1"
 SETTLE_S = 0.1  # what shutdown waits after its barrier for gloo's threads (`shutdown`)
 DEFAULT_PORT = 29500
+LAUNCHER_VARIABLE = "SCALETRAIN_LAUNCHER"  # "ray" in a Ray Train worker (dist/ray_launch.py)
 
 # (rank, world size, local rank, local world size) variables of each MPI flavour.
 _MPI_KEYS = (
@@ -74,7 +77,7 @@ class ProcessEnv:
     local_world_size: int
     master_addr: str
     master_port: int
-    source: str  # "single", "torchrun", "slurm" or "mpi"
+    source: str  # "single", "torchrun", "ray", "slurm" or "mpi"
 
 
 def _require(environ: Mapping[str, str], key: str, launcher: str) -> str:
@@ -213,7 +216,8 @@ def detect_environment(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
         rank, world, local_rank, local_world = _place(environ, _TORCHRUN_KEYS, "torchrun")
         addr = _require(environ, "MASTER_ADDR", "torchrun")
         port = _port(environ, "torchrun", default=None)
-        return ProcessEnv(rank, world, local_rank, local_world, addr, port, "torchrun")
+        source = "ray" if environ.get(LAUNCHER_VARIABLE) == "ray" else "torchrun"
+        return ProcessEnv(rank, world, local_rank, local_world, addr, port, source)
     if "SLURM_PROCID" in environ and _whole(environ, "SLURM_NTASKS", "Slurm", minimum=1) > 1:
         return _from_slurm(environ)
     for keys in _MPI_KEYS:
@@ -281,6 +285,8 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
 
     nccl computes on GPU local_rank; gloo and mpi4py compute on the CPU.
     """
+    if env.source == "ray" and dist.is_initialized():
+        backend = dist.get_backend()  # Ray chose it from the workers' GPUs (dist/ray_launch.py)
     chosen = check_backend(backend, env)
     device = torch.device("cpu")
     if chosen == "nccl":
@@ -298,6 +304,8 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
     if env.world_size == 1:
         return DistRuntime(env, None, device)
     if chosen == "mpi4py":  # MPI started with the import in check_backend; no torch group
+        return DistRuntime(env, chosen, device)
+    if env.source == "ray" and dist.is_initialized():  # Ray Train's rendezvous made the group
         return DistRuntime(env, chosen, device)
     if dist.is_initialized():
         raise UserError("this process already joined a process group; scaletrain joins the job itself, from the "

@@ -37,6 +37,7 @@ from scaletrain.dist.launch import (
     spawn_local,
 )
 from scaletrain.dist.mesh import Mesh, ParallelDims
+from scaletrain.dist.ray_launch import launch_ray, ray_cluster
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
@@ -189,7 +190,8 @@ def launch(cfg: Config) -> RunSummary:
     env = detect_environment()
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
-    check_backend(cfg.parallel.backend, env)
+    if cfg.parallel.launcher == "local":  # Ray's workers, not this process, have the devices to check
+        check_backend(cfg.parallel.backend, env)
     if cfg.parallel.debug_dist:
         debug_environment()  # before any process group; workers spawned below inherit it
     if env.rank == 0:
@@ -197,11 +199,19 @@ def launch(cfg: Config) -> RunSummary:
         print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
         if cfg.train.compile:
             print(COMPILE_NOTE)
+    if cfg.parallel.launcher == "ray":
+        with ray_cluster(cfg.parallel.ray_placement(), cfg.parallel.nproc):
+            return execute(cfg, prepare_run(cfg))
     return execute(cfg, prepare_run(cfg) if cfg.parallel.nproc > 1 else None)
 
 
 def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
-    """Run the worker here, or spawn ``--nproc`` local ones (the run prepared)."""
+    """Run the worker here, or start ``--nproc`` ones, on this machine or Ray's cluster (the run prepared)."""
+    p = cfg.parallel
+    if p.launcher == "ray":
+        out = Path(cfg.run.out)
+        return launch_ray(p.nproc, run_worker, (cfg, spec), placement=p.ray_placement(),
+                          max_restarts=p.max_restarts, name=out.name, storage=out / "ray", timeout_s=p.timeout)
     if cfg.parallel.nproc > 1:
         try:
             return spawn_local(cfg.parallel.nproc, run_worker, (cfg, spec),

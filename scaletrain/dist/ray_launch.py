@@ -96,8 +96,8 @@ def ray_cluster(placement: RayPlacement, nproc: int) -> Iterator[None]:
     import ray
 
     started_here = placement.address is None and "RAY_ADDRESS" not in os.environ
-    if started_here:  # a machine's own instance needs no dashboard: no job is submitted to it
-        ray.init(logging_level="WARNING", include_dashboard=False)
+    if started_here:  # "local": Ray would otherwise join a cluster `ray start` left on this machine
+        ray.init(address="local", logging_level="WARNING", include_dashboard=False)
     else:
         _check_answers(placement.address)
         try:

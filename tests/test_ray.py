@@ -1,0 +1,130 @@
+"""--launcher ray on a real Ray cluster, started by these tests and stopped after them
+(dist/ray_launch.py): dp2 under Ray trains as dp2 under --nproc, a killed Ray worker is
+restarted by Ray and resumes exactly, `ray job submit` runs the trainer, `scaletrain run`
+launches a script on Ray workers, and mistakes are one sentence."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.dist import free_port
+from scaletrain.parity import relative_diffs
+from scaletrain.train.checkpoint import read_model_tensors
+
+pytest.importorskip("ray.train")
+RAY = str(Path(sys.executable).parent / "ray")  # the command installed beside this interpreter
+TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Cluster:
+    address: str  # the GCS's, for --ray-address
+    dashboard: str  # the job server's, for ray job submit
+    env: dict[str, str]  # token authentication, as Ray's clusters use it
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Cluster:
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    port, dashboard = free_port(), free_port()
+    subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
+                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=TIMEOUT_S)
+    try:
+        yield Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", env)
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=TIMEOUT_S)
+
+
+def _train(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "scaletrain", "train", "--model", "gpt-tiny", "--data", str(corpus),
+            "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "6", "--checkpoint-every", "2",
+            "--warmup-steps", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+            "--no-progress", "--timeout", "30", "--cache-dir", str(out.parent / "cache"), "--out", str(out),
+            "--nproc", "2", *extra]
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+def _losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def on_ray(cluster, corpus, tmp_path_factory) -> Path:
+    """An uninterrupted dp2 run on the cluster's Ray Train workers."""
+    run = tmp_path_factory.mktemp("ray") / "run"
+    _run(_train(corpus, run, "--launcher", "ray", "--ray-address", cluster.address), cluster.env)
+    return run
+
+
+def test_dp2_under_ray_trains_as_dp2_under_nproc(on_ray, corpus, tmp_path):
+    """Parity: the same global batch, the same losses and weights (relative 1e-5) as the local spawner's."""
+    local = tmp_path / "local"
+    _run(_train(corpus, local))
+    assert _losses(on_ray) == pytest.approx(_losses(local), rel=1e-5)
+    final = "checkpoints/step_000006"
+    assert relative_diffs(read_model_tensors(on_ray / final), read_model_tensors(local / final))[1] < 1e-5
+    assert (on_ray / "ray" / "run").is_dir()  # Ray's own records of the run, in the run folder
+
+
+def test_a_killed_ray_worker_is_restarted_and_resumes_exactly(on_ray, cluster, corpus, tmp_path):
+    """Submitted as a Ray job; rank 1 is killed in step 5. Ray's FailureConfig (--max-restarts 1)
+    starts a new worker group, which goes on from step_000004 and ends where the uninterrupted
+    run ends, bit for bit: the same workers' arithmetic."""
+    run = tmp_path / "restarted"
+    fault = json.dumps({"env_vars": {"SCALETRAIN_FAULT": "kill rank=1 step=5 at=micro-batch"}})
+    submitted = _run([RAY, "job", "submit", "--address", cluster.dashboard, "--runtime-env-json", fault, "--",
+                      *_train(corpus, run, "--launcher", "ray", "--max-restarts", "1")], cluster.env)
+    assert "ActorDiedError" in submitted.stdout + submitted.stderr  # the first worker group did lose a rank
+    assert "resumed from checkpoint step_000004" in submitted.stdout
+    assert _losses(run) == _losses(on_ray)
+    final = "checkpoints/step_000006"
+    mine, straight = read_model_tensors(run / final), read_model_tensors(on_ray / final)
+    assert all(torch.equal(mine[name], straight[name]) for name in straight)
+
+
+def test_scaletrain_run_launches_a_script_on_ray_workers(cluster, tmp_path):
+    """A torchrun-style script makes its own process group on the Ray workers."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "total = torch.tensor([dist.get_rank() + 1.0])\n"
+        "dist.all_reduce(total)\n"
+        "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: {total.item():g} {sys.argv[1:]}', flush=True)\n"
+        "dist.barrier()\n"
+        "dist.destroy_process_group()\n")
+    result = _run([sys.executable, "-m", "scaletrain", "run", "--launcher", "ray", "--ray-address", cluster.address,
+                   "--nproc", "2", str(script), "--epochs", "3"], cluster.env)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: 3 ['--epochs', '3']" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--ray-address", "127.0.0.1:9"], "--ray-address places Ray workers; add --launcher ray"),
+    (["--launcher", "ray", "--ray-address", f"127.0.0.1:{free_port()}"], "nothing answers there"),
+    (["--launcher", "ray", "--gpus-per-worker", "0.5"], "lets two of the 2 workers share a GPU"),
+    (["--launcher", "ray", "--cpus-per-worker", "64"], "need 128, but this machine has"),
+])
+def test_ray_mistakes_are_one_sentence_and_leave_no_run_folder(corpus, tmp_path, flags, sentence):
+    run = tmp_path / "run"
+    result = subprocess.run(_train(corpus, run, *flags), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert sentence in result.stderr and "Traceback" not in result.stderr
+    assert not run.exists()

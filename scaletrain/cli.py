@@ -209,9 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from scaletrain.prepare_command import add_prepare_parser
     from scaletrain.run_command import add_run_parser
+    from scaletrain.sweep import add_sweep_parser
 
     add_prepare_parser(commands)
     add_run_parser(commands)
+    add_sweep_parser(commands, _add_train_flags)
 
     generate = commands.add_parser(
         "generate", help="continue a prompt with a trained model or released weights",
@@ -241,6 +243,12 @@ def _run(args: argparse.Namespace) -> int:
     from scaletrain.run_command import run_command
 
     return run_command(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from scaletrain.sweep import sweep_command
+
+    return sweep_command(resolve(args), args)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -470,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": _train, "finetune": _finetune, "parity": _parity, "bench": _bench, "schedule": _schedule,
                 "export": _export, "generate": _generate, "plan": _plan, "prepare": _prepare,
-                "run": _run}[args.command](args)
+                "run": _run, "sweep": _sweep}[args.command](args)
     except UserError as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 2

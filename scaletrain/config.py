@@ -302,6 +302,12 @@ class Config:
         return copy
 
 
+def field_of(name: str) -> dataclasses.Field | None:
+    """The configuration field of this name (``lr``, ``micro_batch``), None if there is none."""
+    found = _FIELDS_BY_NAME.get(name)
+    return found[1] if found else None
+
+
 def _flag_key(fld: dataclasses.Field) -> str:
     return fld.metadata.get("flag") or fld.name
 
@@ -314,7 +320,7 @@ for _section, _cls in SECTIONS.items():
         _FIELDS_BY_FLAG[_flag_key(_fld)] = (_section, _fld)
 
 
-def _base_type(fld: dataclasses.Field) -> type:
+def base_type(fld: dataclasses.Field) -> type:
     """The scalar type behind an annotation such as ``int | None``."""
     text = str(fld.type)
     if "list[str]" in text:
@@ -329,7 +335,7 @@ def coerce(key: str, fld: dataclasses.Field, value: Any, named: str = "config ke
            fix: str = "fix the TOML file") -> Any:
     """Check a value against the field's type and choices, in the user's words: ``named`` says what
     gave it (a TOML key, a library option), ``fix`` where to change it."""
-    typ = _base_type(fld)
+    typ = base_type(fld)
     if value is None:
         return None
     if typ is list:  # a repeatable flag: one string, or a list of them
@@ -361,7 +367,7 @@ def add_field_flag(group, fld: dataclasses.Field, default: Any) -> None:
     flag = "--" + key.replace("_", "-")
     default_text = fld.default if fld.default is not None else "see help"
     help_text = f"{fld.metadata['help']} [{default_text}]" if fld.default is not None else fld.metadata["help"]
-    typ = _base_type(fld)
+    typ = base_type(fld)
     if typ is bool:
         group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=default, help=help_text)
     elif typ is list:

@@ -119,9 +119,10 @@ def _check_trackers(cfg: Config) -> None:
         if name not in TRACKERS:
             raise UserError(f"--tracker {name} is not a tracker; choose among {', '.join(TRACKERS)}, "
                             f"comma-separated.")
-        if name in ("mlflow", "wandb") and importlib.util.find_spec(name) is None:
-            raise UserError(f"--tracker {name} needs the {name} package; pip install 'scaletrain[{name}]' (or "
-                            f"{name}), or drop it.")
+        package, extra = ("ray", "ray") if name == "tune" else (name, name)
+        if name != "tensorboard" and importlib.util.find_spec(package) is None:
+            raise UserError(f"--tracker {name} needs the {package} package; pip install 'scaletrain[{extra}]' (or "
+                            f"{package}), or drop it.")
     if cfg.run.register and "mlflow" not in tracker_names(cfg.run.tracker):
         raise UserError(f"--register {cfg.run.register} registers the model in MLflow's registry; add mlflow to "
                         f"--tracker, or drop --register.")

@@ -132,7 +132,7 @@ def _check_answers(address: str | None) -> None:
                         f"cluster (ray start --head) or fix the address.") from None
 
 
-def _forwarded_variables() -> dict[str, str]:
+def forwarded_variables() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key.startswith(FORWARDED)}
 
 
@@ -157,7 +157,7 @@ def launch_ray(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, place
     trainer = TorchTrainer(
         _ray_worker,
         train_loop_config={"entrypoint": entrypoint, "args": args, "attempts": attempts, "cwd": os.getcwd(),
-                           "own_group": own_group, "variables": _forwarded_variables()},
+                           "own_group": own_group, "variables": forwarded_variables()},
         scaling_config=ScalingConfig(num_workers=nproc, use_gpu=bool(placement.gpus_per_worker),
                                      resources_per_worker=resources),
         torch_config=TorchConfig(backend=placement.backend, timeout_s=int(timeout_s)),

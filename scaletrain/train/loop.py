@@ -70,13 +70,14 @@ def fit(trainer: Trainer) -> RunSummary:
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             if saving:
                 saved = trainer.save(done)
-    except BaseException:
-        if writer:  # the trackers hear that the run failed; metrics.jsonl holds what was done
-            writer.close(succeeded=False)
+    except BaseException as exc:
+        if writer:  # the trackers hear how the run ended; metrics.jsonl holds what was done
+            # An exit or an interrupt is a stop from outside (Ctrl-C, a sweep's scheduler), not a failure.
+            writer.close("failed" if isinstance(exc, Exception) else "stopped")
         raise
     bar.close()
     if writer:
-        writer.close(succeeded=True, final=saved if end == cfg.train.steps else None)
+        writer.close("finished", final=saved if end == cfg.train.steps else None)
     # Every rank of the main rank's model replica (its tp and pp ranks, and the ep ranks holding
     # the other experts) computes the sample with it; cp's first rank alone runs whole sequences.
     in_first_replica = all(trainer.mesh.coords[dim] == 0 for dim in ("dp", "cp"))

@@ -112,10 +112,11 @@ class MetricsWriter:
         self._jsonl.flush()
         self._trackers.log(record)
 
-    def close(self, succeeded: bool, final: Path | None = None) -> None:
-        """``final``: the run's last checkpoint, when it reached its last step (train/trackers.py)."""
+    def close(self, outcome: str, final: Path | None = None) -> None:
+        """``outcome``: one of trackers.OUTCOMES; ``final``: the run's last checkpoint, when it
+        reached its last step (train/trackers.py)."""
         self._jsonl.close()
-        self._trackers.finish(succeeded, final)
+        self._trackers.finish(outcome, final)
 
 
 def drop_records_after(path: Path, step: int) -> None:

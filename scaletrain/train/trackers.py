@@ -29,6 +29,12 @@ without a network (``wandb sync`` uploads later), and without a login online mod
 start (one warning, as above). A resumed run continues the same W&B run (its id in
 RUN/wandb.json); W&B ignores steps lower than ones it has seen, so the steps redone after a
 checkpoint keep their first values there.
+
+Ray Tune (``tune``, which ``scaletrain sweep`` adds to each of its trials) gets every record as
+the trial's result, for its scheduler to stop the trial early (scaletrain/sweep.py).
+
+How a run ends reaches each tracker as one of OUTCOMES: an MLflow run ends FINISHED, FAILED
+or KILLED (a run stopped from outside: Ctrl-C, or a sweep's scheduler).
 """
 
 from __future__ import annotations
@@ -39,20 +45,25 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from scaletrain.config import Config
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
+TRACKERS = ("tensorboard", "mlflow", "wandb", "tune")
+# How a run ends: at its last step, by an error, or stopped from outside (an interrupt, a sweep's
+# scheduler); MLflow's words for each.
+OUTCOMES = ("finished", "failed", "stopped")
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 SYSTEM_EVERY_S = 2.0  # MLflow's system metrics: a sample every this many seconds
 
 
 class Tracker(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
-    def finish(self, succeeded: bool, final: Path | None) -> None: ...
+    def finish(self, outcome: str, final: Path | None) -> None: ...
 
 
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
@@ -71,7 +82,7 @@ class TensorBoard:
         for key, value in _numbers(record).items():
             self.writer.add_scalar(key, value, record["step"])
 
-    def finish(self, succeeded: bool, final: Path | None) -> None:
+    def finish(self, outcome: str, final: Path | None) -> None:
         self.writer.close()
 
 
@@ -89,15 +100,7 @@ class MLflow:
             self.client.update_run(self.run_id, status="RUNNING")
             self.system = _system_metrics(self.run_id, where["tracking_uri"], resume=True)
             return
-        uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
-        if uri is None:  # a store of one's own: MLflow's database in ./mlruns, the artifacts beside it
-            local = Path("mlruns").resolve()
-            local.mkdir(exist_ok=True)
-            uri, artifacts = f"sqlite:///{local / 'mlflow.db'}", (local / "artifacts").as_uri()
-        self.client = MlflowClient(uri)
-        experiment = self.client.get_experiment_by_name(cfg.run.experiment)
-        experiment_id = experiment.experiment_id if experiment else \
-            self.client.create_experiment(cfg.run.experiment, artifact_location=artifacts)
+        self.client, uri, experiment_id = open_experiment(cfg.run.experiment)
         self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
                                              tags={"scaletrain.run_dir": str(run_dir.resolve())}).info.run_id
         saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
@@ -114,14 +117,14 @@ class MLflow:
         self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, record["step"])
                                                     for key, value in _numbers(record).items()])
 
-    def finish(self, succeeded: bool, final: Path | None) -> None:
+    def finish(self, outcome: str, final: Path | None) -> None:
         self.system.finish()
         for name in ("config.toml", "tokenizer.json"):
             if (self.run_dir / name).exists():
                 self.client.log_artifact(self.run_id, str(self.run_dir / name))
         if final is not None:
             self._log_model(final)
-        self.client.set_terminated(self.run_id, status="FINISHED" if succeeded else "FAILED")
+        self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[outcome])
 
     def _log_model(self, checkpoint: Path) -> None:
         """The final checkpoint exported (``scaletrain export``) as the artifact ``model``, and with
@@ -138,6 +141,23 @@ class MLflow:
             self.client.create_model_version(self.register, source, run_id=self.run_id)
 
 
+def open_experiment(name: str):
+    """MLflow's client, the store's URI and the experiment's id, the experiment made if new: in
+    ``MLFLOW_TRACKING_URI``, else in a store of one's own, MLflow's database in ./mlruns with the
+    artifacts beside it. (A sweep opens it once before its trials, which would race to make it.)"""
+    from mlflow.tracking import MlflowClient
+
+    uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
+    if uri is None:
+        local = Path("mlruns").resolve()
+        local.mkdir(exist_ok=True)
+        uri, artifacts = f"sqlite:///{local / 'mlflow.db'}", (local / "artifacts").as_uri()
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(name)
+    return client, uri, experiment.experiment_id if experiment else client.create_experiment(
+        name, artifact_location=artifacts)
+
+
 class WandB:
     def __init__(self, cfg: Config, run_dir: Path):
         import wandb
@@ -152,8 +172,29 @@ class WandB:
     def log(self, record: dict[str, Any]) -> None:
         self.run.log(_numbers(record), step=record["step"])
 
-    def finish(self, succeeded: bool, final: Path | None) -> None:
-        self.run.finish(exit_code=0 if succeeded else 1)
+    def finish(self, outcome: str, final: Path | None) -> None:
+        self.run.finish(exit_code=0 if outcome == "finished" else 1)
+
+
+class Tune:
+    """Each record to the Ray Tune trial this run is (``scaletrain sweep``), whose scheduler reads it
+    to stop the trial early: the stop arrives as a SystemExit out of the report, which ends the run
+    as stopped."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        from ray import tune
+
+        with warnings.catch_warnings():  # outside a trial Ray warns, and says None
+            warnings.simplefilter("ignore")
+            if tune.get_context().get_trial_id() is None:
+                raise RuntimeError("this run is not a Ray Tune trial; scaletrain sweep starts those")
+        self.report = tune.report
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.report({**_numbers(record), "step": record["step"]})
+
+    def finish(self, outcome: str, final: Path | None) -> None:
+        pass  # Tune learns of the trial's end from the trial itself
 
 
 def _system_metrics(run_id: str, uri: str, resume: bool):
@@ -166,7 +207,7 @@ def _system_metrics(run_id: str, uri: str, resume: bool):
     return monitor
 
 
-_CLASSES = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
+_CLASSES = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB, "tune": Tune}
 
 
 def names(text: str) -> list[str]:
@@ -196,9 +237,9 @@ class Trackers:
     def log(self, record: dict[str, Any]) -> None:
         self._each("log a step", lambda tracker: tracker.log(record))
 
-    def finish(self, succeeded: bool, final: Path | None) -> None:
-        """The run's end; ``final``: its last checkpoint, when the run reached its last step."""
-        self._each("finish", lambda tracker: tracker.finish(succeeded, final))
+    def finish(self, outcome: str, final: Path | None) -> None:
+        """The run's end, one of OUTCOMES; ``final``: its last checkpoint, when the run reached its last step."""
+        self._each("finish", lambda tracker: tracker.finish(outcome, final))
 
 
 def _warn(name: str, what: str, exc: Exception) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config, base_type, coerce, field_of
+from scaletrain.config import Config, ParallelConfig, base_type, coerce, field_of
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.train.trackers import names as tracker_names
@@ -95,7 +95,8 @@ def _typed(fld, text: str) -> Any:
     try:
         value = {bool: lambda t: {"true": True, "false": False}[t.lower()], int: int, float: float}.get(kind, str)(text)
     except (KeyError, ValueError):
-        raise UserError(f"--grid {fld.name}={text!r} is not a {kind.__name__}; give values of that type.") from None
+        wanted = {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, "text")
+        raise UserError(f"--grid {fld.name}={text!r} is not {wanted}; give values of that type.") from None
     return coerce(fld.name, fld, value, named="--grid field", fix="give values of that type")
 
 
@@ -148,22 +149,27 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from scaletrain.dist.ray_launch import forwarded_variables, ray_cluster
+    from scaletrain.dist.ray_launch import check_placement, forwarded_variables, ray_cluster
 
     space = search_space(args)
     out = Path(cfg.run.out or Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} already holds files; choose a new folder for the sweep.")
-    cfg = cfg.replace(out=str(out), tracker=",".join([*tracker_names(cfg.run.tracker), "tune"]))
+    placement = cfg.parallel.ray_placement()  # the trials'; each trial's own run is one local process
+    unplaced = ParallelConfig()
+    cfg = cfg.replace(out=str(out), tracker=",".join([*tracker_names(cfg.run.tracker), "tune"]),
+                      ray_address=unplaced.ray_address, cpus_per_worker=unplaced.cpus_per_worker,
+                      gpus_per_worker=unplaced.gpus_per_worker)
     check_sweep(cfg, args, space)
+    check_placement(placement, 1, cfg.parallel.backend)
     steps = cfg.train.steps
     scheduler = FIFOScheduler() if args.scheduler == "none" else ASHAScheduler(
         time_attr="step", max_t=steps, grace_period=min(steps, args.grace_steps or max(1, steps // 10)),
         reduction_factor=REDUCTION, stop_last_trials=False)  # a trial at its last step ends by itself
     # Records without the metric (val_loss between evaluations) are passed over by the scheduler.
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
-    trial = tune.with_resources(_trial, {"cpu": cfg.parallel.cpus_per_worker, "gpu": cfg.parallel.gpus_per_worker})
-    with ray_cluster(cfg.parallel.ray_placement(), 1):
+    trial = tune.with_resources(_trial, {"cpu": placement.cpus_per_worker, "gpu": placement.gpus_per_worker})
+    with ray_cluster(placement, 1):
         out.mkdir(parents=True, exist_ok=True)
         if "mlflow" in tracker_names(cfg.run.tracker):
             open_experiment(cfg.run.experiment)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.cli import main
 from scaletrain.dist import free_port
 from scaletrain.parity import relative_diffs
 from scaletrain.train.checkpoint import read_model_tensors
@@ -45,12 +46,15 @@ def cluster() -> Cluster:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=TIMEOUT_S)
 
 
-def _train(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "scaletrain", "train", "--model", "gpt-tiny", "--data", str(corpus),
+def _command(command: str, corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "scaletrain", command, "--model", "gpt-tiny", "--data", str(corpus),
             "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "6", "--checkpoint-every", "2",
             "--warmup-steps", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
-            "--no-progress", "--timeout", "30", "--cache-dir", str(out.parent / "cache"), "--out", str(out),
-            "--nproc", "2", *extra]
+            "--no-progress", "--timeout", "30", "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra]
+
+
+def _train(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return _command("train", corpus, out, "--nproc", "2", *extra)
 
 
 def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -116,15 +120,62 @@ def test_scaletrain_run_launches_a_script_on_ray_workers(cluster, tmp_path):
         assert f"rank {rank} of 2: 3 ['--epochs', '3']" in result.stdout + result.stderr
 
 
+def _refused(capsys, args: list[str]) -> str:
+    """The sentence ``scaletrain ARGS`` refuses with, run in this process (exit code 2, no traceback)."""
+    assert main(args[3:]) == 2
+    said = capsys.readouterr().err
+    assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
+    return said
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--grid", "learning_rate=1e-3"], "'learning_rate' is not a field of scaletrain train"),
+    (["--grid", "micro_batch=4,eight"], "--grid micro_batch='eight' is not a whole number"),
+    (["--log-uniform", "lr=1e-2:1e-4"], "needs a float field and 0 < LOW < HIGH"),
+    (["--grid", "lr=1e-3", "--metric", "val_loss"], "--eval-every 0 never measures"),
+    (["--grid", "lr=1e-3", "--nproc", "2"], "a sweep's trials are one process each"),
+    (["--grid", "lr=1e-3,-1"], "--lr must be positive"),
+    ([], "a sweep needs something to vary"),
+])
+def test_sweep_mistakes_are_one_sentence_before_any_trial(corpus, tmp_path, capsys, flags, sentence):
+    sweep = tmp_path / "sweep"
+    assert sentence in _refused(capsys, _command("sweep", corpus, sweep, *flags))
+    assert not sweep.exists()
+
+
 @pytest.mark.parametrize("flags, sentence", [
     (["--ray-address", "127.0.0.1:9"], "--ray-address places Ray workers; add --launcher ray"),
     (["--launcher", "ray", "--ray-address", f"127.0.0.1:{free_port()}"], "nothing answers there"),
     (["--launcher", "ray", "--gpus-per-worker", "0.5"], "lets two of the 2 workers share a GPU"),
-    (["--launcher", "ray", "--cpus-per-worker", "64"], "need 128, but this machine has"),
+    (["--launcher", "ray", "--cpus-per-worker", "100000"], "need 200000, but this machine has"),
 ])
-def test_ray_mistakes_are_one_sentence_and_leave_no_run_folder(corpus, tmp_path, flags, sentence):
+def test_ray_mistakes_are_one_sentence_and_leave_no_run_folder(corpus, tmp_path, capsys, flags, sentence):
     run = tmp_path / "run"
-    result = subprocess.run(_train(corpus, run, *flags), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert sentence in result.stderr and "Traceback" not in result.stderr
+    assert sentence in _refused(capsys, _train(corpus, run, *flags))
     assert not run.exists()
+
+
+def test_a_sweep_stops_the_worse_trial_early_and_tracks_every_trial_in_mlflow(cluster, corpus, tmp_path):
+    """Two learning rates, one trial at a time: ASHA lets the first run to the end and stops the
+    second at its first rung (step 4), whose loss is worse; each trial is an MLflow run (in a real
+    SQLite store), FINISHED or KILLED, its logged losses those of its metrics.jsonl."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep = tmp_path / "sweep"
+    _run(_command("sweep", corpus, sweep, "--steps", "8", "--tracker", "mlflow", "--experiment", "sweep",
+                  "--ray-address", cluster.address, "--grid", "lr=1e-2,1e-5", "--grace-steps", "4",
+                  "--max-concurrent", "1"), {**cluster.env, "MLFLOW_TRACKING_URI": uri})
+    trials = {t["lr"]: t for t in json.loads((sweep / "sweep.json").read_text())["trials"]}
+    assert (trials[1e-2]["status"], trials[1e-5]["status"]) == ("finished", "stopped at step 4")
+    assert trials[1e-2]["best"] < trials[1e-5]["best"]
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    assert sorted((r.data.params["train.lr"], r.info.status) for r in runs) == [("0.01", "FINISHED"),
+                                                                                ("1e-05", "KILLED")]
+    for mlflow_run in runs:
+        logged = [m.value for m in sorted(client.get_metric_history(mlflow_run.info.run_id, "loss"),
+                                          key=lambda m: m.step)]
+        records = Path(trials[float(mlflow_run.data.params["train.lr"])]["run"]) / "metrics.jsonl"
+        assert logged == [json.loads(line)["loss"] for line in records.read_text().splitlines()]

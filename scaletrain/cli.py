@@ -24,7 +24,7 @@ if "--debug-dist" in sys.argv[1:]:
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from scaletrain.config import Config, add_config_flags, load_run_config, resolve  # noqa: E402
-from scaletrain.config_checks import check_values  # noqa: E402
+from scaletrain.config_checks import check_here  # noqa: E402
 from scaletrain.errors import JobFailed, UserError  # noqa: E402
 from scaletrain.models import TINY_PRESET  # noqa: E402
 from scaletrain.paths import readable_dir, writable_file  # noqa: E402
@@ -306,7 +306,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--warmup must not be negative, not {args.warmup}.")
     defaults = {**BENCH_DEFAULTS, **(FINETUNE_DEFAULTS if args.what == "finetune" else {})}
     cfg = resolve(args, Config().replace(**defaults))
-    check_values(cfg)
+    check_here(cfg, "bench")
     plot = Path(args.plot or Path("runs", f"bench-{args.what}.png"))
     if args.what in ("allreduce", "finetune"):  # the figures, drawn after the measurement
         writable_file("--plot", str(plot))

@@ -102,6 +102,14 @@ def check_values(cfg: Config) -> None:
             raise UserError(f"--peak-tflops must be a positive number or 'measure', not {peak!r}.") from None
 
 
+def check_here(cfg: Config, command: str) -> None:
+    """`check_values`, for a command that starts its processes on this machine itself."""
+    check_values(cfg)
+    if cfg.parallel.launcher != "local":
+        raise UserError(f"{command} starts its processes on this machine itself; drop --launcher "
+                        f"{cfg.parallel.launcher}.")
+
+
 def check_launcher(p: ParallelConfig) -> None:
     """--launcher ray's own options: given only with it, and a placement Ray can make."""
     if p.launcher == "ray":

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import Config
-from scaletrain.config_checks import check_values
+from scaletrain.config_checks import check_here
 from scaletrain.dist.launch import detect_environment
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
@@ -123,7 +123,7 @@ def relative_diffs(layout: dict[str, torch.Tensor], reference: dict[str, torch.T
 
 def run_parity(cfg: Config, tolerance: float) -> ParityReport:
     cfg = as_finetune(cfg)
-    check_values(cfg)
+    check_here(cfg, "parity")
     env = detect_environment()
     if env.world_size > 1:
         raise UserError("parity starts its own processes; run it with --nproc N, not under a launcher.")

@@ -133,6 +133,9 @@ def check_sweep(cfg: Config, args: argparse.Namespace, space: dict[str, Any]) ->
     if p.nproc > 1 or p.launcher != "local":
         raise UserError("a sweep's trials are one process each, placed by Ray Tune; drop --nproc and --launcher "
                         "(--cpus-per-worker and --gpus-per-worker size a trial).")
+    if cfg.run.resume:
+        raise UserError("a sweep starts a new run for each trial; drop --resume (a trial's folder resumes with "
+                        "scaletrain train --resume --out SWEEP/TRIAL).")
     if args.samples < 1 or args.max_concurrent < 0 or (args.grace_steps is not None and args.grace_steps < 1):
         raise UserError("--samples and --grace-steps must be 1 or more, --max-concurrent 0 or more.")
     if args.metric == "val_loss" and not cfg.train.eval_every:

@@ -179,3 +179,18 @@ def test_a_sweep_stops_the_worse_trial_early_and_tracks_every_trial_in_mlflow(cl
                                           key=lambda m: m.step)]
         records = Path(trials[float(mlflow_run.data.params["train.lr"])]["run"]) / "metrics.jsonl"
         assert logged == [json.loads(line)["loss"] for line in records.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_worker_dying_with_no_restarts_left_is_one_sentence(cluster, corpus, tmp_path):
+    """Without --max-restarts Ray gives up at the first death: one sentence naming the rank and the
+    checkpoint to resume from."""
+    run = tmp_path / "run"
+    result = subprocess.run(_train(corpus, run, "--launcher", "ray", "--ray-address", cluster.address),
+                            capture_output=True, text=True, timeout=TIMEOUT_S,
+                            env={**cluster.env, "SCALETRAIN_FAULT": "kill rank=1 step=3"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train:")]
+    assert said == [f"scaletrain train: rank 1's Ray worker died and Ray's restarts (--max-restarts) were spent; its "
+                    f"newest complete checkpoint is step_000002: run the same command with --resume to go on from "
+                    f"there (a launch with --max-restarts, ours or torchrun's, does it by itself)."]

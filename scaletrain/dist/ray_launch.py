@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scaletrain.dist.launch import LAUNCHER_VARIABLE, free_port
+from scaletrain.dist.launch import LAUNCHER_VARIABLE, WorkerKilled, free_port
 from scaletrain.errors import JobFailed, UserError
 
 # Variables the workers need from the launching process: fault injection and the project's own,
@@ -173,13 +173,18 @@ def launch_ray(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, place
 def _reported(failure: Exception) -> Exception:
     """What a failed Ray run is reported as: the lowest rank's sentence (a user's mistake before
     a job's failure), a worker that died, or the bug with its traceback."""
+    from ray.exceptions import ActorDiedError
+
     raised = dict(sorted(getattr(failure, "worker_failures", {}).items()))
     for kind in (UserError, JobFailed):
         said = [error for error in raised.values() if isinstance(error, kind)]
         if said:
             return kind(str(said[0]))
-    if any(type(error).__name__.endswith("DiedError") for error in raised.values()):
-        return JobFailed(f"a Ray worker died and the restarts (--max-restarts) were spent: {failure}")
+    # A dead worker's process is found by Ray's health check, which reports the death as its cause.
+    died = [rank for rank, error in raised.items()
+            if isinstance(getattr(error, "health_check_failure", error), ActorDiedError)]
+    if died:
+        return WorkerKilled(f"rank {died[0]}'s Ray worker died and Ray's restarts (--max-restarts) were spent")
     return JobFailed(str(failure))
 
 
@@ -187,7 +192,8 @@ def _ray_worker(config: dict[str, Any]) -> Any:
     """One Ray Train worker: in the launching folder, with its variables and its attempt number."""
     import ray
 
-    os.chdir(config["cwd"])
+    if Path(config["cwd"]).is_dir():  # a node without that folder works in Ray's, from absolute paths
+        os.chdir(config["cwd"])
     os.environ.update(config["variables"])
     rendezvous = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(ray.get(config["attempts"].of.remote(rendezvous)))

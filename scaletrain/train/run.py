@@ -207,17 +207,15 @@ def launch(cfg: Config) -> RunSummary:
 
 def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
     """Run the worker here, or start ``--nproc`` ones, on this machine or Ray's cluster (the run prepared)."""
-    p = cfg.parallel
-    if p.launcher == "ray":
-        out = Path(cfg.run.out)
-        return launch_ray(p.nproc, run_worker, (cfg, spec), placement=p.ray_placement(),
-                          max_restarts=p.max_restarts, name=out.name, storage=out / "ray", timeout_s=p.timeout)
-    if cfg.parallel.nproc > 1:
-        try:
-            return spawn_local(cfg.parallel.nproc, run_worker, (cfg, spec),
-                               max_restarts=cfg.parallel.max_restarts)[0]
-        except WorkerKilled as exc:
-            raise JobFailed(f"{exc}; {restart_hint(Path(cfg.run.out))}.") from None
+    p, out = cfg.parallel, Path(cfg.run.out)
+    try:
+        if p.launcher == "ray":
+            return launch_ray(p.nproc, run_worker, (cfg, spec), placement=p.ray_placement(),
+                              max_restarts=p.max_restarts, name=out.name, storage=out / "ray", timeout_s=p.timeout)
+        if p.nproc > 1:
+            return spawn_local(p.nproc, run_worker, (cfg, spec), max_restarts=p.max_restarts)[0]
+    except WorkerKilled as exc:
+        raise JobFailed(f"{exc}; {restart_hint(out)}.") from None
     return run_worker(cfg, spec)
 
 

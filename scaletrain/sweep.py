@@ -153,6 +153,7 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from scaletrain.dist.ray_launch import check_placement, forwarded_variables, ray_cluster
+    from scaletrain.train.data_setup import prepare_data
 
     space = search_space(args)
     out = Path(cfg.run.out or Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -161,8 +162,8 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
     placement = cfg.parallel.ray_placement()  # the trials'; each trial's own run is one local process
     unplaced = ParallelConfig()
     cfg = cfg.replace(out=str(out), tracker=",".join([*tracker_names(cfg.run.tracker), "tune"]),
-                      ray_address=unplaced.ray_address, cpus_per_worker=unplaced.cpus_per_worker,
-                      gpus_per_worker=unplaced.gpus_per_worker)
+                      cache_dir=cfg.data.cache_dir or str(out / ".cache"), ray_address=unplaced.ray_address,
+                      cpus_per_worker=unplaced.cpus_per_worker, gpus_per_worker=unplaced.gpus_per_worker)
     check_sweep(cfg, args, space)
     check_placement(placement, 1, cfg.parallel.backend)
     steps = cfg.train.steps
@@ -173,6 +174,9 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     trial = tune.with_resources(_trial, {"cpu": placement.cpus_per_worker, "gpu": placement.gpus_per_worker})
     with ray_cluster(placement, 1):
+        # The data once for every trial; a mistake in it is one sentence (before anything is written),
+        # not a failed trial each.
+        prepare_data(cfg, Path(cfg.data.cache_dir))
         out.mkdir(parents=True, exist_ok=True)
         if "mlflow" in tracker_names(cfg.run.tracker):
             open_experiment(cfg.run.experiment)
@@ -193,7 +197,7 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
 def _trial_name(trial) -> str:
     values = ",".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
                       for key, value in sorted(trial.evaluated_params.items()))
-    return f"trial_{trial.trial_id.split('_')[-1]}_{values}"
+    return f"trial_{trial.trial_id.split('_')[-1]}_{values}".replace(os.sep, "_")  # a path's value: one folder
 
 
 def _trial(config: dict[str, Any], base: Config, cwd: str, variables: dict[str, str]) -> None:

@@ -1,6 +1,6 @@
 """``scaletrain sweep``: a hyperparameter search on Ray Tune, each trial a scaletrain run.
 
-    scaletrain sweep --model llama-tiny --steps 200 --grid lr=1e-4,3e-4,1e-3 --grid micro_batch=4,8 \\
+    scaletrain sweep --steps 200 --grid lr=1e-4,3e-4,1e-3 --grid micro_batch=4,8 \\
         --tracker mlflow --experiment lr-sweep
 
 Every combination of the ``--grid`` values (Tune's grid search over any field of ``scaletrain

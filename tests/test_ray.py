@@ -147,11 +147,22 @@ def test_sweep_mistakes_are_one_sentence_before_any_trial(corpus, tmp_path, caps
     (["--ray-address", "127.0.0.1:9"], "--ray-address places Ray workers; add --launcher ray"),
     (["--launcher", "ray", "--ray-address", f"127.0.0.1:{free_port()}"], "nothing answers there"),
     (["--launcher", "ray", "--gpus-per-worker", "0.5"], "lets two of the 2 workers share a GPU"),
-    (["--launcher", "ray", "--cpus-per-worker", "100000"], "need 200000, but this machine has"),
 ])
 def test_ray_mistakes_are_one_sentence_and_leave_no_run_folder(corpus, tmp_path, capsys, flags, sentence):
     run = tmp_path / "run"
     assert sentence in _refused(capsys, _train(corpus, run, *flags))
+    assert not run.exists()
+
+
+def test_a_local_instance_short_of_cpus_is_refused_and_leaves_no_run_folder(corpus, tmp_path):
+    """A Ray instance of this machine cannot grow: workers it could never place are one sentence.
+    (In a process of its own: the instance it starts and stops is none of the test process's state.)"""
+    run = tmp_path / "run"
+    result = subprocess.run(_train(corpus, run, "--launcher", "ray", "--cpus-per-worker", "100000"),
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train:")]
+    assert len(said) == 1 and "need 200000, but this machine has" in said[0] and "Traceback" not in result.stderr
     assert not run.exists()
 
 

@@ -96,6 +96,9 @@ def ray_cluster(placement: RayPlacement, nproc: int) -> Iterator[None]:
     import ray
 
     started_here = placement.address is None and "RAY_ADDRESS" not in os.environ
+    # Ray's driver would put its own print in builtins to draw its progress bars, which it does not
+    # take back at shutdown; this process's print stays Python's.
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
     if started_here:  # "local": Ray would otherwise join a cluster `ray start` left on this machine
         ray.init(address="local", logging_level="WARNING", include_dashboard=False)
     else:

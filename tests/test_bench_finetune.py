@@ -46,6 +46,7 @@ def test_the_predicted_ladder_of_a_1b_model_on_a_30gb_gpu():
                                                                        rel=0.01)
 
 
+@pytest.mark.slow  # six rungs, each in processes of its own: pytest -m slow tests/test_bench_finetune.py
 def test_the_measured_ladder_across_one_and_two_processes(tmp_path, corpus):
     png = tmp_path / "ladder.png"
     done = run_cli("bench", "finetune", "--model", "llama-small", "--seq-len", "32", "--data", str(corpus),

@@ -227,8 +227,9 @@ def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 4, 8, generator=generator), torch.randint(0, 4, (8, 4), generator=generator)
 
 
-# Not rerun on the portable kernels: the same layouts' arithmetic is, through the command
-# (tests/test_nd.py, tests/test_cp_moe_training.py), and a user's plan changes only where it runs.
+# Not rerun on the portable kernels: the same strategies' arithmetic is, through the command
+# (tests/test_tensor.py, test_pipeline.py, test_cp_moe_training.py), and a user's plan changes
+# only where it runs.
 @pytest.mark.parametrize("make_model, batch, nproc, options", [
     (small_transformer, token_batch, 2, dict(plan=PLAN, seq_len=16, cp=2)),
     (small_transformer, token_batch, 4, dict(plan=PLAN, tp=2, sp=True, zero=1, grad_accum=2)),

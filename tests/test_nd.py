@@ -60,7 +60,9 @@ def _matrix(layouts: dict, in_ci: set[str], n: int) -> list:
             for name, changes in layouts.items()]
 
 
-@pytest.mark.numerics
+# Not rerun on the portable kernels: each strategy composed here is, by the two-rank parity
+# tests of its own file (test_dp_training, test_tensor, test_pipeline, test_zero,
+# test_cp_moe_training), and composing them adds groups, not other reductions.
 @pytest.mark.parametrize("n,changes", _matrix(EIGHT, EIGHT_IN_CI, 8) + _matrix(FOUR, FOUR_IN_CI, 4))
 def test_layout_reproduces_single_device_training(tiny_cfg, n, changes):
     """scaletrain parity --nproc N with the layout: losses, gradient norms and final

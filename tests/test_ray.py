@@ -57,8 +57,8 @@ def _train(corpus: Path, out: Path, *extra: str) -> list[str]:
     return _command("train", corpus, out, "--nproc", "2", *extra)
 
 
-def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+def _run(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=cwd)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result
 
@@ -176,7 +176,8 @@ def test_a_sweep_stops_the_worse_trial_early_and_tracks_every_trial_in_mlflow(cl
     sweep = tmp_path / "sweep"
     _run(_command("sweep", corpus, sweep, "--steps", "8", "--tracker", "mlflow", "--experiment", "sweep",
                   "--ray-address", cluster.address, "--grid", "lr=1e-2,1e-5", "--grace-steps", "4",
-                  "--max-concurrent", "1"), {**cluster.env, "MLFLOW_TRACKING_URI": uri})
+                  "--max-concurrent", "1"), {**cluster.env, "MLFLOW_TRACKING_URI": uri},
+         cwd=tmp_path)  # where MLflow puts a database store's artifacts: ./mlruns
     trials = {t["lr"]: t for t in json.loads((sweep / "sweep.json").read_text())["trials"]}
     assert (trials[1e-2]["status"], trials[1e-5]["status"]) == ("finished", "stopped at step 4")
     assert trials[1e-2]["best"] < trials[1e-5]["best"]

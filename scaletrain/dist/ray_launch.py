@@ -17,8 +17,8 @@ Failures are Ray's to handle: ``FailureConfig(max_failures=--max-restarts)``. Wh
 worker dies (its process killed, its node lost) Ray stops the others, starts a new group
 and the new workers continue the run from its newest complete checkpoint, as after a
 torchrun restart. They learn that they are a restart from TORCHELASTIC_RESTART_COUNT, set
-as torchrun sets it: a small actor of this launch numbers the worker groups, each told
-apart by the rendezvous address Ray gave it.
+as torchrun sets it: a small actor of this launch numbers the worker groups as their
+rank 0 asks, and each rank 0 tells its group.
 
 Every worker reads and writes the run folder itself, and works in the folder the
 launching command was started in: on a cluster of several nodes that folder and the run's
@@ -79,14 +79,15 @@ def check_placement(placement: RayPlacement, nproc: int, backend: str | None) ->
                         f"workers join a {placement.backend} group; drop --backend.")
 
 
-@dataclass
 class _Attempts:
-    """A launch's worker groups, numbered in the order they meet: 0, then each restart."""
+    """A launch's worker groups, numbered in the order their rank 0 asks: 0, then each restart."""
 
-    groups: dict[str, int]
+    def __init__(self):
+        self.started = 0
 
-    def of(self, rendezvous: str) -> int:
-        return self.groups.setdefault(rendezvous, len(self.groups))
+    def next(self) -> int:
+        self.started += 1
+        return self.started - 1
 
 
 @contextmanager
@@ -153,7 +154,7 @@ def launch_ray(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, place
 
     # The workers' lines are printed for the user as they come; Ray's patch of print would log each twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    attempts = ray.remote(num_cpus=0)(_Attempts).remote({})
+    attempts = ray.remote(num_cpus=0)(_Attempts).remote()
     resources = {"CPU": placement.cpus_per_worker}
     if placement.gpus_per_worker:
         resources["GPU"] = placement.gpus_per_worker
@@ -198,8 +199,11 @@ def _ray_worker(config: dict[str, Any]) -> Any:
     if Path(config["cwd"]).is_dir():  # a node without that folder works in Ray's, from absolute paths
         os.chdir(config["cwd"])
     os.environ.update(config["variables"])
-    rendezvous = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(ray.get(config["attempts"].of.remote(rendezvous)))
+    grouped = dist.is_initialized()
+    attempt = [ray.get(config["attempts"].next.remote()) if not grouped or dist.get_rank() == 0 else None]
+    if grouped:  # the group's rank 0 took its number; the others learn it from it
+        dist.broadcast_object_list(attempt, src=0)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt[0])
     os.environ[LAUNCHER_VARIABLE] = "ray"
     if not config["own_group"] and dist.is_initialized():
         _hand_back_group()

@@ -203,6 +203,6 @@ def test_a_worker_dying_with_no_restarts_left_is_one_sentence(cluster, corpus, t
                             env={**cluster.env, "SCALETRAIN_FAULT": "kill rank=1 step=3"})
     assert result.returncode == 1, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train:")]
-    assert said == [f"scaletrain train: rank 1's Ray worker died and Ray's restarts (--max-restarts) were spent; its "
-                    f"newest complete checkpoint is step_000002: run the same command with --resume to go on from "
-                    f"there (a launch with --max-restarts, ours or torchrun's, does it by itself)."]
+    assert said == ["scaletrain train: rank 1's Ray worker died and Ray's restarts (--max-restarts) were spent; its "
+                    "newest complete checkpoint is step_000002: run the same command with --resume to go on from "
+                    "there (a launch with --max-restarts, ours or torchrun's, does it by itself)."]

@@ -113,7 +113,7 @@ class MetricsWriter:
         self._trackers.log(record)
 
     def close(self, outcome: str, final: Path | None = None) -> None:
-        """``outcome``: one of trackers.OUTCOMES; ``final``: the run's last checkpoint, when it
+        """``outcome``: finished, failed or stopped; ``final``: the run's last checkpoint, when it
         reached its last step (train/trackers.py)."""
         self._jsonl.close()
         self._trackers.finish(outcome, final)

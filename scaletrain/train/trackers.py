@@ -33,8 +33,8 @@ checkpoint keep their first values there.
 Ray Tune (``tune``, which ``scaletrain sweep`` adds to each of its trials) gets every record as
 the trial's result, for its scheduler to stop the trial early (scaletrain/sweep.py).
 
-How a run ends reaches each tracker as one of OUTCOMES: an MLflow run ends FINISHED, FAILED
-or KILLED (a run stopped from outside: Ctrl-C, or a sweep's scheduler).
+How a run ends reaches each tracker as finished, failed or stopped: an MLflow run ends
+FINISHED, FAILED or KILLED (a run stopped from outside: Ctrl-C, or a sweep's scheduler).
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ from typing import Any, Protocol
 from scaletrain.config import Config
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "tune")
-# How a run ends: at its last step, by an error, or stopped from outside (an interrupt, a sweep's
-# scheduler); MLflow's words for each.
-OUTCOMES = ("finished", "failed", "stopped")
+# How a run ends, at its last step, by an error, or stopped from outside (an interrupt, a sweep's
+# scheduler), and MLflow's word for each.
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 SYSTEM_EVERY_S = 2.0  # MLflow's system metrics: a sample every this many seconds
 
@@ -238,7 +237,7 @@ class Trackers:
         self._each("log a step", lambda tracker: tracker.log(record))
 
     def finish(self, outcome: str, final: Path | None) -> None:
-        """The run's end, one of OUTCOMES; ``final``: its last checkpoint, when the run reached its last step."""
+        """The run's end (finished, failed or stopped); ``final``: its last checkpoint, when the run reached its last step."""
         self._each("finish", lambda tracker: tracker.finish(outcome, final))
 
 

@@ -160,8 +160,10 @@ def test_generation_gathers_whole_logits_for_any_prompt_length():
 # -- parity ---------------------------------------------------------------------------
 
 
-@pytest.mark.numerics
-@pytest.mark.parametrize("n,sp", [(2, False), (4, False), (2, True), (4, True)])
+# The portable-kernel rerun (marker numerics) takes the two-rank cases: four ranks cut the same
+# sums into more partial sums, on the same kernels.
+@pytest.mark.parametrize("n,sp", [pytest.param(2, False, marks=pytest.mark.numerics), (4, False),
+                                  pytest.param(2, True, marks=pytest.mark.numerics), (4, True)])
 def test_tensor_parallel_reproduces_single_device_training(tiny_cfg, n, sp):
     """scaletrain parity --nproc N --tp N [--sp]: losses and weights within 1e-5 (fp32)."""
     report = run_parity(tiny_cfg.replace(nproc=n, tp=n, sp=sp, steps=4), tolerance=1e-5)

@@ -71,10 +71,9 @@ def add_sweep_parser(commands, add_train_flags: Callable[[argparse.ArgumentParse
 def sweep_command(cfg: Config, args: argparse.Namespace) -> int:
     if importlib.util.find_spec("ray") is None:
         raise UserError("scaletrain sweep runs its trials on Ray Tune; pip install 'scaletrain[ray]'.")
-    rows = run_sweep(cfg, args)
-    fields = [*(text.partition("=")[0].strip() for text in args.grid + args.log_uniform)]
-    print(f"\n{len(rows)} trials, best {args.metric} first (all in {Path(rows[0]['run']).parent}/sweep.json)\n"
-          f"{format_rows(rows, fields, args.metric)}")
+    sweep = run_sweep(cfg, args)
+    print(f"\n{len(sweep['trials'])} trials, best {args.metric} first (all in {sweep['out']}/sweep.json)\n"
+          f"{format_rows(sweep)}")
     return 0
 
 
@@ -147,8 +146,9 @@ def check_sweep(cfg: Config, args: argparse.Namespace, space: dict[str, Any]) ->
         check_values(cfg.replace(**dict(zip(space, values))))
 
 
-def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the trials; return them best first (each its fields, status, steps and metric)."""
+def run_sweep(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """Run the trials; return what SWEEP/sweep.json holds: the sweep's folder, metric and fields,
+    and its trials best first (each its fields' values, status, steps and metric)."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -190,8 +190,9 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
         results = tuner.fit()
         rows = [_row(result, list(space), args.metric, steps, out) for result in results]
     rows.sort(key=lambda row: (row["best"] is None, row["best"] if row["best"] is not None else math.inf))
-    (out / "sweep.json").write_text(json.dumps({"metric": args.metric, "trials": rows}, indent=2))
-    return rows
+    sweep = {"out": str(out), "metric": args.metric, "fields": list(space), "trials": rows}
+    (out / "sweep.json").write_text(json.dumps(sweep, indent=2))
+    return sweep
 
 
 def _trial_name(trial) -> str:
@@ -228,8 +229,10 @@ def _row(result, fields: list[str], metric: str, steps: int, out: Path) -> dict[
             "run": str(out / Path(result.path).name)}
 
 
-def format_rows(rows: list[dict[str, Any]], fields: list[str], metric: str) -> str:
-    header = ["trial", *fields, "status", f"best {metric}"]
+def format_rows(sweep: dict[str, Any]) -> str:
+    """The trials as a table, one line each, in the order of ``run_sweep``'s result."""
+    fields, rows = sweep["fields"], sweep["trials"]
+    header = ["trial", *fields, "status", f"best {sweep['metric']}"]
     lines = [[row["trial"].split("_")[1], *(f"{row[f]:.4g}" if isinstance(row[f], float) else str(row[f])
                                             for f in fields), row["status"],
               "n/a" if row["best"] is None else f"{row['best']:.4f}"] for row in rows]

@@ -128,10 +128,23 @@ def _refused(capsys, args: list[str]) -> str:
     return said
 
 
+def test_the_search_space_holds_each_grid_and_draw():
+    """--grid values as Tune's grid search, in their field's type; --log-uniform draws within their bounds."""
+    from scaletrain.cli import build_parser
+    from scaletrain.sweep import search_space
+
+    args = build_parser().parse_args(["sweep", "--grid", "micro_batch=4,8", "--log-uniform", "lr=1e-4:1e-2"])
+    space = search_space(args)
+    assert space["micro_batch"] == {"grid_search": [4, 8]}
+    draws = space["lr"].sample(size=200, random_state=0)
+    assert all(1e-4 <= draw <= 1e-2 for draw in draws) and min(draws) < 1e-3 < max(draws)
+
+
 @pytest.mark.parametrize("flags, sentence", [
     (["--grid", "learning_rate=1e-3"], "'learning_rate' is not a field of scaletrain train"),
     (["--grid", "micro_batch=4,eight"], "--grid micro_batch='eight' is not a whole number"),
     (["--log-uniform", "lr=1e-2:1e-4"], "needs a float field and 0 < LOW < HIGH"),
+    (["--log-uniform", "dropout=0.01:2"], "--dropout must be in [0, 1)"),  # a draw's bound checked as a value
     (["--grid", "lr=1e-3", "--metric", "val_loss"], "--eval-every 0 never measures"),
     (["--grid", "lr=1e-3", "--nproc", "2"], "a sweep's trials are one process each"),
     (["--grid", "lr=1e-3,-1"], "--lr must be positive"),
@@ -178,7 +191,9 @@ def test_a_sweep_stops_the_worse_trial_early_and_tracks_every_trial_in_mlflow(cl
                   "--ray-address", cluster.address, "--grid", "lr=1e-2,1e-5", "--grace-steps", "4",
                   "--max-concurrent", "1"), {**cluster.env, "MLFLOW_TRACKING_URI": uri},
          cwd=tmp_path)  # where MLflow puts a database store's artifacts: ./mlruns
-    trials = {t["lr"]: t for t in json.loads((sweep / "sweep.json").read_text())["trials"]}
+    written = json.loads((sweep / "sweep.json").read_text())
+    assert (written["metric"], written["fields"]) == ("loss", ["lr"])
+    trials = {t["lr"]: t for t in written["trials"]}
     assert (trials[1e-2]["status"], trials[1e-5]["status"]) == ("finished", "stopped at step 4")
     assert trials[1e-2]["best"] < trials[1e-5]["best"]
 

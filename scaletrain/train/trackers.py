@@ -13,10 +13,9 @@ any store MLflow takes), or without it to a store of its own in ``./mlruns`` bes
 run was started (MLflow's SQLite database ``mlruns/mlflow.db``, the artifacts in
 ``mlruns/artifacts``: MLflow 3 keeps its plain-file store only for old data). The run is
 named after the run folder, in the experiment ``--experiment``; the configuration goes in as
-parameters (``train.lr``, ``parallel.zero``, ...), each record as metrics with its step
-(queued, sent by MLflow's own thread, waited for at the end), MLflow's system metrics (CPU,
-memory, disk, network, GPUs) every SYSTEM_EVERY_S seconds (a run shorter than that has none),
-config.toml and the tokenizer as artifacts, and at the run's
+parameters (``train.lr``, ``parallel.zero``, ...), each record as metrics with its step,
+MLflow's system metrics (CPU, memory, disk, network, GPUs) every SYSTEM_EVERY_S seconds (a run
+shorter than that has none), config.toml and the tokenizer as artifacts, and at the run's
 last step its model, exported as by ``scaletrain export``, as the artifact ``model`` (with
 ``--register NAME``, a new version of the registered model NAME). The run's id is kept in
 RUN/mlflow.json, so a resumed run (``--resume``) continues the same MLflow run; the steps
@@ -92,7 +91,7 @@ class MLflow:
         from mlflow.tracking import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines would interleave with the run's
-        self.run_dir, self.register, self.queued = run_dir, cfg.run.register, []
+        self.run_dir, self.register = run_dir, cfg.run.register
         saved = run_dir / "mlflow.json"
         if cfg.run.resume and saved.exists():
             where = json.loads(saved.read_text())
@@ -114,13 +113,10 @@ class MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        # Queued, sent by MLflow's own thread: a server's round trip stays out of the steps.
-        self.queued.append(self.client.log_batch(self.run_id, synchronous=False, metrics=[
-            Metric(key, value, now, record["step"]) for key, value in _numbers(record).items()]))
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, record["step"])
+                                                    for key, value in _numbers(record).items()])
 
     def finish(self, outcome: str, final: Path | None) -> None:
-        for operation in self.queued:  # every step's metrics on the server before the run ends there
-            operation.wait()
         self.system.finish()
         for name in ("config.toml", "tokenizer.json"):
             if (self.run_dir / name).exists():
@@ -241,8 +237,7 @@ class Trackers:
         self._each("log a step", lambda tracker: tracker.log(record))
 
     def finish(self, outcome: str, final: Path | None) -> None:
-        """The run's end (finished, failed or stopped); ``final``: its last checkpoint, when the run
-        reached its last step."""
+        """The run's end (finished, failed or stopped); ``final``: its last checkpoint, when the run reached its last step."""
         self._each("finish", lambda tracker: tracker.finish(outcome, final))
 
 

@@ -39,7 +39,7 @@ from scaletrain.config import Config, ParallelConfig, base_type, coerce, field_o
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.train.trackers import names as tracker_names
-from scaletrain.train.trackers import open_experiment
+from scaletrain.train.trackers import end_mlflow_run, open_experiment
 
 METRICS = ("loss", "val_loss")
 REDUCTION = 2  # ASHA keeps the best 1/REDUCTION of the trials at each rung
@@ -189,6 +189,10 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(out / "ray"), verbose=0))
         results = tuner.fit()
         rows = [_row(result, list(space), args.metric, steps, out) for result in results]
+    if "mlflow" in tracker_names(cfg.run.tracker):
+        for row in rows:  # Tune may end a stopped trial's process before the trial's own end is logged
+            if row["status"].startswith("stopped") and (Path(row["run"]) / "mlflow.json").is_file():
+                end_mlflow_run(Path(row["run"]), "stopped")
     rows.sort(key=lambda row: (row["best"] is None, row["best"] if row["best"] is not None else math.inf))
     sweep = {"out": str(out), "metric": args.metric, "fields": list(space), "trials": rows}
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2))

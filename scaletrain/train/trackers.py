@@ -157,6 +157,15 @@ def open_experiment(name: str):
         name, artifact_location=artifacts)
 
 
+def end_mlflow_run(run_dir: Path, outcome: str) -> None:
+    """End the MLflow run of the run in ``run_dir`` (its RUN/mlflow.json) as ``outcome``, from outside
+    it: a sweep's trial stopped early can be ended by Tune before its own end reaches MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    where = json.loads((run_dir / "mlflow.json").read_text())
+    MlflowClient(where["tracking_uri"]).set_terminated(where["run_id"], status=MLFLOW_STATUS[outcome])
+
+
 class WandB:
     def __init__(self, cfg: Config, run_dir: Path):
         import wandb

@@ -44,6 +44,7 @@ import torch
 from scaletrain.config import Config
 from scaletrain.config_checks import check_here
 from scaletrain.dist.launch import detect_environment
+from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
@@ -121,6 +122,22 @@ def relative_diffs(layout: dict[str, torch.Tensor], reference: dict[str, torch.T
     return per_tensor, total
 
 
+def reference_config(cfg: Config, dims: ParallelDims, out: Path) -> Config:
+    """The single-device run that ``cfg``'s layout (of mesh ``dims``) must reproduce, in ``out``: one
+    device sees the whole global batch, each micro-batch dp x ep times larger (the ranks reading
+    different samples) and the pipeline's micro-batches as accumulation steps. PipeDream-2BW's
+    reference keeps its name: with --pp 1 it runs the same 1-stale rule on one device."""
+    micro_batches, _ = cfg.parallel.pipeline_sizes()
+    delayed = cfg.parallel.pp_schedule == PIPEDREAM_2BW
+    reference, _ = resolve_layout(
+        cfg.replace(out=str(out), nproc=1, dp=1, tp=1, sp=False, pp=1, cp=1, ep=1, zero=0, shard_group=None,
+                    quantize_weights="none", microbatches=None, virtual_stages=None,
+                    pp_schedule=PIPEDREAM_2BW if delayed else "1f1b", sync_every=1,
+                    micro_batch=cfg.train.micro_batch * dims.dp * dims.ep,
+                    grad_accum=cfg.train.grad_accum * micro_batches), 1)
+    return reference
+
+
 def run_parity(cfg: Config, tolerance: float) -> ParityReport:
     cfg = as_finetune(cfg)
     check_here(cfg, "parity")
@@ -134,17 +151,7 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
                      report_comm=False)
         layout_cfg, dims = resolve_layout(cfg.replace(out=str(Path(tmp, "layout")), **quiet),
                                           world_size_for(cfg, env))
-        micro_batches, _ = cfg.parallel.pipeline_sizes()
-        # One device sees the whole global batch: each micro-batch dp x ep times larger (the
-        # ranks reading different samples), and the pipeline's micro-batches as accumulation steps.
-        # PipeDream-2BW's reference keeps its name: with --pp 1 it runs the same 1-stale rule on one device.
-        delayed = cfg.parallel.pp_schedule == PIPEDREAM_2BW
-        reference_cfg, _ = resolve_layout(
-            layout_cfg.replace(out=str(Path(tmp, "reference")), nproc=1, dp=1, tp=1, sp=False, pp=1, cp=1,
-                               ep=1, zero=0, shard_group=None, quantize_weights="none", microbatches=None,
-                               virtual_stages=None, pp_schedule=PIPEDREAM_2BW if delayed else "1f1b", sync_every=1,
-                               micro_batch=cfg.train.micro_batch * dims.dp * dims.ep,
-                               grad_accum=cfg.train.grad_accum * micro_batches), 1)
+        reference_cfg = reference_config(layout_cfg, dims, Path(tmp, "reference"))
         runs = []
         for run_cfg in (reference_cfg, layout_cfg):
             spec = prepare_run(run_cfg)

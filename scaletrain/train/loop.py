@@ -5,7 +5,7 @@ are read a window of ``--log-every`` steps at a time (train/step_window.py);
 an evaluation or a checkpoint ends a window early, so each sees its own
 step's weights and a non-finite step is found before either. The records go
 to ``metrics.jsonl`` and TensorBoard, one per step; the run ends with a
-sample of text from the main rank's replica.
+sample of text that every rank takes part in generating (train/sampling.py).
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ def fit(trainer: Trainer) -> RunSummary:
     bar.close()
     if writer:
         writer.close("finished", final=saved if end == cfg.train.steps else None)
-    # Every rank of the main rank's model replica (its tp and pp ranks, and the ep ranks holding
-    # the other experts) computes the sample with it; cp's first rank alone runs whole sequences.
-    in_first_replica = all(trainer.mesh.coords[dim] == 0 for dim in ("dp", "cp"))
-    sample = trainer.sample() if in_first_replica and end == cfg.train.steps else None
+    # Every rank generates: each holds a part of the model its replica's forward needs (ZeRO-3's
+    # and hybrid sharding's shards over dp and cp, tp's slices, pp's stages, ep's experts), and
+    # the seeded draws are the same on every rank, so every replica writes the same text.
+    sample = trainer.sample() if end == cfg.train.steps else None
     return RunSummary(run_dir=trainer.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
                       val_loss=val_loss, checkpoint=saved, sample=sample if trainer.is_main else None,
                       unigram_entropy=trainer.spec.unigram_entropy)

@@ -188,8 +188,9 @@ class ParallelConfig:
     backend: str | None = _opt(None, "the network: nccl (default with a GPU), gloo (default without), or "
                                      "mpi4py, MPI on host buffers for a data-parallel job started by mpirun -n N "
                                      "(pip install 'scaletrain[mpi]')", choices=("nccl", "gloo", "mpi4py"))
-    timeout: float = _opt(600.0, "seconds a collective may wait for a rank before the job ends (a rank "
-                                 "that died is noticed sooner)")
+    timeout: float | None = _opt(None, "seconds a collective may wait for a rank before the job ends, naming "
+                                       "the rank it waits for (a rank that died is noticed sooner; default: 60 "
+                                       "on one machine's CPUs, 600 on GPUs or several nodes)")
     bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
                                   "communication starts earlier in backward, in more calls)")
     allreduce: str = _opt("backend", "gradient all-reduce: the backend's, or the ring written with "

@@ -42,7 +42,7 @@ def check_values(cfg: Config) -> None:
     if not 0 <= cfg.model.dropout < 1:
         raise UserError(f"--dropout must be in [0, 1), not {cfg.model.dropout}.")
     for name in _ABOVE_ZERO:
-        if flat[name] <= 0:
+        if flat[name] is not None and flat[name] <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, not {flat[name]}.")
     positions = cfg.model.n_positions
     if positions is not None and cfg.data.seq_len > positions:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from scaletrain.dist import free_port
 from scaletrain.dist.health import Health
-from scaletrain.dist.launch import ProcessEnv
+from scaletrain.dist.launch import ProcessEnv, default_timeout
 
 TIMEOUT_S = 10  # --timeout of these jobs: short, as a test's should be
 
@@ -100,6 +100,29 @@ def test_a_hung_rank_is_named_once_the_timeout_passes(corpus, tmp_path):
     assert seconds < 120
     assert code == 1 and "rank 1 died or hangs, so rank 0 stopped in step 3" in stderr, stderr[-3000:]
     assert len(stderr.strip().splitlines()) == 1
+
+
+def test_a_collective_one_rank_never_calls_ends_in_one_sentence(corpus, tmp_path):
+    """The hang a user meets (a collective one rank leaves out: SCALETRAIN_FAULT's skip), launched
+    as a user launches it, with no debugging flag: once --timeout passes, one sentence names the
+    rank that waits, the collective, the rank it waits for and the checkpoint to resume from."""
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "scaletrain", *_train(corpus, out, "--nproc", "2")],
+                            capture_output=True, text=True,
+                            timeout=240, env={**os.environ, "SCALETRAIN_FAULT": "skip rank=1 step=3"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    sentence = result.stderr.strip()
+    assert sentence.startswith("scaletrain train: collective desync: rank ")
+    assert " waits in " in sentence and ("which rank " in sentence or " while rank " in sentence)
+    assert "stopped in step 3" in sentence and "newest complete checkpoint is step_000002" in sentence
+
+
+def test_the_default_timeout_is_a_minute_on_one_machines_cpus():
+    one_node = ProcessEnv(0, 4, 0, 4, "127.0.0.1", 29500, "torchrun")
+    two_nodes = ProcessEnv(0, 8, 0, 4, "10.0.0.1", 29500, "torchrun")
+    assert default_timeout("gloo", one_node) == default_timeout("mpi4py", one_node) == 60
+    assert default_timeout("nccl", one_node) == default_timeout("gloo", two_nodes) == 600
 
 
 def _losses(run: Path) -> list[float]:

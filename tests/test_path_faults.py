@@ -248,8 +248,13 @@ def serve_rows_as_nobody() -> None:
 
 def _run_as_nobody(rows: list[dict], root: Path) -> list[tuple[int, str]]:
     repo = str(Path(__file__).resolve().parents[1])
+    # A temporary folder nobody may write: the runner's TMPDIR may be root's alone (0755, as on
+    # many CI machines), and the child settles on its temporary folder while it is still root.
+    scratch = root / "tmp"
+    scratch.mkdir(mode=0o1777)
+    scratch.chmod(0o1777)  # past the umask
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))),
-           "HOME": str(root)}
+           "HOME": str(root), "TMPDIR": str(scratch)}
     child = subprocess.run([sys.executable, "-c", "from tests.test_path_faults import serve_rows_as_nobody; "
                                                   "serve_rows_as_nobody()"],
                            input=json.dumps(rows), capture_output=True, text=True, env=env, cwd=root, timeout=120)

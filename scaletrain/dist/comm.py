@@ -212,7 +212,7 @@ class Comm:
     The public methods check their arguments and write the ledger; the
     underscored ones below them move the bytes, here with torch.distributed
     over the group's process group. `MpiComm` (dist/mpi.py) replaces only those.
-    With a `tracker` (``--debug-dist``), every call is also numbered per group
+    With a `tracker` (the trainer's), every call is also numbered per group
     and every wait noted, for desync detection (dist/desync.py).
     """
 

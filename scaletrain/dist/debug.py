@@ -1,6 +1,6 @@
 """``--debug-dist``: what it takes to find out why a distributed job misbehaves.
 
-Four aids, all off by default (each costs time or disk):
+Three aids, off by default (each costs time or disk), beside a fourth that every run has:
 
 1. torch's and NCCL's own debug output (`DEBUG_ENVIRONMENT`), set by the
    launching process before any process group exists, so that workers it
@@ -29,9 +29,10 @@ Four aids, all off by default (each costs time or disk):
    the experts, which ep ranks hold different ones of, over dp x cp). A digest per rank crosses the network
    (through dist/comm.py, in the ledger); only when two differ do the full
    descriptions follow, to name the rank and the field or parameter.
-4. The desync detector (dist/desync.py): every collective numbered per group
-   in a record that the heartbeat thread publishes, read when a collective
-   fails to say which rank is behind and where.
+4. The desync detector (dist/desync.py), on in every run (a dictionary update
+   per collective): every collective numbered per group in a record that the
+   heartbeat thread publishes, read when a collective fails to say which
+   rank is behind and where.
 """
 
 from __future__ import annotations

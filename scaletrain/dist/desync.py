@@ -8,7 +8,7 @@ collective until the process group's timeout, and the error they get names
 the operation of the backend ("Timed out waiting 600000ms for recv"), not the
 rank that went astray. With NCCL it is worse: the watchdog ends the process.
 
-So with ``--debug-dist`` every rank keeps a record of its collectives
+So every rank keeps a record of its collectives
 (`CollectiveTracker`, filled by dist/comm.py's `Comm`, the one door to the
 network): per torch process group, how many calls it has made and the last
 one, and the call it is blocked in now, if any (a call that failed stays
@@ -143,7 +143,7 @@ def explain_desync(records: dict[int, dict[str, Any] | None], limit: int = 3) ->
                     continue
                 if other is None:
                     findings.append(f"rank {rank} waits in {call}, and rank {member} published no record of "
-                                    f"its collectives (was it started without --debug-dist?)")
+                                    f"its collectives (it had not yet sent a heartbeat)")
                     continue
                 count = other["calls"].get(call.group, {"n": 0, "op": ""})
                 theirs = next((Call(**c) for c in other["waiting"]

@@ -14,10 +14,11 @@ that saw it calls `diagnose`: a rank that wrote a reason is named with it,
 else the ranks whose counter stood still for three intervals, and that
 left no word, are the ones that died or hang.
 
-With ``--debug-dist`` the same thread publishes the rank's record of its
-collectives (dist/desync.py) whenever it changed, and `desync` reads every
-rank's to say, when a collective failed and nobody died, which rank keeps it
-waiting and where that rank is instead.
+The same thread publishes the rank's record of its collectives
+(dist/desync.py) whenever it changed, and `desync` reads every rank's to say,
+when a collective failed and nobody died, which rank keeps it waiting and
+where that rank is instead; `stuck` names a collective that timed out with
+every member in it.
 
 Keys live under ``scaletrain/health/<attempt>/``, the restart count of the
 launch, because the agent's store keeps the keys of earlier attempts.
@@ -40,7 +41,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from scaletrain.dist.desync import CollectiveTracker, explain_desync
+from scaletrain.dist.desync import Call, CollectiveTracker, explain_desync
 from scaletrain.dist.launch import ProcessEnv, restart_attempt
 
 # Store operations on an unreachable store fail with one of these.
@@ -57,7 +58,7 @@ def heartbeat_interval(timeout_s: float) -> float:
 
 class Health:
     def __init__(self, env: ProcessEnv, timeout_s: float):
-        self.env = env
+        self.env, self.timeout_s = env, timeout_s
         self.interval = heartbeat_interval(timeout_s)
         self._prefix = f"scaletrain/health/{restart_attempt()}"
         self._store_timeout = max(5.0, 2 * self.interval)
@@ -107,6 +108,17 @@ class Health:
         except STORE_ERRORS:
             return None
         return explain_desync(records)
+
+    def stuck(self, exc: Exception) -> str | None:
+        """A collective of this rank's that timed out (``exc``) while no rank died and none is
+        behind (every member in it: a transfer slower than the timeout, or a stuck link), as a
+        phrase; None for any other failure."""
+        waiting = self._tracker.record()["waiting"] if self._tracker else []
+        if not waiting or "timed out" not in str(exc).lower():
+            return None
+        return (f"rank {self.env.rank} waited --timeout ({self.timeout_s:g} s) in {Call(**waiting[0])} with every "
+                f"member alive and in it (a transfer slower than the timeout or a stuck link: raise --timeout if "
+                f"it is only slow)")
 
     def failed(self, reason: str) -> None:
         """This rank fails in its own code, for ``reason``: the others will name it with that."""

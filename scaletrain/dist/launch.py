@@ -18,7 +18,9 @@ read in this order, the first that applies wins:
   single     rank 0 of a world of 1
 
 The process group's timeout is what turns a dead or stuck rank into an error
-on the others instead of a job that hangs forever.
+on the others instead of a job that hangs forever. Unless ``--timeout`` says
+otherwise it is a minute on one machine's CPUs and ten minutes on GPUs or
+across nodes (`default_timeout`).
 
 With ``--backend mpi4py`` (processes started by mpirun) no torch process group
 is made: MPI itself is the network, its communicators the mesh's groups and
@@ -58,6 +60,9 @@ DEFAULT_ADDR = "127.0.0.1"
 SETTLE_S = 0.1  # what shutdown waits after its barrier for gloo's threads (`shutdown`)
 DEFAULT_PORT = 29500
 LAUNCHER_VARIABLE = "SCALETRAIN_LAUNCHER"  # "ray" in a Ray Train worker (dist/ray_launch.py)
+# The collective timeouts when --timeout is not given (`default_timeout`).
+LOCAL_CPU_TIMEOUT_S = 60.0
+CLUSTER_TIMEOUT_S = 600.0
 
 # (rank, world size, local rank, local world size) variables of each MPI flavour.
 _MPI_KEYS = (
@@ -242,6 +247,7 @@ class DistRuntime:
     env: ProcessEnv
     backend: str | None
     device: torch.device
+    timeout_s: float = CLUSTER_TIMEOUT_S  # how long a collective waits for a rank
 
     @property
     def is_main(self) -> bool:
@@ -251,6 +257,19 @@ class DistRuntime:
     def torch_group(self) -> bool:
         """Whether a torch.distributed process group (and its rendezvous store) exists."""
         return self.backend in ("nccl", "gloo")
+
+
+def default_timeout(backend: str, env: ProcessEnv) -> float:
+    """How long a collective waits for a rank when --timeout is not given.
+
+    On one machine's CPUs (gloo or MPI over loopback) a healthy collective takes milliseconds, and
+    the longest a healthy rank waits in one is for another's work alone: a checkpoint written, the
+    first step compiled, at the sizes a CPU trains seconds (tens under a loaded machine). A minute
+    shows a hang quickly and leaves that margin. GPUs (first-step compilation and autotuning,
+    checkpoints of billions of weights) and several nodes (a late node, a congested link) keep
+    NCCL's own ten minutes."""
+    one_node = env.local_world_size == env.world_size
+    return LOCAL_CPU_TIMEOUT_S if backend != "nccl" and one_node else CLUSTER_TIMEOUT_S
 
 
 def _choose_backend(backend: str | None) -> str:
@@ -280,14 +299,16 @@ def check_backend(backend: str | None, env: ProcessEnv) -> str:
     return chosen
 
 
-def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = None) -> DistRuntime:
-    """Pick the backend and device, and join the process group when there is more than one process.
+def init_distributed(env: ProcessEnv, timeout_s: float | None, backend: str | None = None) -> DistRuntime:
+    """Pick the backend and device, and join the process group when there is more than one process;
+    ``timeout_s``: how long a collective waits for a rank (None: `default_timeout`).
 
     nccl computes on GPU local_rank; gloo and mpi4py compute on the CPU.
     """
     if env.source == "ray" and dist.is_initialized():
         backend = dist.get_backend()  # Ray chose it from the workers' GPUs (dist/ray_launch.py)
     chosen = check_backend(backend, env)
+    timeout_s = timeout_s or default_timeout(chosen, env)
     device = torch.device("cpu")
     if chosen == "nccl":
         if env.local_rank >= torch.cuda.device_count():
@@ -302,11 +323,11 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
         # OMP_NUM_THREADS=1 intends; more threads each would only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     if env.world_size == 1:
-        return DistRuntime(env, None, device)
+        return DistRuntime(env, None, device, timeout_s)
     if chosen == "mpi4py":  # MPI started with the import in check_backend; no torch group
-        return DistRuntime(env, chosen, device)
+        return DistRuntime(env, chosen, device, timeout_s)
     if env.source == "ray" and dist.is_initialized():  # Ray Train's rendezvous made the group
-        return DistRuntime(env, chosen, device)
+        return DistRuntime(env, chosen, device, timeout_s)
     if dist.is_initialized():
         raise UserError("this process already joined a process group; scaletrain joins the job itself, from the "
                         "launcher's variables: remove your init_process_group call, and call scaletrain.setup "
@@ -318,7 +339,7 @@ def init_distributed(env: ProcessEnv, timeout_s: float, backend: str | None = No
     else:  # rank 0 starts the rendezvous store at MASTER_ADDR:MASTER_PORT
         dist.init_process_group(chosen, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
                                 world_size=env.world_size, timeout=timeout)
-    return DistRuntime(env, chosen, device)
+    return DistRuntime(env, chosen, device, timeout_s)
 
 
 def _attempt_store(env: ProcessEnv, timeout: timedelta) -> dist.Store:
@@ -363,17 +384,18 @@ def attempt_rendezvous(env: ProcessEnv, timeout_s: float = 600.0) -> tuple[str, 
 def shutdown(runtime: DistRuntime, barrier: bool = True) -> None:
     """Leave the process group; the barrier first lets every rank finish its
     last transfers, without which teardown aborts at random on torch 2.13.
-    A rank leaving because the job failed skips it: the ranks it would wait
-    for may be dead or stuck."""
+    A caller that met the others at its own barrier (the trainer's, tracked
+    for the desync report), or leaves because the job failed, skips it: the
+    ranks it would wait for may be dead or stuck."""
     if not runtime.torch_group:  # one process, or MPI, which mpi4py finalises at exit
         return
     if barrier:
         dist.barrier()
-        # Gloo's worker threads release a finished collective's tensors just after its waiter
-        # wakes, taking the GIL for the ones Python made; a thread still doing so when the
-        # interpreter finalises aborts the process ("terminate called without an active
-        # exception", rank != 0 at random). The GIL given up for a moment lets them finish.
-        time.sleep(SETTLE_S)
+    # Gloo's worker threads release a finished collective's tensors just after its waiter
+    # wakes, taking the GIL for the ones Python made; a thread still doing so when the
+    # interpreter finalises aborts the process ("terminate called without an active
+    # exception", rank != 0 at random). The GIL given up for a moment lets them finish.
+    time.sleep(SETTLE_S)
     dist.destroy_process_group()
 
 
@@ -381,7 +403,7 @@ def connect(runtime: DistRuntime, dims: ParallelDims,
             tracker: CollectiveTracker | None = None) -> tuple[Mesh, Comm]:
     """The mesh's groups and the Comm over them on the runtime's network: MPI communicators
     and `MpiComm` with --backend mpi4py, else torch process groups and `Comm`; with a
-    ``tracker`` (--debug-dist) every collective is numbered for the desync detector."""
+    ``tracker`` every collective is numbered for the desync detector (dist/desync.py)."""
     if runtime.backend == "mpi4py":
         from scaletrain.dist.mpi import MpiComm, MpiGroups
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scaletrain.dist.launch import LAUNCHER_VARIABLE, WorkerKilled, free_port
+from scaletrain.dist.launch import CLUSTER_TIMEOUT_S, LAUNCHER_VARIABLE, WorkerKilled, free_port
 from scaletrain.errors import JobFailed, UserError
 
 # Variables the workers need from the launching process: fault injection and the project's own,
@@ -141,9 +141,11 @@ def forwarded_variables() -> dict[str, str]:
 
 
 def launch_ray(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, placement: RayPlacement,
-               max_restarts: int, name: str, storage: Path | None, timeout_s: float, own_group: bool = True) -> Any:
+               max_restarts: int, name: str, storage: Path | None, timeout_s: float | None,
+               own_group: bool = True) -> Any:
     """Run ``entrypoint(*args)`` on ``nproc`` Ray Train workers of the cluster joined
-    (`ray_cluster`); return rank 0's result.
+    (`ray_cluster`); return rank 0's result. ``timeout_s``: how long a collective of Ray's
+    group waits (None: a cluster's ten minutes).
 
     Ray keeps its records of the run ``name`` under ``storage`` (None: Ray's default,
     ~/ray_results). ``own_group``: the entrypoint joins Ray's process group (the trainer);
@@ -164,7 +166,7 @@ def launch_ray(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, place
                            "own_group": own_group, "variables": forwarded_variables()},
         scaling_config=ScalingConfig(num_workers=nproc, use_gpu=bool(placement.gpus_per_worker),
                                      resources_per_worker=resources),
-        torch_config=TorchConfig(backend=placement.backend, timeout_s=int(timeout_s)),
+        torch_config=TorchConfig(backend=placement.backend, timeout_s=int(timeout_s or CLUSTER_TIMEOUT_S)),
         run_config=RunConfig(name=name, storage_path=str(storage.resolve()) if storage else None,
                              failure_config=FailureConfig(max_failures=max_restarts)),
     )

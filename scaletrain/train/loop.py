@@ -49,6 +49,7 @@ def fit(trainer: Trainer) -> RunSummary:
     try:
         for step in range(trainer.start_step, end):
             trainer.step = done = step + 1
+            trainer.where = f"in step {done}"
             window.open_if_empty()
             window.add(trainer.queue_step(step, record=done == end))
             evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
@@ -81,7 +82,9 @@ def fit(trainer: Trainer) -> RunSummary:
     # Every rank generates: each holds a part of the model its replica's forward needs (ZeRO-3's
     # and hybrid sharding's shards over dp and cp, tp's slices, pp's stages, ep's experts), and
     # the seeded draws are the same on every rank, so every replica writes the same text.
+    trainer.where = "in the end-of-run sample"
     sample = trainer.sample() if end == cfg.train.steps else None
+    trainer.where = "at the end of the run"
     return RunSummary(run_dir=trainer.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
                       val_loss=val_loss, checkpoint=saved, sample=sample if trainer.is_main else None,
                       unigram_entropy=trainer.spec.unigram_entropy)

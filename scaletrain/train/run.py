@@ -26,10 +26,12 @@ from scaletrain.dist.debug import RankLog, check_same_config, check_same_paramet
 from scaletrain.dist.desync import CollectiveTracker
 from scaletrain.dist.health import Health
 from scaletrain.dist.launch import (
+    CLUSTER_TIMEOUT_S,
     ProcessEnv,
     WorkerKilled,
     check_backend,
     connect,
+    default_timeout,
     detect_environment,
     init_distributed,
     restart_attempt,
@@ -190,8 +192,11 @@ def launch(cfg: Config) -> RunSummary:
     env = detect_environment()
     check_values(cfg)
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
+    timeout = CLUSTER_TIMEOUT_S
     if cfg.parallel.launcher == "local":  # Ray's workers, not this process, have the devices to check
-        check_backend(cfg.parallel.backend, env)
+        timeout = default_timeout(check_backend(cfg.parallel.backend, env), env)
+    if cfg.parallel.timeout is None:  # the number in config.toml, the same in every worker
+        cfg = cfg.replace(timeout=timeout)
     if cfg.parallel.debug_dist:
         debug_environment()  # before any process group; workers spawned below inherit it
     if env.rank == 0:
@@ -232,14 +237,14 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if rank_log:
             rank_log.close()
         raise
-    health = Health(env, cfg.parallel.timeout) if runtime.torch_group else None
+    health = Health(env, runtime.timeout_s) if runtime.torch_group else None
     trainer: Trainer | None = None
     failed = False
     try:
         dims = cfg.parallel.mesh_dims(env.world_size)
-        tracker = CollectiveTracker() if debug else None  # the desync detector's record
+        tracker = CollectiveTracker()  # the desync detector's record: who a timed-out collective waits for
         mesh, comm = connect(runtime, dims, tracker)
-        if health and tracker:
+        if health:
             health.track(tracker)
         world = mesh.group("world")
         if debug:  # every rank started alike, before rank 0 writes anything
@@ -283,37 +288,40 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             write_memory_report(trainer.memory_report(), comm, world, Path(cfg.run.out), runtime.is_main)
         if layout.pipeline:
             write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, Path(cfg.run.out))
+        # Every rank done before any leaves, through the tracked door: a rank still waiting in a
+        # collective of the run (one that another rank skipped) is named here, not left to time out.
+        comm.barrier(world)
         return summary
     except Exception as exc:
         failed = True
-        reported = explain_failure(exc, health, trainer.step if trainer else None, Path(cfg.run.out))
+        reported = explain_failure(exc, health, trainer.where if trainer else "before training", Path(cfg.run.out))
         if reported is exc:
             raise
         raise reported from None
     finally:
         if health:
             health.stop()
-        shutdown(runtime, barrier=not failed)
+        shutdown(runtime, barrier=False)
         if rank_log:
             rank_log.close()
 
 
-def explain_failure(exc: Exception, health: Health | None, step: int | None, run_dir: Path) -> Exception:
+def explain_failure(exc: Exception, health: Health | None, where: str, run_dir: Path) -> Exception:
     """What this rank's failure is reported as. Its own (a sentence, or a bug with
     its traceback): as it is, after telling the others. A collective that failed
-    because another rank did: a `JobFailed` naming that rank (dist/health.py), or, with
-    --debug-dist, the rank it waits for and where that rank is (dist/desync.py)."""
+    because another rank did: a `JobFailed` naming that rank (dist/health.py), the rank it
+    waits for and where that rank is (dist/desync.py), or, when every member is in it and
+    it timed out, the collective; ``where``: where the run stood (``in step 3``)."""
     if health is None:
         return exc
     if isinstance(exc, (UserError, JobFailed)):
         health.failed(str(exc))
         return exc
-    culprit = health.diagnose() or health.desync()
+    culprit = health.diagnose() or health.desync() or health.stuck(exc)
     if culprit is None:
         health.failed(f"{type(exc).__name__}: {ckpt.failure_reason(exc)}")
         return exc
     health.leave()
-    where = f"in step {step}" if step else "before training"
     return JobFailed(f"{culprit}, so rank {health.env.rank} stopped {where}; {restart_hint(run_dir)}.")
 
 

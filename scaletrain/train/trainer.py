@@ -93,6 +93,7 @@ class Trainer:
         self.is_main = runtime.is_main
         self.device = runtime.device
         self.step: int | None = None  # the step under way, counted from 1, for failure reports
+        self.where = "before training"  # where the run stands, for failure reports (train/loop.py)
         self.data = open_data(spec, cfg)
         t = cfg.train
         built = build_run_model(cfg, spec, self.device, self.data.n_features, self.data.n_classes)

@@ -14,6 +14,7 @@ import pytest
 from scaletrain.dist.launch import free_port
 from scaletrain.parity import relative_diffs
 from scaletrain.train import checkpoint as ckpt
+from tests.readme import readme_argv
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOLERANCE = 1e-5
@@ -31,10 +32,6 @@ def _run(launcher: list[str], script: str, out: Path, *args: str) -> tuple[list[
     return losses, ckpt.read_model_tensors(ckpt.latest_checkpoint(out))
 
 
-def scaletrain_run(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "scaletrain", "run", "--nproc", str(nproc)]
-
-
 def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--master-port", str(free_port())]
@@ -48,25 +45,34 @@ def assert_parity(reference: tuple[list[float], dict], layout: tuple[list[float]
     assert ref_losses[-1] < ref_losses[0]  # it learns
 
 
+def readme_run(command: str, out: Path, *args: str) -> tuple[list[float], dict]:
+    """One of the README's ``scaletrain run`` lines, as written, with ``args`` after it."""
+    words = readme_argv(command)
+    script = next(word for word in words if word.startswith("examples/"))
+    launcher, flags = words[:words.index(script)], words[words.index(script) + 1:]
+    return _run([sys.executable, "-m", *launcher], Path(script).name, out, *flags, *args)
+
+
 def test_digits_made_data_parallel_learns_as_one_process(tmp_path):
     steps = ("--steps", "12")
     reference = _run([sys.executable], "digits.py", tmp_path / "one", *steps)
-    assert_parity(reference, _run(scaletrain_run(2), "digits.py", tmp_path / "dp2", *steps))
+    assert_parity(reference, readme_run("scaletrain run --nproc 2 examples/digits.py", tmp_path / "dp2", *steps))
     assert_parity(reference, _run(torchrun(2), "digits.py", tmp_path / "zero3", *steps, "--zero", "3"))
 
 
 def test_own_transformer_under_tensor_parallelism_and_zero3(tmp_path):
     steps = ("--steps", "4", "--batch", "8")
     reference = _run([sys.executable], "transformer.py", tmp_path / "one", *steps)
-    assert_parity(reference, _run(scaletrain_run(4), "transformer.py", tmp_path / "tp2-zero3", *steps,
-                                  "--tp", "2", "--zero", "3"))
+    assert_parity(reference, readme_run("scaletrain run --nproc 4 examples/transformer.py --tp 2 --zero 3",
+                                        tmp_path / "tp2-zero3", *steps))
 
 
 def test_transformers_model_under_zero3_and_dp(tmp_path):
     pytest.importorskip("transformers")
     steps = ("--steps", "4", "--batch", "8")
     reference = _run([sys.executable], "hf_causal_lm.py", tmp_path / "one", *steps, "--zero", "0")
-    assert_parity(reference, _run(scaletrain_run(2), "hf_causal_lm.py", tmp_path / "zero3", *steps))
+    assert_parity(reference, readme_run("scaletrain run --nproc 2 examples/hf_causal_lm.py --zero 3",
+                                        tmp_path / "zero3", *steps))
 
 
 @pytest.mark.slow

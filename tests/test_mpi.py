@@ -23,6 +23,7 @@ from scaletrain.train.metrics import read_metrics
 from tests.conftest import run_cli
 from tests.distributed import run_distributed
 from tests.mpi_ops import exercise
+from tests.readme import readme_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = shutil.which("mpirun")
@@ -31,12 +32,21 @@ pytestmark = pytest.mark.skipif(
     reason="needs Open MPI's mpirun and mpi4py: apt install openmpi-bin libopenmpi-dev; pip install '.[mpi]'")
 
 
-def _mpirun(n: int, *command: str) -> subprocess.CompletedProcess:
+def _mpirun(n: int, *command: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``mpirun -n N python COMMAND`` with this checkout importable (root may run it: the flag says so)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x", "PYTHONPATH",
-                           sys.executable, *command], env=env, cwd=ROOT, capture_output=True, text=True,
+                           sys.executable, *command], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=300)
+
+
+def test_the_readme_mpirun_command(tmp_path):
+    """The README's MPI line as a user types it, at tiny size, with the sample and evaluation on."""
+    mpirun, n, procs, scaletrain, *flags = readme_argv("mpirun -n 2 scaletrain train --backend mpi4py")
+    assert (mpirun, n, scaletrain) == ("mpirun", "-n", "scaletrain")
+    result = _mpirun(int(procs), "-m", "scaletrain", *flags, "--model", "gpt-tiny", "--steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--- sample ---" in result.stdout and "validation loss" in result.stdout
 
 
 def _over_gloo(rank: int, n: int) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from scaletrain.cli import main
 from scaletrain.dist import free_port
 from scaletrain.parity import relative_diffs
 from scaletrain.train.checkpoint import read_model_tensors
+from tests.readme import readme_argv
 
 pytest.importorskip("ray.train")
 RAY = str(Path(sys.executable).parent / "ray")  # the command installed beside this interpreter
@@ -118,6 +120,21 @@ def test_scaletrain_run_launches_a_script_on_ray_workers(cluster, tmp_path):
                    "--nproc", "2", str(script), "--epochs", "3"], cluster.env)
     for rank in (0, 1):
         assert f"rank {rank} of 2: 3 ['--epochs', '3']" in result.stdout + result.stderr
+
+
+def test_the_readme_ray_commands(cluster, tmp_path):
+    """The README's Ray lines as a user types them on a machine where ``ray start`` runs a cluster
+    (found by --ray-address auto; the sweep's through RAY_ADDRESS, as under ray job submit), at
+    tiny size, with the sample and evaluation on."""
+    tiny = ("--model", "gpt-tiny", "--steps", "2")
+    train = _run([sys.executable, "-m", *readme_argv("scaletrain train --launcher ray --nproc 4 --ray-address auto"),
+                  *tiny], cluster.env, cwd=tmp_path)
+    assert "layout dp4 on 4 process(es)" in train.stdout and "--- sample ---" in train.stdout
+    sweep = _run([sys.executable, "-m", *readme_argv("scaletrain sweep --grid lr=1e-4,3e-4,1e-3 --tracker mlflow"),
+                  *tiny], {**cluster.env, "RAY_ADDRESS": cluster.address}, cwd=tmp_path)
+    folder = re.search(r"all in (\S+)/sweep\.json", sweep.stdout).group(1)
+    trials = json.loads((tmp_path / folder / "sweep.json").read_text())["trials"]
+    assert sorted(t["lr"] for t in trials) == [1e-4, 3e-4, 1e-3] and (tmp_path / "mlruns").is_dir()
 
 
 def _refused(capsys, args: list[str]) -> str:

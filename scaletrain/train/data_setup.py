@@ -187,14 +187,12 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
 
 
 def _run_tokenizer_choice(cfg: Config, record_paths: list[Path], folders: list[Path], cache_dir: Path):
-    """The tokenizer of a run on records: --tokenizer-from's, the prepared folders' own, or a new one."""
+    """The tokenizer of a run on records: --tokenizer-from's, the prepared folders' own (records mixed
+    with them are tokenized by it too: their ids must mean the same tokens), or a new one."""
     if cfg.data.tokenizer_from:
         return tokenizer_from(Path(cfg.data.tokenizer_from))
-    if folders and not record_paths:
-        return prepared_tokenizer(folders)
     if folders:
-        raise UserError("--data mixes records with prepared folders and no --tokenizer-from; give the tokenizer "
-                        "the folders were prepared with as --tokenizer-from, or prepare every source.")
+        return prepared_tokenizer(folders)
     return records_tokenizer(record_paths, cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.sft,
                              cfg.data.text_field, cache_dir)
 

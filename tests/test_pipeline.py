@@ -176,7 +176,7 @@ def test_evaluation_and_generation_run_through_the_stages():
 
 PARITY = [
     ("gpipe", 2, {}), ("1f1b", 2, {}), ("zb-h1", 2, {}), ("interleaved", 2, {"n_layers": 4}),
-    ("1f1b", 4, {"n_layers": 4}),
+    pytest.param("1f1b", 4, {"n_layers": 4}, marks=pytest.mark.slow),  # four stages: the README's pp4 run
     pytest.param("gpipe", 4, {"n_layers": 4}, marks=pytest.mark.slow),
     pytest.param("zb-h1", 4, {"n_layers": 4}, marks=pytest.mark.slow),
     pytest.param("interleaved", 4, {"n_layers": 8}, marks=pytest.mark.slow),
@@ -197,7 +197,8 @@ def test_pipeline_reproduces_single_device_training(tiny_cfg, schedule, n, sizes
 @pytest.mark.parametrize("changes", [
     dict(nproc=4, pp=2, dp=2, pp_schedule="zb-h1", micro_batch=2),
     dict(nproc=2, pp=2, microbatches=3, grad_accum=2, recompute="full", pp_balance="time"),
-    dict(nproc=2, pp=2, n_layers=4, pp_schedule="interleaved", microbatches=2, offload="optimizer"),
+    pytest.param(dict(nproc=2, pp=2, n_layers=4, pp_schedule="interleaved", microbatches=2, offload="optimizer"),
+                 marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, pp=2, pp_schedule="zb-h1", compile=True), marks=pytest.mark.slow),
 ], ids=["dp2-pp2-zb", "accum-recompute-timed-cuts", "interleaved-offload", "zb-compile"])
 def test_pipeline_composes(tiny_cfg, changes):

@@ -105,6 +105,7 @@ def test_a_killed_ray_worker_is_restarted_and_resumes_exactly(on_ray, cluster, c
     assert all(torch.equal(mine[name], straight[name]) for name in straight)
 
 
+@pytest.mark.slow  # the README's Ray lines run by default (test_the_readme_ray_commands)
 def test_scaletrain_run_launches_a_script_on_ray_workers(cluster, tmp_path):
     """A torchrun-style script makes its own process group on the Ray workers."""
     script = tmp_path / "script.py"
@@ -196,6 +197,7 @@ def test_a_local_instance_short_of_cpus_is_refused_and_leaves_no_run_folder(corp
     assert not run.exists()
 
 
+@pytest.mark.slow  # the README's sweep runs by default (test_the_readme_ray_commands)
 def test_a_sweep_stops_the_worse_trial_early_and_tracks_every_trial_in_mlflow(cluster, corpus, tmp_path):
     """Two learning rates, one trial at a time: ASHA lets the first run to the end and stops the
     second at its first rung (step 4), whose loss is worse; each trial is an MLflow run (in a real

@@ -36,6 +36,8 @@ from tests.readme import README, ROOT, commands, readme_argv
 from tests.test_llama_hf import PROSE, make_folder
 
 TINY = "--model gpt-tiny --steps 2"
+# Smaller batches, evaluation and sample than a user's defaults, all three still on.
+SMALL = "--micro-batch 4 --eval-batches 2 --sample-tokens 24"
 # Records a user's corpus might hold: enough text for the default 16 x 128-token batches.
 LINES = [f"The fox number {i} jumps over the lazy dog {i % 7} times, and the dog sleeps.\n" for i in range(2000)]
 
@@ -153,22 +155,22 @@ class Example:
 
 
 def _train(command: str, extra: str = TINY, **kw) -> Example:
-    return Example(command, extra, trains=True, **kw)
+    return Example(command, f"{extra} {SMALL}".strip(), trains=True, **kw)
 
 
 # Runs that later commands read, each made by the README command that makes it (with --out).
 RUNS = {
     "runs/a": ("scaletrain train --out runs/a --checkpoint-every 50 --stop-at 100",
-               "--model gpt-tiny --steps 6 --checkpoint-every 2 --stop-at 4"),
+               f"--model gpt-tiny --steps 6 --checkpoint-every 2 --stop-at 4 {SMALL}"),
     "runs/ft": ("scaletrain finetune --from ~/models/TinyLlama-1.1B --data prose.txt --nproc 4 --tp 2 --pp 2",
-                "--steps 2 --out runs/ft"),
+                f"--steps 2 --out runs/ft {SMALL}"),
     "runs/sft": ("scaletrain finetune --from HF_DIR --data alpaca.json --sft --lora-rank 16",
-                 "--steps 2 --seq-len 64 --out runs/sft"),
+                 f"--steps 2 --seq-len 64 --out runs/sft {SMALL}"),
     "prepared": ("scaletrain prepare --data corpus.jsonl --text-field body --out prepared/ --workers 8", "--workers 2"),
 }
 
 EXAMPLES = [
-    _train("scaletrain train", "--steps 2"),
+    Example("scaletrain train", "--steps 2", trains=True),  # the main job: every default but its length
     _train("scaletrain train --model gpt-tiny --steps 50", "--steps 2"),
     _train("scaletrain train --model llama-tiny --steps 50", "--steps 2"),
     Example("scaletrain parity --model llama-tiny --nproc 4 --dp 2 --tp 2 --sp", "--steps 2", says=("PASS",)),
@@ -189,7 +191,7 @@ EXAMPLES = [
     _train("scaletrain train --optimizer sgd --momentum 0"),
     _train("scaletrain train --precision bf16 --param-dtype bf16 --reduce-dtype bf16 --masters none "
            "--stochastic-rounding"),
-    Example("scaletrain bench finetune --nproc 2", "--model gpt-tiny --steps 2 --warmup 1 --rungs full,lora,zero3",
+    Example("scaletrain bench finetune --nproc 2", "--model gpt-tiny --steps 2 --warmup 1 --rungs full,zero3",
             says=("zero3", "peak"), writes=("runs/bench-finetune.png",)),
     Example("scaletrain bench finetune --model llama2-7b --gpu-memory 80GB", says=("qlora",)),
     Example("scaletrain bench techniques", "--model gpt-tiny --steps 3 --warmup 1 --techniques bf16,recompute-full",
@@ -219,13 +221,13 @@ EXAMPLES = [
     _train("scaletrain train --moe-experts 8"),
     _train("scaletrain train --nproc 4 --ep 4 --moe-experts 8 --report-comm", says=("communication ledger",)),
     _train("scaletrain train --fused triton --precision bf16 --param-dtype bf16",
-           f"{TINY} --micro-batch 2 --seq-len 64 --eval-batches 1"),
+           f"{TINY} --seq-len 64"),
     Example("scaletrain bench adam", says=("ours/fused",)),
     Example("scaletrain bench allreduce --nproc 2", "--steps 2 --warmup 1", says=("bus",),
             writes=("runs/bench-allreduce.png",)),
     _train("scaletrain train --config run.toml --lr 3e-4", "", needs=("run.toml",), says=("lr = 0.0003",)),
     Example(*RUNS["runs/a"], says=("finished step 4", "checkpoint: runs/a/checkpoints/step_000004"), writes=("runs/a/checkpoints/step_000004",)),
-    _train("scaletrain train --out runs/a --resume", "--model gpt-tiny --steps 6", needs=("runs/a",),
+    Example("scaletrain train --out runs/a --resume", needs=("runs/a",), trains=True,  # the run's own config.toml
            says=("resumed from checkpoint step_000004",)),
     _train("scaletrain train --nproc 4 --out runs/b --max-restarts 3 --keep-last 2",
            f"{TINY} --steps 3 --checkpoint-every 1", writes=("runs/b/checkpoints/step_000003",)),

@@ -78,8 +78,13 @@ LAYOUTS = {
 }
 
 
+# cp2 runs as the README's `scaletrain parity --data alpaca.json --sft --nproc 2 --cp 2 ...`.
+IN_CI = {"dp2", "dp2-accum2", "zero3-dp2", "tp2", "pp2-1f1b"}
+
+
 @pytest.mark.numerics
-@pytest.mark.parametrize("changes", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("changes", [pytest.param(changes, id=name, marks=() if name in IN_CI else pytest.mark.slow)
+                                     for name, changes in LAYOUTS.items()])
 def test_sft_layout_reproduces_single_device_training(sft_cfg, changes):
     report = run_parity(sft_cfg.replace(**changes), tolerance=1e-5)
     assert report.passed, report.to_json()

@@ -44,7 +44,8 @@ def test_momentum_update_is_the_heavy_ball_rule():
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("changes", [dict(zero=3), dict(tp=2), dict(zero=2, offload="optimizer")],
+@pytest.mark.parametrize("changes", [dict(zero=3), pytest.param(dict(tp=2), marks=pytest.mark.slow),
+                                     pytest.param(dict(zero=2, offload="optimizer"), marks=pytest.mark.slow)],
                          ids=["zero3", "tp2", "zero2-offload"])
 def test_sgd_layouts_equal_one_device(tiny_cfg, changes):
     cfg = tiny_cfg.replace(nproc=2, steps=3, optimizer="sgd", momentum=0.9, lr=0.1, **changes)

@@ -162,8 +162,11 @@ def test_generation_gathers_whole_logits_for_any_prompt_length():
 
 # The portable-kernel rerun (marker numerics) takes the two-rank cases: four ranks cut the same
 # sums into more partial sums, on the same kernels.
-@pytest.mark.parametrize("n,sp", [pytest.param(2, False, marks=pytest.mark.numerics), (4, False),
-                                  pytest.param(2, True, marks=pytest.mark.numerics), (4, True)])
+# Four ranks: the README's `scaletrain parity --nproc 4 --tp 4 --sp` runs in tests/test_readme.py.
+@pytest.mark.parametrize("n,sp", [pytest.param(2, False, marks=pytest.mark.numerics),
+                                  pytest.param(4, False, marks=pytest.mark.slow),
+                                  pytest.param(2, True, marks=pytest.mark.numerics),
+                                  pytest.param(4, True, marks=pytest.mark.slow)])
 def test_tensor_parallel_reproduces_single_device_training(tiny_cfg, n, sp):
     """scaletrain parity --nproc N --tp N [--sp]: losses and weights within 1e-5 (fp32)."""
     report = run_parity(tiny_cfg.replace(nproc=n, tp=n, sp=sp, steps=4), tolerance=1e-5)
@@ -174,7 +177,7 @@ def test_tensor_parallel_reproduces_single_device_training(tiny_cfg, n, sp):
 @pytest.mark.parametrize("changes", [
     dict(nproc=4, tp=2, dp=2, sp=True, micro_batch=2),
     dict(nproc=2, tp=2, sp=True, recompute="full", grad_accum=2),
-    dict(nproc=2, tp=2, recompute="selective", offload="optimizer"),
+    pytest.param(dict(nproc=2, tp=2, recompute="selective", offload="optimizer"), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, tp=2, sp=True, compile=True), marks=pytest.mark.slow),
 ], ids=["dp2-tp2-sp", "sp-recompute-accum", "selective-offload", "sp-compile"])
 def test_tensor_parallel_composes(tiny_cfg, changes):
@@ -254,7 +257,8 @@ def _one_device_peak(layers: int) -> int:
     return meter.peak
 
 
-@pytest.mark.parametrize("n,sp", [(2, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("n,sp", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow),
+                                  pytest.param(4, True, marks=pytest.mark.slow)])
 def test_activation_memory_per_block_matches_korthikanti(n, sp):
     """Saved activations of one block, measured as the difference between a 2-block and
     a 1-block model, are exactly the formula: without sp only the attention and MLP
@@ -292,7 +296,7 @@ def _train_with_dropout(rank: int, n: int, cfg, spec) -> dict:
     return {"losses": losses, "replicated": replicated}
 
 
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_dropout_agrees_where_activations_are_replicated(tiny_cfg, sp):
     """With dropout 0.1 the replicated weights (norms, position embedding) stay bitwise
     equal across the tp ranks: the masks on replicated activations agreed, while the

@@ -35,7 +35,7 @@ def test_flat_chunks_hold_exactly_the_range():
 # The portable-kernel rerun (marker numerics) takes the two-rank cases: four ranks cut the same
 # sums into more shards, on the same kernels.
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.numerics), 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.numerics), pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_reproduces_single_device_training(tiny_cfg, stage, n):
     """scaletrain parity --nproc N --dp N --zero S: losses and final weights within 1e-5 (fp32)."""
     report = run_parity(tiny_cfg.replace(nproc=n, dp=n, zero=stage, micro_batch=8 // n, steps=4),
@@ -46,7 +46,7 @@ def test_zero_reproduces_single_device_training(tiny_cfg, stage, n):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("changes", [
-    dict(name="gpt-tiny", zero=2, grad_accum=2, nproc=4, dp=4),
+    pytest.param(dict(name="gpt-tiny", zero=2, grad_accum=2, nproc=4, dp=4), marks=pytest.mark.slow),
     dict(name="gpt-tiny", zero=3, grad_accum=2, recompute="full", nproc=2, dp=2),
     dict(name="gpt-tiny", zero=3, offload="optimizer", nproc=2, dp=2),
     dict(name="gpt-tiny", zero=1, offload="optimizer", grad_accum=2, nproc=2, dp=2),

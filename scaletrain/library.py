@@ -53,6 +53,7 @@ from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import engine as core
+from scaletrain.train.sampling import generate
 from scaletrain.train.step_window import StepWindow
 
 
@@ -88,12 +89,13 @@ class Engine(core.Engine):
     """A user's model on the engine (train/engine.py), with the protocol of a training loop:
     ``engine(*inputs)`` runs the forward, ``backward(loss)`` each micro-batch's backward,
     ``step()`` the update once ``grad_accum`` backward calls are in; ``train_step`` runs a
-    whole step (the way pipelines run); ``save``, ``load``, ``sampler``, ``close``. Made by
-    `setup`."""
+    whole step (the way pipelines run); ``evaluate`` and ``generate`` under any layout, on every
+    rank; ``save``, ``load``, ``sampler``, ``close``. Made by `setup`."""
 
     def __init__(self, runtime: DistRuntime, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.runtime = runtime
+        self.seq_len: int | None = kwargs.get("seq_len")  # setup's; generate's default window
         self.steps_done = 0  # optimizer steps taken, the checkpoint's step
         self._backwards = 0  # backward calls in the step under way
         self._loss_sum = torch.zeros((), device=self.device)
@@ -217,6 +219,46 @@ class Engine(core.Engine):
         self._backwards, self._step_open = 0, False
         self._loss_sum = torch.zeros((), device=self.device)
         return {key: value for key, value in read.record.items() if key != "tokens_per_s"}
+
+    # -- evaluation and generation, on every rank ----------------------------------------
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> float:
+        """The mean of ``loss_fn(outputs, targets)`` over every rank's (inputs, targets)
+        micro-batches, the model in eval mode, under any layout (with pp, stage by stage; with cp,
+        each rank's positions). Call it on every rank, each with its share (as `sampler` gives
+        it): a rank holding a part of the model that stayed out would leave the others waiting;
+        every rank gets the same number."""
+        model, layout = self.layout.model, self.layout
+        training = model.training
+        model.eval()
+        batches = [self.local(*batch) for batch in micro_batches]
+        try:
+            if layout.pipeline:  # the mean over the micro-batches, from the last stage to every stage
+                mean = layout.pipeline.evaluate(batches, loss_fn, self.forward_context)
+            else:
+                mean = 0.0
+                for x, y in batches:
+                    with self.forward_context():
+                        outputs = model(x)
+                    mean += loss_fn(outputs, y).item() / len(batches)
+        finally:
+            model.train(training)
+        total = torch.tensor([mean, 1.0], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(total, layout.replicas.dense)  # the ranks reading other samples or positions
+        return (total[0] / total[1]).item()
+
+    def generate(self, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8,
+                 top_k: int | None = 50, seed: int | None = None, context: int | None = None) -> torch.Tensor:
+        """``prompt`` ids [batch, seq] and ``new_tokens`` more, sampled by a model that maps ids to
+        logits [batch, seq, vocab] (top-k, then temperature; 0: the most likely id), the last
+        ``context`` ids as input (default: ``seq_len`` of `setup`, else the whole sequence).
+        Under any layout, on every rank: each holds a part of the model that every token's
+        forward needs, and all draw the same ids, the ones one process draws (train/sampling.py)."""
+        context = context or self.seq_len or prompt.shape[1] + new_tokens
+        return generate(self.layout, prompt, new_tokens, context=context, vocab=None,
+                        precision=self.train.precision, seed=self.train.seed if seed is None else seed,
+                        temperature=temperature, top_k=top_k)
 
     # -- checkpoints -------------------------------------------------------------------
     def save(self, folder: str | Path, **state: Any) -> Path:

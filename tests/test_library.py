@@ -255,3 +255,32 @@ def _setup_twice() -> str:
         except UserError as refusal:
             return str(refusal)
     return "no refusal"
+
+
+def _generate_and_evaluate(options: dict) -> tuple[list[list[int]], float]:
+    """A trained step, then ``engine.generate`` and ``engine.evaluate`` on every rank."""
+    torch.manual_seed(0)
+    with scaletrain.setup(small_transformer(), plan=PLAN, seq_len=16, lr=3e-3, warmup_steps=1, steps=2,
+                          **options) as engine:
+        engine.train_step([token_batch(0)] * engine.micro_batches_per_step, engine.cross_entropy)
+        prompt = torch.tensor([[72, 101, 108, 108], [87, 111, 114, 108]])
+        ids = engine.generate(prompt, 10, seed=7)
+        batches = [token_batch(100 + i) for i in range(2)]
+        group = engine.layout.replicas.batch
+        loss = engine.evaluate(batches[group.rank::group.size], engine.cross_entropy)
+        assert engine.layout.model.training  # left as it was
+    return ids.tolist(), loss
+
+
+@pytest.mark.parametrize("options", [
+    dict(zero=3), dict(tp=2), dict(pp=2, microbatches=2),
+    pytest.param(dict(cp=2), marks=pytest.mark.slow),
+], ids=["zero3", "tp2", "pp2", "cp2"])
+def test_generate_and_evaluate_on_every_rank_equal_one_process(options):
+    """Every rank holds a part of the model, so every rank takes part; each gets the ids and the
+    loss one process gets (the same seed; the loss within parity's 1e-5)."""
+    (reference_ids, reference_loss), = spawn_local(1, _generate_and_evaluate, ({},)).values()
+    results = spawn_local(2, _generate_and_evaluate, (options,))
+    for ids, loss in results.values():
+        assert ids == reference_ids and len(ids[0]) == 14
+        assert abs(loss - reference_loss) <= 1e-5 * reference_loss

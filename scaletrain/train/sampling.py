@@ -1,9 +1,14 @@
-"""The text a run ends with: the model continuing a line of the validation text.
+"""Text from a model however it is laid out: the run's closing sample, the library's ``generate``.
 
-Every rank of the main rank's model replica runs the generation (tp ranks
-hold slices of every layer, pp ranks the stages a token passes through), each
-in its parts' generation mode (parallel/tensor.py, parallel/context.py), with
-one seeded generator, so the ranks draw the same tokens.
+Every rank takes part: each holds a part of the model that a forward needs
+(ZeRO-3's and hybrid sharding's shards, gathered over dp and cp; tp's slices;
+pp's stages; ep's experts), so a rank that stayed out would leave the others
+waiting in a collective. Each enters its parts' generation mode (whole logits
+on every tp rank, whole sequences on every cp rank: parallel/tensor.py,
+parallel/context.py) and draws from one generator seeded alike on every
+rank, so every rank writes the same tokens, the ones one device writes with
+the same weights and seed. There is no key/value cache: each new token runs
+the model over the last ``context`` tokens.
 """
 
 from __future__ import annotations
@@ -28,22 +33,33 @@ def line_prompt(tokenizer, window: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(layout, prompt: torch.Tensor, tokens: int, cfg, vocab: int) -> torch.Tensor:
-    """``tokens`` tokens after ``prompt`` by the model of ``layout`` (train/layout.py), however it is
-    split, of run configuration ``cfg``; ``vocab``: the tokenizer's ids (the padded rows of
-    --vocab-multiple are never sampled)."""
+def generate(layout, prompt: torch.Tensor, tokens: int, *, context: int, vocab: int | None, precision: str,
+             seed: int, temperature: float = 0.8, top_k: int | None = 50) -> torch.Tensor:
+    """``prompt`` [batch, seq] and ``tokens`` more ids sampled by the model of ``layout``
+    (train/layout.py), however it is split, the last ``context`` ids as its input; ``vocab``: the
+    ids that may be drawn (the padded rows of --vocab-multiple never are; None: every logit's).
+    Top-k, then temperature (0: the most likely id). The model is left in the mode it was in."""
     device = layout.device
-    generator = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    layout.model.eval()
-    prompt = prompt[None].to(device)
-    with ExitStack() as generation:
-        for part in (layout.tensor_parallel, layout.context_parallel):
-            if part is not None:
-                generation.enter_context(part.generation())
-        if layout.pipeline:
-            return layout.pipeline.generate(
-                prompt, tokens, context=cfg.data.seq_len,
-                sample_next=lambda logits: sample_next(logits[:, :vocab], generator=generator),
-                forward_context=lambda: autocast(cfg.train.precision, device))[0]
-        with autocast(cfg.train.precision, device):
-            return layout.model.generate(prompt, tokens, generator=generator)[0]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model = layout.model
+    training = model.training
+    model.eval()
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:  # last-position logits [batch, vocab]
+        return sample_next(logits[:, :vocab], temperature, top_k, generator)
+
+    idx = prompt.to(device)
+    try:
+        with ExitStack() as generation:
+            for part in (layout.tensor_parallel, layout.context_parallel):
+                if part is not None:
+                    generation.enter_context(part.generation())
+            if layout.pipeline:
+                return layout.pipeline.generate(idx, tokens, context=context, sample_next=draw,
+                                                forward_context=lambda: autocast(precision, device))
+            with autocast(precision, device):
+                for _ in range(tokens):
+                    idx = torch.cat([idx, draw(model(idx[:, -context:])[:, -1, :])], dim=1)
+            return idx
+    finally:
+        model.train(training)

@@ -224,9 +224,11 @@ class Trainer:
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None
         window = self.data.val.get(0, 1)[0]
-        continuation = generate(self.layout, line_prompt(tokenizer, window[0]), self.cfg.run.sample_tokens,
-                                self.cfg, self.spec.vocab_size)
-        return tokenizer.decode(continuation.tolist())
+        t = self.cfg.train
+        continuation = generate(self.layout, line_prompt(tokenizer, window[0])[None], self.cfg.run.sample_tokens,
+                                context=self.cfg.data.seq_len, vocab=self.spec.vocab_size, precision=t.precision,
+                                seed=t.seed)
+        return tokenizer.decode(continuation[0].tolist())
 
     def save(self, step: int) -> Path:
         return self.engine.save_checkpoint(step, keep_last=self.cfg.run.keep_last)

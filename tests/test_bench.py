@@ -1,4 +1,5 @@
-"""scaletrain bench techniques: measured, not asserted on time; the memory shapes it must show."""
+"""The races of ``scaletrain bench``, each started from its README line (tests/readme.py): measured,
+not asserted on time; the equal work, the ratios and the memory shapes each must show."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from scaletrain.bench.techniques import flags_of, parse_selection
 from scaletrain.errors import UserError
 from tests.conftest import run_cli
+from tests.readme import readme_argv
 
 
 def test_selection_keeps_the_baseline_first_and_refuses_unknown_names():
@@ -25,7 +27,7 @@ def test_flags_are_what_a_user_types():
 
 
 def test_bench_techniques_shows_each_technique_where_it_acts(corpus, tmp_path):
-    result = run_cli("bench", "techniques", "--json", "--model", "gpt-tiny", "--data", str(corpus),
+    result = run_cli(*readme_argv("scaletrain bench techniques")[1:], "--json", "--model", "gpt-tiny", "--data", str(corpus),
                      "--seq-len", "64", "--micro-batch", "4", "--steps", "3", "--warmup", "1",
                      "--cache-dir", str(tmp_path / "cache"),
                      "--techniques", "recompute-full,bf16,bf16-weights,adafactor,offload")
@@ -70,7 +72,8 @@ def test_bench_input_mistakes_are_one_sentence(corpus, tmp_path):
 
 
 def test_bench_dp_races_torch_ddp_on_equal_work(corpus, tmp_path):
-    result = run_cli("bench", "dp", "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
+    result = run_cli(*readme_argv("scaletrain bench dp --nproc 2")[1:], "--json", "--model", "gpt-tiny",
+                     "--data", str(corpus),
                      "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", "4",
                      "--warmup", "1", "--bucket-mb", "0.1", "--cache-dir", str(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
@@ -83,10 +86,11 @@ def test_bench_dp_races_torch_ddp_on_equal_work(corpus, tmp_path):
         assert peer["max_loss_rel_diff_to_ours"] <= 1e-5
 
 
-def _two_rank_race(what: str, corpus, tmp_path, steps: int) -> dict:
-    """``bench WHAT --json`` over 2 ranks on gpt-tiny; its report, with the timing checked:
-    positive medians and ratio = ours / peer."""
-    result = run_cli("bench", what, "--json", "--nproc", "2", "--model", "gpt-tiny", "--data", str(corpus),
+def _two_rank_race(command: str, corpus, tmp_path, steps: int) -> dict:
+    """The README's ``command`` (``scaletrain bench WHAT --nproc 2``) with ``--json`` on gpt-tiny; its
+    report, with the timing checked: positive medians and ratio = ours / peer."""
+    what = command.split()[2]
+    result = run_cli(*readme_argv(command)[1:], "--json", "--model", "gpt-tiny", "--data", str(corpus),
                      "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--steps", str(steps),
                      "--warmup", "1", "--cache-dir", str(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
@@ -98,7 +102,7 @@ def _two_rank_race(what: str, corpus, tmp_path, steps: int) -> dict:
 
 
 def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
-    report = _two_rank_race("zero", corpus, tmp_path, steps=4)
+    report = _two_rank_race("scaletrain bench zero --nproc 2", corpus, tmp_path, steps=4)
     assert report["setup"]["ranks"] == 2 and report["setup"]["timed_steps"] == 3
     ours, peer = report["ours"], report["peer"]
     assert peer["name"].startswith("torch FSDP2") and report["peers"][0] == peer
@@ -120,7 +124,7 @@ def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
 
 
 def test_bench_tp_races_torch_dtensor_tp_on_equal_work(corpus, tmp_path):
-    report = _two_rank_race("tp", corpus, tmp_path, steps=3)
+    report = _two_rank_race("scaletrain bench tp --nproc 2", corpus, tmp_path, steps=3)
     assert report["nproc"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     assert report["setup"]["tp"] == 2 and report["setup"]["dp"] == 1 and report["setup"]["timed_steps"] == 2
     assert isinstance(report["machine"], str) and report["machine"]
@@ -134,7 +138,7 @@ def test_bench_tp_races_torch_dtensor_tp_on_equal_work(corpus, tmp_path):
 
 
 def test_bench_pp_races_torch_pipelining_on_equal_work(corpus, tmp_path):
-    report = _two_rank_race("pp", corpus, tmp_path, steps=3)
+    report = _two_rank_race("scaletrain bench pp --nproc 2", corpus, tmp_path, steps=3)
     assert report["nproc"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     setup = report["setup"]
     assert setup["pp"] == 2 and setup["dp"] == 1 and setup["timed_steps"] == 2

@@ -25,6 +25,7 @@ def _one_sentence_exit_2(result, phrase):
     assert phrase in result.stderr
 
 
+@pytest.mark.slow  # the README's --stop-at and --resume lines run by default (tests/test_readme.py)
 def test_resume_after_stop_at_runs_to_the_end(corpus, tmp_path):
     """--stop-at limits one invocation: the resumed run goes on to --steps unless given its own."""
     out = tmp_path / "run"

@@ -102,7 +102,7 @@ def _misbehaving_rank(rank: int, n: int, store_port: int, run_dir: str) -> tuple
                 comm.all_reduce(torch.ones(4), dp)  # the loss average
             comm.all_reduce(torch.zeros(1), world)  # the non-finite verdict
     except RuntimeError as exc:
-        return disagreements, str(explain_failure(exc, health, step + 1, run_dir))
+        return disagreements, str(explain_failure(exc, health, f"in step {step + 1}", run_dir))
     finally:
         health.stop()
         dist.barrier()  # over the default group, whose timeout is long: rank 0 serves the store till here

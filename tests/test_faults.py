@@ -107,7 +107,7 @@ def test_a_collective_one_rank_never_calls_ends_in_one_sentence(corpus, tmp_path
     as a user launches it, with no debugging flag: once --timeout passes, one sentence names the
     rank that waits, the collective, the rank it waits for and the checkpoint to resume from."""
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "scaletrain", *_train(corpus, out, "--nproc", "2")],
+    result = subprocess.run([sys.executable, "-m", "scaletrain", *_train(corpus, out, "--nproc", "2", "--timeout", "4")],
                             capture_output=True, text=True,
                             timeout=240, env={**os.environ, "SCALETRAIN_FAULT": "skip rank=1 step=3"})
     assert result.returncode == 1, result.stderr[-3000:]

@@ -139,7 +139,7 @@ def scaletrain_rank_seed() -> int:
 
 @pytest.mark.parametrize("nproc, options", [
     (2, dict(zero=3, grad_accum=2)),
-    (2, dict(sync_every=1, precision="fp32", zero=1, offload="optimizer")),
+    pytest.param(2, dict(sync_every=1, precision="fp32", zero=1, offload="optimizer"), marks=pytest.mark.slow),
     pytest.param(4, dict(zero=2, shard_group=2), marks=pytest.mark.slow),
 ])
 def test_check_parity_of_a_user_model(nproc, options):
@@ -231,11 +231,12 @@ def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # (tests/test_tensor.py, test_pipeline.py, test_cp_moe_training.py), and a user's plan changes
 # only where it runs.
 @pytest.mark.parametrize("make_model, batch, nproc, options", [
-    (small_transformer, token_batch, 2, dict(plan=PLAN, seq_len=16, cp=2)),
+    pytest.param(small_transformer, token_batch, 2, dict(plan=PLAN, seq_len=16, cp=2), marks=pytest.mark.slow),
     # Four ranks; the README's examples/transformer.py runs tp2 x ZeRO-3 with a plan (tests/test_examples.py).
     pytest.param(small_transformer, token_batch, 4, dict(plan=PLAN, tp=2, sp=True, zero=1, grad_accum=2),
                  marks=pytest.mark.slow),
-    (small_transformer, token_batch, 2, dict(plan=PLAN, pp=2, pp_schedule="zb-h1", microbatches=4)),
+    pytest.param(small_transformer, token_batch, 2, dict(plan=PLAN, pp=2, pp_schedule="zb-h1", microbatches=4),
+                 marks=pytest.mark.slow),
     (experts_model, feature_batch, 2, dict(ep=2)),
 ], ids=["cp2", "tp2-sp-zero1", "pp2-zb", "ep2"])
 def test_check_parity_with_a_plan_and_with_experts(make_model, batch, nproc, options):

@@ -1,9 +1,10 @@
 """Every command of the README, run as a user runs it, at tiny size.
 
 Each command of the README's shell blocks is run here (or, where it needs a service a module
-starts, in that module: Ray's in tests/test_ray.py, mpirun's in tests/test_mpi.py, the examples'
-in tests/test_examples.py), in a folder of its own that is also its HOME, with what it reads made
-first (`MAKERS`: corpora, a Hugging Face folder, an earlier run). It keeps every default a user
+starts or a module checks it more closely, there: Ray's in tests/test_ray.py, mpirun's in
+tests/test_mpi.py, the examples' in tests/test_examples.py, the races' in tests/test_bench.py),
+in a folder of its own that is also its HOME, with what it reads made first (`MAKERS`: corpora,
+a Hugging Face folder, an earlier run). It keeps every default a user
 gets (the end-of-run sample, the evaluation, the progress bar); `Example.extra` only makes it
 tiny, appended after the README's own flags so that it wins: a few steps, the gpt-tiny preset for
 the default model (the README's first command keeps gpt-small). It passes when it exits 0 and
@@ -11,7 +12,8 @@ prints and writes what it promises.
 
 `test_every_readme_command_is_run_by_a_test` fails when the README gains a command that no test
 runs, and `readme_argv` fails a test whose command the README no longer holds. The docs' shell
-blocks are checked more cheaply: each ``scaletrain`` command there parses with today's flags.
+blocks are checked more cheaply: each ``scaletrain`` command there parses with today's flags, and
+those that only compute (the planner, a planned schedule, a predicted ladder) run.
 """
 
 from __future__ import annotations
@@ -194,27 +196,21 @@ EXAMPLES = [
     Example("scaletrain bench finetune --nproc 2", "--model gpt-tiny --steps 2 --warmup 1 --rungs full,zero3",
             says=("zero3", "peak"), writes=("runs/bench-finetune.png",)),
     Example("scaletrain bench finetune --model llama2-7b --gpu-memory 80GB", says=("qlora",)),
-    Example("scaletrain bench techniques", "--model gpt-tiny --steps 3 --warmup 1 --techniques bf16,recompute-full",
-            says=("recompute-full", "baseline")),
     _train("scaletrain train --tracker tensorboard,mlflow", writes=("mlruns",)),
     _train("scaletrain train --nproc 4 --dp 4"),
     _train("scaletrain train --nproc 2 --compress powersgd --report-comm", says=("communication ledger",),
            writes=("RUN/comm.json",)),
     _train("scaletrain train --nproc 2 --sync-every 4 --report-comm", says=("communication ledger",)),
-    Example("scaletrain bench dp --nproc 2", "--model gpt-tiny --steps 3 --warmup 1", says=("torch DDP",)),
     _train("scaletrain train --nproc 4 --zero 3 --report-memory", writes=("RUN/memory.json",)),
-    Example("scaletrain bench zero --nproc 2", "--model gpt-tiny --steps 3 --warmup 1", says=("FSDP2",)),
     _train("scaletrain train --nproc 8 --zero 3 --shard-group 4 --report-comm", slow=True),
     _train("scaletrain train --nproc 4 --tp 2 --sp"),
     Example("scaletrain parity --nproc 4 --tp 4 --sp", "--steps 2", says=("PASS",)),
-    Example("scaletrain bench tp --nproc 2", "--model gpt-tiny --steps 3 --warmup 1", says=("DTensor",)),
     _train("scaletrain train --nproc 4 --pp 4 --microbatches 16 --pp-schedule zb-h1 --n-layers 8",
            says=("pipeline: zb-h1",), writes=("RUN/pipeline.json",)),
     Example("scaletrain schedule --pp 4 --microbatches 8 --pp-schedule interleaved --png tl.png", says=("bubble",),
             writes=("tl.png",)),
     Example("scaletrain plan --layers 32 --hidden 4096 --heads 32 --seq 4096 --gpus 8 --param-dtype bf16",
             says=("best first",)),
-    Example("scaletrain bench pp --nproc 2", "--model gpt-tiny --steps 3 --warmup 1", says=("pipelining",)),
     _train("scaletrain train --nproc 8 --dp 2 --pp 2 --tp 2 --sp --zero 1 --pp-schedule zb-h1", slow=True),
     Example("scaletrain parity --nproc 8 --dp 2 --pp 2 --tp 2 --zero 2", "--steps 2", says=("PASS",), slow=True),
     _train("scaletrain train --nproc 4 --cp 4 --seq-len 512"),
@@ -249,7 +245,7 @@ EXAMPLES = [
 ]
 BY_COMMAND = {example.command: example for example in EXAMPLES}
 # Commands whose test lives beside a service or suite of its own, found there by their text.
-ELSEWHERE = ("tests/test_ray.py", "tests/test_mpi.py", "tests/test_examples.py")
+ELSEWHERE = ("tests/test_ray.py", "tests/test_mpi.py", "tests/test_examples.py", "tests/test_bench.py")
 
 
 # -- running one -----------------------------------------------------------------------------------
@@ -418,3 +414,16 @@ def test_every_documented_command_parses(where, command, capfd):
         parser.parse_args(words[1:])
     except SystemExit as exc:
         pytest.fail(f"{where}: {command!r} does not parse: {capfd.readouterr().err.strip()} (exit {exc.code})")
+
+
+def _cheap(command: str) -> bool:
+    """Documented commands that only compute (the planner, a planned schedule, a predicted ladder)."""
+    return (command.startswith(("scaletrain plan ", "scaletrain schedule "))
+            or command.startswith("scaletrain bench finetune ") and "--gpu-memory" in command) \
+        and "--measured" not in command
+
+
+@pytest.mark.parametrize("where, command", [(w, c) for w, c in _docs_commands() if _cheap(c) and w != "README.md"])
+def test_the_docs_commands_that_only_compute_run(where, command, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(command)[1:]) == 0, f"{where}: {command}: {capfd.readouterr().err[-2000:]}"

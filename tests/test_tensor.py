@@ -175,7 +175,8 @@ def test_tensor_parallel_reproduces_single_device_training(tiny_cfg, n, sp):
 
 
 @pytest.mark.parametrize("changes", [
-    dict(nproc=4, tp=2, dp=2, sp=True, micro_batch=2),
+    # dp2 x tp2 x sp: the README's `scaletrain parity --model llama-tiny --nproc 4 --dp 2 --tp 2 --sp`.
+    pytest.param(dict(nproc=4, tp=2, dp=2, sp=True, micro_batch=2), marks=pytest.mark.slow),
     dict(nproc=2, tp=2, sp=True, recompute="full", grad_accum=2),
     pytest.param(dict(nproc=2, tp=2, recompute="selective", offload="optimizer"), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, tp=2, sp=True, compile=True), marks=pytest.mark.slow),

@@ -89,6 +89,7 @@ def test_dp2_under_ray_trains_as_dp2_under_nproc(on_ray, corpus, tmp_path):
     assert (on_ray / "ray" / "run").is_dir()  # Ray's own records of the run, in the run folder
 
 
+@pytest.mark.slow  # 30 s; restarts that resume exactly run by default under our launcher (tests/test_faults.py)
 def test_a_killed_ray_worker_is_restarted_and_resumes_exactly(on_ray, cluster, corpus, tmp_path):
     """Submitted as a Ray job; rank 1 is killed in step 5. Ray's FailureConfig (--max-restarts 1)
     starts a new worker group, which goes on from step_000004 and ends where the uninterrupted
@@ -185,6 +186,7 @@ def test_ray_mistakes_are_one_sentence_and_leave_no_run_folder(corpus, tmp_path,
     assert not run.exists()
 
 
+@pytest.mark.slow  # 19 s: it starts a local Ray instance to learn its CPUs
 def test_a_local_instance_short_of_cpus_is_refused_and_leaves_no_run_folder(corpus, tmp_path):
     """A Ray instance of this machine cannot grow: workers it could never place are one sentence.
     (In a process of its own: the instance it starts and stops is none of the test process's state.)"""

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from scaletrain.cli import build_parser, main
-from tests.readme import README, ROOT, commands, readme_argv
+from tests.readme import README, ROOT, commands
 from tests.test_llama_hf import PROSE, make_folder
 
 TINY = "--model gpt-tiny --steps 2"

@@ -239,7 +239,6 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         raise
     health = Health(env, runtime.timeout_s) if runtime.torch_group else None
     trainer: Trainer | None = None
-    failed = False
     try:
         dims = cfg.parallel.mesh_dims(env.world_size)
         tracker = CollectiveTracker()  # the desync detector's record: who a timed-out collective waits for
@@ -293,7 +292,6 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         comm.barrier(world)
         return summary
     except Exception as exc:
-        failed = True
         reported = explain_failure(exc, health, trainer.where if trainer else "before training", Path(cfg.run.out))
         if reported is exc:
             raise

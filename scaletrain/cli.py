@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "finetune: the fine-tuning ladder (docs/finetuning.md), each rung's memory at four points "
                     "of a step, peak, time and loss, measured here, or with --gpu-memory predicted for a GPU; "
                     f"its defaults: --model {LADDER_PRESET} --seq-len 128 --micro-batch 4 --steps 10. "
+                    "throughput: our trainer's step against a plain PyTorch loop over our model and "
+                    "transformers' model of the same family and size, each in its own process: tokens/s, "
+                    "MFU, peak memory, losses (docs/performance.md). "
                     "Defaults differ from train: "
                     "--steps 20 --eval-batches 4 --cache-dir runs/.cache.")
     bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
@@ -333,6 +336,10 @@ def _bench(args: argparse.Namespace) -> int:
         result, table = load.run(cfg, Path(cfg.finetune.base) if cfg.finetune.base else None), load.format_table
     elif args.what == "adam":
         result, table = adam.run(cfg, args.warmup), adam.format_table
+    elif args.what == "throughput":
+        from scaletrain.bench import throughput
+
+        result, table = throughput.run(cfg, args.warmup), throughput.format_table
     elif args.what == "prepare":
         from scaletrain.bench import prepare
 

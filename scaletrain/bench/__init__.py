@@ -140,4 +140,4 @@ def largest_relative_gap(values: Sequence[float], reference: Sequence[float]) ->
 
 
 BENCHMARKS = ("techniques", "dp", "zero", "tp", "pp", "allreduce", "adam", "softmax", "cross-entropy", "load",
-              "prepare", "finetune")
+              "prepare", "finetune", "throughput")

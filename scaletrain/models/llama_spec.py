@@ -1,7 +1,7 @@
 """The Llama family's model spec (models/spec.py): presets, plans, shapes, and Llama, Qwen2 and Mistral folders.
 
 The presets' sizes are those of the released models' config.json files
-(SmolLM-135M, TinyLlama-1.1B, Llama 3.2 3B, Llama 2 7B and 13B, Llama 3.1 8B and 70B); llama-tiny and
+(SmolLM-135M, TinyLlama-1.1B, Llama 3.2 1B and 3B, Llama 2 7B and 13B, Llama 3.1 8B and 70B); llama-tiny and
 llama-small are for tests and laptops. Their SwiGLU widths are 8/3 d_model
 rounded up to a multiple of 16, as a resized preset's are.
 
@@ -58,6 +58,8 @@ PRESETS = {
     "tinyllama-1.1b": {"n_layers": 22, "n_heads": 32, "n_kv_heads": 4, "d_model": 2048, "ffn_hidden": 5632,
                        "rope_theta": 10000.0, "rope_scaling": None, "tie_embeddings": False, "norm_eps": 1e-5,
                        "n_positions": 2048, "n_vocab": 32000},
+    "llama3.2-1b": {"n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "d_model": 2048, "ffn_hidden": 8192,
+                    **_LLAMA3, "rope_scaling": "32,1,4,8192", "tie_embeddings": True},
     "llama3.2-3b": {"n_layers": 28, "n_heads": 24, "n_kv_heads": 8, "d_model": 3072, "ffn_hidden": 8192,
                     **_LLAMA3, "rope_scaling": "32,1,4,8192", "tie_embeddings": True},
     "llama2-7b": {"n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "d_model": 4096, "ffn_hidden": 11008, **_LLAMA2},

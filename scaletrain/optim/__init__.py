@@ -32,7 +32,11 @@ def build_optimizer(param_groups: list[dict], cfg: TrainConfig,
         # TRITON_INTERPRET is set (kernels/__init__.py).
         from scaletrain.optim.fused_adamw import TritonAdamW
         return TritonAdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=True)
+    # On CUDA torch's fused kernel: one launch for every tensor's update, no host sync (its step
+    # counters stay on the host); elsewhere (the CPU, offloaded state) the foreach loop.
+    on_cuda = all(p.is_cuda for group in param_groups for p in group["params"])
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                             **({"fused": True} if on_cuda else {"foreach": True}))
 
 
 __all__ = ["Adafactor", "AdamW8bit", "MasterWeights", "build_adafactor", "build_adamw", "build_optimizer",

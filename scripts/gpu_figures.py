@@ -1,0 +1,219 @@
+"""Every GPU figure the docs still lack, in one call: ``scripts/gpu-figures.sh OUT [--tiny]``.
+
+Runs, each as a ``scaletrain`` command of its own with ``--json`` (so one failure costs its row,
+not the rest), with nothing but the machine's own torch, Triton and transformers:
+
+  throughput   bench throughput on the GPU presets (docs/performance.md): tinyllama-1.1b
+               compiled, gpt2-124m and llama3.2-1b eager, each beside a plain loop and
+               transformers
+  kernels      bench adam, softmax and cross-entropy (docs/kernels.md)
+  ladder       bench finetune's first rungs on tinyllama-1.1b, with the allocator's figures
+  planner      a gpt2-124m step's CUDA peak (train --report-memory) beside the planner's
+               prediction for the same layout (plan --json)
+  profile      torch.profiler over three of our tinyllama steps: the kernels that take the
+               time, and the share of the step the GPU sat idle
+
+and writes OUT/figures.json (every command, its seconds, exit code and JSON) and OUT/figures.md
+(the tables). ``--tiny`` runs the same on tiny models with fp32 and no compilation: the dry run
+a CPU machine can make (the Triton benches then need TRITON_INTERPRET=1, which it sets). On one
+H100 or H200 the whole takes about six minutes; each command has a time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # this checkout: importable without an install
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+
+# (row, arguments after `scaletrain`, time limit in seconds), on a GPU and in the dry run
+GPU = [
+    ("throughput tinyllama-1.1b", ["bench", "throughput", "--model", "tinyllama-1.1b", "--seq-len", "2048",
+                                   "--micro-batch", "4", "--precision", "bf16", "--compile", "--steps", "20",
+                                   "--warmup", "8"], 330),
+    ("throughput gpt2-124m", ["bench", "throughput", "--model", "gpt2-124m", "--seq-len", "1024", "--micro-batch", "16",
+                              "--precision", "bf16", "--steps", "20", "--warmup", "5"], 120),
+    ("throughput llama3.2-1b", ["bench", "throughput", "--model", "llama3.2-1b", "--seq-len", "2048",
+                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"], 150),
+    ("adam", ["bench", "adam"], 60),
+    ("softmax", ["bench", "softmax"], 60),
+    ("cross-entropy", ["bench", "cross-entropy"], 60),
+    ("ladder", ["bench", "finetune", "--model", "tinyllama-1.1b", "--seq-len", "1024", "--micro-batch", "4",
+                "--steps", "4", "--warmup", "2", "--rungs", "full,bf16-mixed,pure-bf16,adamw8bit,recompute"], 240),
+]
+TINY = [
+    ("throughput llama-tiny", ["bench", "throughput", "--model", "llama-tiny", "--seq-len", "64", "--micro-batch", "2",
+                               "--steps", "4", "--warmup", "1"], 300),
+    ("throughput gpt-tiny", ["bench", "throughput", "--model", "gpt-tiny", "--seq-len", "64", "--micro-batch", "2",
+                             "--steps", "4", "--warmup", "1"], 300),
+    ("adam", ["bench", "adam"], 300),
+    ("ladder", ["bench", "finetune", "--model", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "3",
+                "--warmup", "1", "--rungs", "full,recompute"], 300),
+]
+PLANNED = {"gpu": ("gpt2-124m", 1024, 8), "tiny": ("gpt-tiny", 64, 4)}  # model, seq, micro-batch
+VOCAB = 50304  # the planner's default vocabulary, given to the real run too (the byte tokenizer has 256)
+
+
+def run(row: str, args: list[str], limit: float, out: Path) -> dict:
+    """``scaletrain ARGS --json``: its seconds, exit code, and JSON (or the end of its stderr)."""
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "scaletrain", *args, "--json"], capture_output=True, text=True,
+                              timeout=limit, cwd=out)
+        result = {"row": row, "command": "scaletrain " + " ".join(args), "rc": done.returncode}
+        if done.returncode == 0:
+            result["json"] = json.loads(done.stdout.strip().splitlines()[-1])
+        else:
+            result["error"] = done.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        result = {"row": row, "command": "scaletrain " + " ".join(args), "rc": None, "error": f"over {limit} s"}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"{row}: {result['rc']} in {result['seconds']} s", flush=True)
+    return result
+
+
+def planner_check(size: str, out: Path) -> dict:
+    """A real step's memory (CUDA's peak on a GPU) beside the planner's prediction of the same layout."""
+    model, seq, micro = PLANNED[size]
+    precision = ["--precision", "bf16"] if size == "gpu" else []
+    start = time.perf_counter()
+    train = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--model", model, "--seq-len", str(seq),
+                            "--micro-batch", str(micro), "--n-vocab", str(VOCAB), "--steps", "3", "--report-memory",
+                            "--sample-tokens", "0",
+                            "--eval-every", "0", "--no-progress", *precision, "--out", str(out / "planned-run")],
+                           capture_output=True, text=True, timeout=240, cwd=out)
+    plan = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--model", model, "--gpus", "1", "--dp", "1",
+                           "--micro-batch", str(micro), "--seq", str(seq), "--vocab", str(VOCAB), *precision,
+                           "--json"], capture_output=True, text=True,
+                          timeout=120, cwd=out)
+    result = {"row": "planner", "rc": max(train.returncode, plan.returncode),
+              "seconds": round(time.perf_counter() - start, 1)}
+    if result["rc"] == 0:
+        ledger = json.loads((out / "planned-run" / "memory.json").read_text())["0"]
+        predicted = json.loads(plan.stdout)["candidates"][0]
+        counted = sum(ledger[key] for key in ("params", "grads", "optimizer", "activations_peak"))
+        result["json"] = {"ledger": ledger, "counted_bytes": counted, "cuda_peak": ledger.get("cuda_peak"),
+                          "predicted": predicted}
+    else:
+        result["error"] = (train.stderr + plan.stderr)[-2000:]
+    print(f"planner: {result['rc']} in {result['seconds']} s", flush=True)
+    return result
+
+
+def profile(size: str, out: Path) -> dict:
+    """torch.profiler over three of our training steps (after two of warm-up): the ten ops or
+    kernels with the most device time (CPU time on a CPU), and the share of the steps' wall time
+    the device spent in none of them (idle: host work, launches, synchronizations)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from scaletrain.config import Config
+    from scaletrain.dist import Comm, Mesh
+    from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
+    from scaletrain.dist.mesh import ParallelDims
+    from scaletrain.train.data_setup import prepare_data
+    from scaletrain.train.trainer import Trainer
+
+    start = time.perf_counter()
+    gpu = size == "gpu"
+    cfg = Config().replace(name="tinyllama-1.1b" if gpu else "llama-tiny", seq_len=2048 if gpu else 64,
+                           micro_batch=4 if gpu else 2, precision="bf16" if gpu else "fp32", steps=5,
+                           sample_tokens=0, eval_every=0, progress=False, cache_dir=str(out / "cache"),
+                           out=str(out / "profiled-run"))
+    spec = prepare_data(cfg, Path(cfg.data.cache_dir))
+    runtime = init_distributed(detect_environment(), timeout_s=None)
+    try:
+        trainer = Trainer(cfg, spec, runtime, Mesh.build(ParallelDims.infer(1), 0, 1), Comm(), out / "profiled-run")
+        for step in range(2):
+            trainer.train_step(step)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        wall = time.perf_counter()
+        with profiler(activities=activities) as trace:
+            for step in range(2, 5):
+                trainer.train_step(step)
+        wall = time.perf_counter() - wall
+    finally:
+        shutdown(runtime)
+    on_device = torch.cuda.is_available()
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
+    events = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    busy_us = sum(getattr(e, key) for e in events if on_device or e.key.startswith("aten::"))
+    top = [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events[:10]]
+    summary = {"model": cfg.model.name, "steps": 3, "wall_s": wall, "device_busy_s": busy_us / 1e6,
+               "idle_share": max(0.0, 1 - busy_us / 1e6 / wall) if on_device else None, "top": top}
+    print(f"profile: 0 in {time.perf_counter() - start:.1f} s", flush=True)
+    return {"row": "profile", "rc": 0, "seconds": round(time.perf_counter() - start, 1), "json": summary}
+
+
+def markdown(results: list[dict], device: str) -> str:
+    lines = [f"# GPU figures on {device}", "", "| row | exit | seconds | figures |", "| --- | --- | ---: | --- |"]
+    for r in results:
+        lines.append(f"| {r['row']} | {r['rc']} | {r['seconds']} | {_headline(r)} |")
+    for r in results:
+        if r["row"].startswith("throughput") and r["rc"] == 0:
+            lines += ["", f"## {r['row']}", "", "| contender | step s | tokens/s | MFU | peak GiB | ours / it |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: |"]
+            for row in (r["json"]["ours"], *r["json"]["peers"]):
+                share = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+                lines.append(f"| {row['name']} | {row['median_s']:.4f} | {row['tokens_per_s']:,.0f} | {share} | "
+                             f"{row['peak_memory_bytes'] / 2**30:.2f} | {row.get('ratio', 1.0):.3f} |")
+        if r["row"] == "profile" and r["rc"] == 0:
+            lines += ["", "## profile: our step's top ops", "", "| op | ms | calls |", "| --- | ---: | ---: |"]
+            lines += [f"| `{t['name'][:80]}` | {t['ms']:.2f} | {t['calls']} |" for t in r["json"]["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(result: dict) -> str:
+    if result["rc"] != 0:
+        return "failed: " + result.get("error", "").strip().splitlines()[-1][:120] if result.get("error") else "failed"
+    figures = result["json"]
+    if result["row"].startswith("throughput"):
+        ours = figures["ours"]
+        share = "n/a" if ours["mfu"] is None else f"{ours['mfu']:.1%}"
+        return f"{ours['tokens_per_s']:,.0f} tokens/s, MFU {share}, ratio {figures['ratio']:.3f} to {figures['peer']['name']}"
+    if result["row"] == "planner":
+        predicted = figures["predicted"]["memory_bytes"]
+        counted = predicted["params"] + predicted["grads"] + predicted["optimizer"] + predicted["activations"]
+        peak = "" if figures["cuda_peak"] is None else f"CUDA peak {figures['cuda_peak'] / 2**30:.2f} GiB against " \
+            f"{predicted['total'] / 2**30:.2f} predicted; "
+        return f"{peak}the ledger's {figures['counted_bytes'] / 2**20:,.1f} MiB against {counted / 2**20:,.1f} predicted"
+    if result["row"] == "profile":
+        idle = figures["idle_share"]
+        return f"{figures['wall_s']:.3f} s for 3 steps" + ("" if idle is None else f", GPU idle {idle:.1%}")
+    ratio = figures.get("ratio")
+    peer = figures.get("peer", {}).get("name", "the peer")
+    return "" if ratio is None else f"ratio {ratio:.3f} (ours / {peer})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, help="folder for figures.json and figures.md")
+    parser.add_argument("--tiny", action="store_true", help="tiny models, fp32, no compilation: a CPU dry run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+    size = "tiny" if args.tiny else "gpu"
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results = [run(row, command, limit, out) for row, command, limit in (TINY if args.tiny else GPU)]
+    results.append(planner_check(size, out))
+    results.append(profile(size, out))
+    (out / "figures.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
+    (out / "figures.md").write_text(markdown(results, device))
+    print(f"wrote {out / 'figures.json'} and {out / 'figures.md'}")
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ sentence and exits with code 1.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -301,7 +302,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scaletrain.bench import adam, allreduce, dp, finetune, pp, techniques, tp, zero
+    from scaletrain.bench import allreduce, finetune, techniques
     from scaletrain.bench.finetune import FINETUNE_DEFAULTS
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
@@ -322,24 +323,13 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.what == "techniques":
         result, table = techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), \
             techniques.format_table
-    elif args.what == "dp":
-        result, table = dp.run(cfg, args.warmup), dp.format_table
-    elif args.what == "zero":
-        result, table = zero.run(cfg, args.warmup), zero.format_table
-    elif args.what == "tp":
-        result, table = tp.run(cfg, args.warmup), tp.format_table
-    elif args.what == "pp":
-        result, table = pp.run(cfg, args.warmup), pp.format_table
+    elif args.what in ("dp", "zero", "tp", "pp", "adam", "throughput"):  # a race of the config alone
+        race = importlib.import_module(f"scaletrain.bench.{args.what}")
+        result, table = race.run(cfg, args.warmup), race.format_table
     elif args.what == "load":
         from scaletrain.bench import load
 
         result, table = load.run(cfg, Path(cfg.finetune.base) if cfg.finetune.base else None), load.format_table
-    elif args.what == "adam":
-        result, table = adam.run(cfg, args.warmup), adam.format_table
-    elif args.what == "throughput":
-        from scaletrain.bench import throughput
-
-        result, table = throughput.run(cfg, args.warmup), throughput.format_table
     elif args.what == "prepare":
         from scaletrain.bench import prepare
 

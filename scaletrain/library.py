@@ -95,7 +95,6 @@ class Engine(core.Engine):
     def __init__(self, runtime: DistRuntime, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.runtime = runtime
-        self.seq_len: int | None = kwargs.get("seq_len")  # setup's; generate's default window
         self.steps_done = 0  # optimizer steps taken, the checkpoint's step
         self._backwards = 0  # backward calls in the step under way
         self._loss_sum = torch.zeros((), device=self.device)
@@ -236,15 +235,16 @@ class Engine(core.Engine):
         try:
             if layout.pipeline:  # the mean over the micro-batches, from the last stage to every stage
                 mean = layout.pipeline.evaluate(batches, loss_fn, self.forward_context)
-            else:
-                mean = 0.0
+            else:  # summed on the device: one read, after the all-reduce
+                mean = torch.zeros((), dtype=torch.float64, device=self.device)
                 for x, y in batches:
                     with self.forward_context():
                         outputs = model(x)
-                    mean += loss_fn(outputs, y).item() / len(batches)
+                    mean += loss_fn(outputs, y).double() / len(batches)
         finally:
             model.train(training)
-        total = torch.tensor([mean, 1.0], dtype=torch.float64, device=self.device)
+        total = torch.stack([torch.as_tensor(mean, dtype=torch.float64, device=self.device),
+                             torch.ones((), dtype=torch.float64, device=self.device)])
         self.comm.all_reduce(total, layout.replicas.dense)  # the ranks reading other samples or positions
         return (total[0] / total[1]).item()
 

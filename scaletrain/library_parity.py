@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.dist.launch import WorkerFailed, spawn_local
+from scaletrain.dist.spawn import WorkerFailed, spawn_local
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.library import setup
 from scaletrain.library_checks import engine_config

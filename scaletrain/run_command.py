@@ -90,7 +90,7 @@ def run_script(script: str, args: list[str]) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     from scaletrain.config_checks import check_launcher
-    from scaletrain.dist.launch import WorkerFailed, spawn_local
+    from scaletrain.dist.spawn import WorkerFailed, spawn_local
     from scaletrain.dist.ray_launch import launch_ray, ray_cluster
 
     script = readable_file("SCRIPT", args.script, SCRIPT_WANTED)

@@ -11,40 +11,45 @@ not the rest), with nothing but the machine's own torch, Triton and transformers
   planner      a gpt2-124m step's CUDA peak (train --report-memory) beside the planner's
                prediction for the same layout (plan --json)
   profile      torch.profiler over three of our tinyllama steps: the kernels that take the
-               time, and the share of the step the GPU sat idle
+               time, the host syncs, and the share of the step the GPU sat idle
+  gemm         one matrix product's rate as its sides grow: the planner's efficiency curve
 
 and writes OUT/figures.json (every command, its seconds, exit code and JSON) and OUT/figures.md
-(the tables). ``--tiny`` runs the same on tiny models with fp32 and no compilation: the dry run
+(the tables), rewritten after every row. ``--budget SECONDS`` bounds the whole: the rows run
+headline first, and those the budget cannot reach are recorded as skipped. ``--tiny`` runs the same on tiny models with fp32 and no compilation: the dry run
 a CPU machine can make (the Triton benches then need TRITON_INTERPRET=1, which it sets). On one
-H100 or H200 the whole takes about six minutes; each command has a time limit.
+H100 or H200 the whole is budgeted at about six minutes (each command has a time limit); the
+first run on a GPU should check that budget against the seconds it prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout: importable without an install
 sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
 
 # (row, arguments after `scaletrain`, time limit in seconds), on a GPU and in the dry run
-GPU = [
+GPU = [  # the headline first: a budget that runs out drops the rows at the end
     ("throughput tinyllama-1.1b", ["bench", "throughput", "--model", "tinyllama-1.1b", "--seq-len", "2048",
                                    "--micro-batch", "4", "--precision", "bf16", "--compile", "--steps", "20",
                                    "--warmup", "8"], 330),
     ("throughput gpt2-124m", ["bench", "throughput", "--model", "gpt2-124m", "--seq-len", "1024", "--micro-batch", "16",
                               "--precision", "bf16", "--steps", "20", "--warmup", "5"], 120),
-    ("throughput llama3.2-1b", ["bench", "throughput", "--model", "llama3.2-1b", "--seq-len", "2048",
-                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"], 150),
     ("adam", ["bench", "adam"], 60),
     ("softmax", ["bench", "softmax"], 60),
     ("cross-entropy", ["bench", "cross-entropy"], 60),
+    ("throughput llama3.2-1b", ["bench", "throughput", "--model", "llama3.2-1b", "--seq-len", "2048",
+                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"], 150),
     ("ladder", ["bench", "finetune", "--model", "tinyllama-1.1b", "--seq-len", "1024", "--micro-batch", "4",
                 "--steps", "4", "--warmup", "2", "--rungs", "full,bf16-mixed,pure-bf16,adamw8bit,recompute"], 240),
 ]
@@ -58,6 +63,7 @@ TINY = [
                 "--warmup", "1", "--rungs", "full,recompute"], 300),
 ]
 PLANNED = {"gpu": ("gpt2-124m", 1024, 8), "tiny": ("gpt-tiny", 64, 4)}  # model, seq, micro-batch
+SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 VOCAB = 50304  # the planner's default vocabulary, given to the real run too (the byte tokenizer has 256)
 
 
@@ -79,7 +85,7 @@ def run(row: str, args: list[str], limit: float, out: Path) -> dict:
     return result
 
 
-def planner_check(size: str, out: Path) -> dict:
+def planner_check(size: str, limit: float, out: Path) -> dict:
     """A real step's memory (CUDA's peak on a GPU) beside the planner's prediction of the same layout."""
     model, seq, micro = PLANNED[size]
     precision = ["--precision", "bf16"] if size == "gpu" else []
@@ -88,11 +94,11 @@ def planner_check(size: str, out: Path) -> dict:
                             "--micro-batch", str(micro), "--n-vocab", str(VOCAB), "--steps", "3", "--report-memory",
                             "--sample-tokens", "0",
                             "--eval-every", "0", "--no-progress", *precision, "--out", str(out / "planned-run")],
-                           capture_output=True, text=True, timeout=240, cwd=out)
+                           capture_output=True, text=True, timeout=limit * 2 / 3, cwd=out)
     plan = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--model", model, "--gpus", "1", "--dp", "1",
                            "--micro-batch", str(micro), "--seq", str(seq), "--vocab", str(VOCAB), *precision,
                            "--json"], capture_output=True, text=True,
-                          timeout=120, cwd=out)
+                          timeout=limit / 3, cwd=out)
     result = {"row": "planner", "rc": max(train.returncode, plan.returncode),
               "seconds": round(time.perf_counter() - start, 1)}
     if result["rc"] == 0:
@@ -104,6 +110,24 @@ def planner_check(size: str, out: Path) -> dict:
     else:
         result["error"] = (train.stderr + plan.stderr)[-2000:]
     print(f"planner: {result['rc']} in {result['seconds']} s", flush=True)
+    return result
+
+
+def profile_row(size: str, limit: float, out: Path) -> dict:
+    """The profile below, in a process of its own (its time limited, its CUDA memory its own)."""
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, __file__, str(out), "--profile", *(["--tiny"] if size == "tiny" else [])],
+                              capture_output=True, text=True, timeout=limit, cwd=out)
+        result = {"row": "profile", "rc": done.returncode}
+        if done.returncode == 0:
+            result["json"] = json.loads(done.stdout.strip().splitlines()[-1])
+        else:
+            result["error"] = done.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        result = {"row": "profile", "rc": None, "error": f"over {limit:.0f} s"}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"profile: {result['rc']} in {result['seconds']} s", flush=True)
     return result
 
 
@@ -146,11 +170,51 @@ def profile(size: str, out: Path) -> dict:
     key = "self_device_time_total" if on_device else "self_cpu_time_total"
     events = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)
     busy_us = sum(getattr(e, key) for e in events if on_device or e.key.startswith("aten::"))
-    top = [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events[:10]]
-    summary = {"model": cfg.model.name, "steps": 3, "wall_s": wall, "device_busy_s": busy_us / 1e6,
-               "idle_share": max(0.0, 1 - busy_us / 1e6 / wall) if on_device else None, "top": top}
-    print(f"profile: 0 in {time.perf_counter() - start:.1f} s", flush=True)
-    return {"row": "profile", "rc": 0, "seconds": round(time.perf_counter() - start, 1), "json": summary}
+    top = [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events[:15]]
+    # the host waiting on the device inside the steps: each one leaves the GPU's queue empty after it
+    syncs = {e.key: e.count for e in events if e.key in SYNCS}
+    return {"model": cfg.model.name, "steps": 3, "wall_s": wall, "device_busy_s": busy_us / 1e6,
+            "idle_share": max(0.0, 1 - busy_us / 1e6 / wall) if on_device else None, "host_syncs": syncs,
+            "top": top, "seconds": time.perf_counter() - start}
+
+
+def gemm_sweep(size: str, limit: float, out: Path) -> dict:
+    """The rate of one matrix product [m, k] @ [k, n] in bf16 (fp32 in the dry run) as it grows:
+    the curve the planner's clock reads matrix-product efficiency from (docs/planner.md). Each
+    point: the median of timed products after warm-up, on random data."""
+    import torch
+
+    start = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sides = (256, 512, 1024, 2048, 4096, 8192) if size == "gpu" else (64, 128, 256)
+    points = []
+    for m in sides:
+        for k in sides:
+            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, k, device=device, dtype=dtype)
+            points.append({"m": m, "k": k, "n": k, "tflops": 2 * m * k * k / _median_seconds(lambda: a @ b) / 1e12})
+            if time.perf_counter() - start > limit:
+                break
+    print(f"gemm: 0 in {time.perf_counter() - start:.1f} s", flush=True)
+    return {"row": "gemm", "rc": 0, "seconds": round(time.perf_counter() - start, 1),
+            "json": {"dtype": str(dtype), "points": points}}
+
+
+def _median_seconds(work: Callable[[], object], repeats: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        work()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        work()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def markdown(results: list[dict], device: str) -> str:
@@ -178,16 +242,23 @@ def _headline(result: dict) -> str:
     if result["row"].startswith("throughput"):
         ours = figures["ours"]
         share = "n/a" if ours["mfu"] is None else f"{ours['mfu']:.1%}"
-        return f"{ours['tokens_per_s']:,.0f} tokens/s, MFU {share}, ratio {figures['ratio']:.3f} to {figures['peer']['name']}"
+        return (f"{ours['tokens_per_s']:,.0f} tokens/s, MFU {share}, "
+                f"ratio {figures['ratio']:.3f} to {figures['peer']['name']}")
     if result["row"] == "planner":
         predicted = figures["predicted"]["memory_bytes"]
         counted = predicted["params"] + predicted["grads"] + predicted["optimizer"] + predicted["activations"]
         peak = "" if figures["cuda_peak"] is None else f"CUDA peak {figures['cuda_peak'] / 2**30:.2f} GiB against " \
             f"{predicted['total'] / 2**30:.2f} predicted; "
-        return f"{peak}the ledger's {figures['counted_bytes'] / 2**20:,.1f} MiB against {counted / 2**20:,.1f} predicted"
+        return (f"{peak}the ledger's {figures['counted_bytes'] / 2**20:,.1f} MiB against "
+                f"{counted / 2**20:,.1f} predicted")
     if result["row"] == "profile":
         idle = figures["idle_share"]
-        return f"{figures['wall_s']:.3f} s for 3 steps" + ("" if idle is None else f", GPU idle {idle:.1%}")
+        syncs = sum(figures["host_syncs"].values())
+        return (f"{figures['wall_s']:.3f} s for 3 steps, {syncs} host syncs"
+                + ("" if idle is None else f", GPU idle {idle:.1%}"))
+    if result["row"] == "gemm":
+        best = max(figures["points"], key=lambda p: p["tflops"])
+        return f"{len(figures['points'])} products, at most {best['tflops']:.0f} TFLOP/s (m={best['m']}, k=n={best['k']})"
     ratio = figures.get("ratio")
     peer = figures.get("peer", {}).get("name", "the peer")
     return "" if ratio is None else f"ratio {ratio:.3f} (ours / {peer})"
@@ -197,20 +268,37 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="folder for figures.json and figures.md")
     parser.add_argument("--tiny", action="store_true", help="tiny models, fp32, no compilation: a CPU dry run")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole: a row that would start with under 30 s left is skipped, and "
+                             "each row's time limit is cut to what is left")
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the profile row's own process
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     size = "tiny" if args.tiny else "gpu"
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.profile:
+        print(json.dumps(profile(size, out)))
+        return 0
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    results = [run(row, command, limit, out) for row, command, limit in (TINY if args.tiny else GPU)]
-    results.append(planner_check(size, out))
-    results.append(profile(size, out))
-    (out / "figures.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
-    (out / "figures.md").write_text(markdown(results, device))
+    deadline = time.monotonic() + (float("inf") if args.budget is None else args.budget)
+    jobs = [(row, functools.partial(run, row, command), limit) for row, command, limit in (TINY if args.tiny else GPU)]
+    jobs.insert(1, ("profile", functools.partial(profile_row, size), 240))  # what to fix, right after the headline
+    jobs.insert(2, ("gemm", functools.partial(gemm_sweep, size), 40))
+    jobs.insert(4, ("planner", functools.partial(planner_check, size), 240))
+    results = []
+    for row, job, limit in jobs:
+        left = deadline - time.monotonic()
+        if left < 30:
+            results.append({"row": row, "rc": None, "seconds": 0, "error": "skipped: the budget ran out"})
+        else:
+            results.append(job(min(limit, left), out))
+        # written after every row, so a run stopped from outside keeps what it measured
+        (out / "figures.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
+        (out / "figures.md").write_text(markdown(results, device))
     print(f"wrote {out / 'figures.json'} and {out / 'figures.md'}")
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

@@ -27,7 +27,8 @@ def test_flags_are_what_a_user_types():
 
 
 def test_bench_techniques_shows_each_technique_where_it_acts(corpus, tmp_path):
-    result = run_cli(*readme_argv("scaletrain bench techniques")[1:], "--json", "--model", "gpt-tiny", "--data", str(corpus),
+    result = run_cli(*readme_argv("scaletrain bench techniques")[1:], "--json", "--model", "gpt-tiny",
+                     "--data", str(corpus),
                      "--seq-len", "64", "--micro-batch", "4", "--steps", "3", "--warmup", "1",
                      "--cache-dir", str(tmp_path / "cache"),
                      "--techniques", "recompute-full,bf16,bf16-weights,adafactor,offload")

@@ -23,7 +23,9 @@ import pytest
 import torch.distributed as dist
 
 from scaletrain.dist import free_port
+from scaletrain.dist.desync import CollectiveTracker
 from scaletrain.dist.health import Health
+from scaletrain.dist.mesh import Group
 from scaletrain.dist.launch import ProcessEnv, default_timeout
 
 TIMEOUT_S = 10  # --timeout of these jobs: short, as a test's should be
@@ -107,8 +109,8 @@ def test_a_collective_one_rank_never_calls_ends_in_one_sentence(corpus, tmp_path
     as a user launches it, with no debugging flag: once --timeout passes, one sentence names the
     rank that waits, the collective, the rank it waits for and the checkpoint to resume from."""
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "scaletrain", *_train(corpus, out, "--nproc", "2", "--timeout", "4")],
-                            capture_output=True, text=True,
+    args = _train(corpus, out, "--nproc", "2", "--timeout", "4")
+    result = subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
                             timeout=240, env={**os.environ, "SCALETRAIN_FAULT": "skip rank=1 step=3"})
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
@@ -140,6 +142,27 @@ def test_heartbeats_stop_before_the_process_exits():
     assert any(thread.name == "scaletrain-heartbeat" for thread in threading.enumerate())
     health.stop()
     assert not any(thread.name == "scaletrain-heartbeat" for thread in threading.enumerate())
+
+
+def test_a_timed_out_collective_with_every_member_in_it_is_named_as_such():
+    """When no rank died and none is behind (every member is in the collective that timed out),
+    the sentence names the collective and the timeout; any other error is left as it is."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=5))  # noqa: F841
+    health = Health(ProcessEnv(0, 2, 0, 2, "127.0.0.1", port, "torchrun"), timeout_s=60)
+    try:
+        tracker = CollectiveTracker()
+        health.track(tracker)
+        assert health.stuck(RuntimeError("Timed out waiting 60000ms for recv operation to complete")) is None
+        group = Group("dp", (0, 1), 0)
+        with pytest.raises(RuntimeError), tracker.waiting(tracker.start("all_reduce", group)):
+            raise RuntimeError("the call failed")  # a failed call stays the one this rank is in
+        phrase = health.stuck(RuntimeError("Timed out waiting 60000ms for recv operation to complete"))
+        assert phrase.startswith("rank 0 waited --timeout (60 s) in all_reduce on dp (call #1 of torch group ")
+        assert "with every member alive and in it" in phrase
+        assert health.stuck(RuntimeError("Connection reset by peer")) is None  # not a timeout: its own report
+    finally:
+        health.stop()
 
 
 def test_torchrun_restarts_the_job_and_it_resumes_exactly(corpus, tmp_path):

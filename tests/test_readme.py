@@ -59,7 +59,8 @@ def _books(ws: Path) -> None:
 
 
 def _jsonl(ws: Path) -> None:
-    (ws / "corpus.jsonl").write_text("".join(json.dumps({"id": i, "body": line}) + "\n" for i, line in enumerate(LINES)))
+    records = (json.dumps({"id": i, "body": line}) + "\n" for i, line in enumerate(LINES))
+    (ws / "corpus.jsonl").write_text("".join(records))
 
 
 def _parquet(ws: Path) -> None:
@@ -223,7 +224,8 @@ EXAMPLES = [
     Example("scaletrain bench allreduce --nproc 2", "--steps 2 --warmup 1", says=("bus",),
             writes=("runs/bench-allreduce.png",)),
     _train("scaletrain train --config run.toml --lr 3e-4", "", needs=("run.toml",), says=("lr = 0.0003",)),
-    Example(*RUNS["runs/a"], says=("finished step 4", "checkpoint: runs/a/checkpoints/step_000004"), writes=("runs/a/checkpoints/step_000004",)),
+    Example(*RUNS["runs/a"], says=("finished step 4", "checkpoint: runs/a/checkpoints/step_000004"),
+            writes=("runs/a/checkpoints/step_000004",)),
     Example("scaletrain train --out runs/a --resume", needs=("runs/a",), trains=True,  # the run's own config.toml
            says=("resumed from checkpoint step_000004",)),
     _train("scaletrain train --nproc 4 --out runs/b --max-restarts 3 --keep-last 2",
@@ -236,7 +238,8 @@ EXAMPLES = [
     Example(*RUNS["runs/ft"], needs=("TinyLlama", "prose.txt"), trains=True),
     Example("scaletrain export --from runs/ft --to tinyllama-ft --format hf", needs=("runs/ft",),
             writes=("tinyllama-ft/config.json", "tinyllama-ft/model.safetensors", "tinyllama-ft/tokenizer.json")),
-    Example("scaletrain bench load --model tinyllama-1.1b --nproc 2 --tp 2", "--model llama-tiny", says=("ours / peer",)),
+    Example("scaletrain bench load --model tinyllama-1.1b --nproc 2 --tp 2", "--model llama-tiny",
+            says=("ours / peer",)),
     Example('scaletrain generate --from runs/a --prompt "def "', "--tokens 20", needs=("runs/a",), says=("def ",)),
     Example('scaletrain generate --from runs/sft --chat --prompt "Name a fox."', "--tokens 20", needs=("runs/sft",)),
     Example("scaletrain parity --nproc 2 --dp 2", "--steps 2", says=("PASS",)),

@@ -11,7 +11,6 @@ the third, runs in tests/test_readme.py.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -65,9 +64,10 @@ def _sample(cfg: Config) -> str:
     pytest.param(dict(nproc=2, ep=2, moe_experts=2), marks=pytest.mark.slow),
 ], ids=["zero3", "tp2-sp-zero3", "llama-zero3", "hybrid", "pp2", "cp2-zero3", "ep2"])
 def test_every_layout_writes_the_text_one_device_writes(corpus, tmp_path, layout):
-    cfg = Config().replace(**{"name": "gpt-tiny", **layout}).replace(data=str(corpus), seq_len=64, micro_batch=2, steps=2, warmup_steps=1,
-                           lr=1e-3, eval_every=0, eval_batches=1, sample_tokens=SAMPLE_TOKENS, progress=False,
-                           cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "layout"))
+    cfg = Config().replace(**{"name": "gpt-tiny", **layout}).replace(
+        data=str(corpus), seq_len=64, micro_batch=2, steps=2, warmup_steps=1, lr=1e-3, eval_every=0,
+        eval_batches=1, sample_tokens=SAMPLE_TOKENS, progress=False, cache_dir=str(tmp_path / "cache"),
+        out=str(tmp_path / "layout"))
     resolved, dims = resolve_layout(cfg, cfg.parallel.nproc)
-    reference = reference_config(resolved, dims, Path(tmp_path / "reference"))
+    reference = reference_config(resolved, dims, tmp_path / "reference")
     assert _sample(cfg) == _sample(reference)

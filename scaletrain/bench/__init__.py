@@ -22,7 +22,8 @@ import torch
 
 from scaletrain.config import Config, TrainConfig
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
+from scaletrain.dist.spawn import spawn_local
 from scaletrain.dist.mesh import Group, Mesh, ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.train.data_setup import DataSpec, open_data, prepare_data

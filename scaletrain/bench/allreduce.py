@@ -34,7 +34,8 @@ import torch
 
 from scaletrain.bench import machine, median
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
+from scaletrain.dist.spawn import spawn_local
 from scaletrain.dist.mesh import Group, Mesh, ParallelDims
 from scaletrain.dist.ring import RingAllReduce
 from scaletrain.errors import UserError

@@ -47,7 +47,8 @@ from scaletrain.bench.techniques import flags_of
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown, spawn_local
+from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
+from scaletrain.dist.spawn import spawn_local
 from scaletrain.dist.mesh import Mesh
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune

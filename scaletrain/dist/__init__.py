@@ -1,7 +1,7 @@
 """Everything that talks to torch.distributed, and nothing else does.
 
-launch  where rank and world come from, process-group setup and teardown,
-        starting local workers through torch's elastic launcher
+launch  where rank and world come from, process-group setup and teardown
+spawn   starting local workers through torch's elastic launcher
 mesh    ParallelDims (how the world splits into dp, ep, pp, cp and tp) and the
         process groups of each split
 comm    Comm, the one door to the network, and the Ledger that counts what
@@ -12,15 +12,14 @@ from scaletrain.dist.comm import Comm, Ledger, Pending
 from scaletrain.dist.launch import (
     DistRuntime,
     ProcessEnv,
-    WorkerFailed,
     detect_environment,
     expand_nodelist,
     free_port,
     init_distributed,
     shutdown,
-    spawn_local,
 )
 from scaletrain.dist.mesh import DIM_NAMES, Group, Mesh, ParallelDims
+from scaletrain.dist.spawn import WorkerFailed, spawn_local
 
 __all__ = [
     "DIM_NAMES",

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scaletrain.dist.launch import CLUSTER_TIMEOUT_S, LAUNCHER_VARIABLE, WorkerKilled, free_port
+from scaletrain.dist.launch import CLUSTER_TIMEOUT_S, LAUNCHER_VARIABLE, free_port
+from scaletrain.dist.spawn import WorkerKilled
 from scaletrain.errors import JobFailed, UserError
 
 # Variables the workers need from the launching process: fault injection and the project's own,

@@ -100,6 +100,7 @@ class Engine:
                  sample: torch.Tensor | None = None, source: FolderSource | None = None, fused_head: bool = False,
                  run_dir: Path | None = None, log_every: int = 1, report_memory: bool = False):
         self.train, self.parallel, self.mesh, self.comm, self.device = train, parallel, mesh, comm, device
+        self.seq_len = seq_len  # every sequence's length, where given (cp, the library's generate)
         self.run_dir, self.log_every, self.report_memory = run_dir, log_every, report_memory
         self.faults = Faults.from_env(mesh.rank)  # none unless SCALETRAIN_FAULT asks (faults.py)
         self.layout = Layout(model, plan, train, parallel, mesh, comm, device, seq_len=seq_len, sample=sample,

@@ -28,7 +28,6 @@ from scaletrain.dist.health import Health
 from scaletrain.dist.launch import (
     CLUSTER_TIMEOUT_S,
     ProcessEnv,
-    WorkerKilled,
     check_backend,
     connect,
     default_timeout,
@@ -36,9 +35,9 @@ from scaletrain.dist.launch import (
     init_distributed,
     restart_attempt,
     shutdown,
-    spawn_local,
 )
 from scaletrain.dist.mesh import Mesh, ParallelDims
+from scaletrain.dist.spawn import WorkerKilled, spawn_local
 from scaletrain.dist.ray_launch import launch_ray, ray_cluster
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.base import add_adapters, as_finetune

@@ -251,8 +251,9 @@ class RunConfig:
     register: str | None = _opt(None, "with --tracker mlflow: register the final model under this name (a new "
                                       "version each run)")
     progress: bool = _opt(True, "show a progress bar")
-    log_every: int = _opt(1, "read each step's loss and gradient norm from the device every K steps, in one "
-                             "transfer, so the host never waits for the device mid-run (records stay per step)")
+    log_every: int | None = _opt(None, "read each step's loss and gradient norm from the device every K steps, in "
+                                       "one transfer, so the host never waits for the device mid-run (records stay "
+                                       "per step; default: 10 on a GPU, 1 on a CPU)")
     sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
 
 

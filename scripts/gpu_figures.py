@@ -3,14 +3,14 @@
 Runs, each as a ``scaletrain`` command of its own with ``--json`` (so one failure costs its row,
 not the rest), with nothing but the machine's own torch, Triton and transformers:
 
-  throughput   bench throughput on the GPU presets (docs/performance.md): tinyllama-1.1b
-               compiled, gpt2-124m and llama3.2-1b eager, each beside a plain loop and
+  throughput   bench throughput on the GPU presets (docs/performance.md): tinyllama-1.1b and
+               gpt2-124m compiled, llama3.2-1b eager, each beside a plain loop and
                transformers
   kernels      bench adam, softmax and cross-entropy (docs/kernels.md)
   ladder       bench finetune's first rungs on tinyllama-1.1b, with the allocator's figures
   planner      a gpt2-124m step's CUDA peak (train --report-memory) beside the planner's
                prediction for the same layout (plan --json)
-  profile      torch.profiler over three of our tinyllama steps: the kernels that take the
+  profile      torch.profiler over three of our compiled tinyllama steps: the kernels that take the
                time, the host syncs, and the share of the step the GPU sat idle
   gemm         one matrix product's rate as its sides grow: the planner's efficiency curve
 
@@ -28,8 +28,10 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -44,7 +46,7 @@ GPU = [  # the headline first: a budget that runs out drops the rows at the end
                                    "--micro-batch", "4", "--precision", "bf16", "--compile", "--steps", "20",
                                    "--warmup", "8"], 330),
     ("throughput gpt2-124m", ["bench", "throughput", "--model", "gpt2-124m", "--seq-len", "1024", "--micro-batch", "16",
-                              "--precision", "bf16", "--steps", "20", "--warmup", "5"], 120),
+                              "--precision", "bf16", "--compile", "--steps", "20", "--warmup", "5"], 150),
     ("adam", ["bench", "adam"], 60),
     ("softmax", ["bench", "softmax"], 60),
     ("cross-entropy", ["bench", "cross-entropy"], 60),
@@ -67,12 +69,12 @@ SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchr
 VOCAB = 50304  # the planner's default vocabulary, given to the real run too (the byte tokenizer has 256)
 
 
-def run(row: str, args: list[str], limit: float, out: Path) -> dict:
+def run(row: str, args: list[str], limit: float, work: Path) -> dict:
     """``scaletrain ARGS --json``: its seconds, exit code, and JSON (or the end of its stderr)."""
     start = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", "scaletrain", *args, "--json"], capture_output=True, text=True,
-                              timeout=limit, cwd=out)
+                              timeout=limit, cwd=work)
         result = {"row": row, "command": "scaletrain " + " ".join(args), "rc": done.returncode}
         if done.returncode == 0:
             result["json"] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -85,7 +87,7 @@ def run(row: str, args: list[str], limit: float, out: Path) -> dict:
     return result
 
 
-def planner_check(size: str, limit: float, out: Path) -> dict:
+def planner_check(size: str, limit: float, work: Path) -> dict:
     """A real step's memory (CUDA's peak on a GPU) beside the planner's prediction of the same layout."""
     model, seq, micro = PLANNED[size]
     precision = ["--precision", "bf16"] if size == "gpu" else []
@@ -93,16 +95,16 @@ def planner_check(size: str, limit: float, out: Path) -> dict:
     train = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--model", model, "--seq-len", str(seq),
                             "--micro-batch", str(micro), "--n-vocab", str(VOCAB), "--steps", "3", "--report-memory",
                             "--sample-tokens", "0",
-                            "--eval-every", "0", "--no-progress", *precision, "--out", str(out / "planned-run")],
-                           capture_output=True, text=True, timeout=limit * 2 / 3, cwd=out)
+                            "--eval-every", "0", "--no-progress", *precision, "--out", str(work / "planned-run")],
+                           capture_output=True, text=True, timeout=limit * 2 / 3, cwd=work)
     plan = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--model", model, "--gpus", "1", "--dp", "1",
                            "--micro-batch", str(micro), "--seq", str(seq), "--vocab", str(VOCAB), *precision,
                            "--json"], capture_output=True, text=True,
-                          timeout=limit / 3, cwd=out)
+                          timeout=limit / 3, cwd=work)
     result = {"row": "planner", "rc": max(train.returncode, plan.returncode),
               "seconds": round(time.perf_counter() - start, 1)}
     if result["rc"] == 0:
-        ledger = json.loads((out / "planned-run" / "memory.json").read_text())["0"]
+        ledger = json.loads((work / "planned-run" / "memory.json").read_text())["0"]
         predicted = json.loads(plan.stdout)["candidates"][0]
         counted = sum(ledger[key] for key in ("params", "grads", "optimizer", "activations_peak"))
         result["json"] = {"ledger": ledger, "counted_bytes": counted, "cuda_peak": ledger.get("cuda_peak"),
@@ -113,12 +115,12 @@ def planner_check(size: str, limit: float, out: Path) -> dict:
     return result
 
 
-def profile_row(size: str, limit: float, out: Path) -> dict:
+def profile_row(size: str, limit: float, work: Path) -> dict:
     """The profile below, in a process of its own (its time limited, its CUDA memory its own)."""
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, __file__, str(out), "--profile", *(["--tiny"] if size == "tiny" else [])],
-                              capture_output=True, text=True, timeout=limit, cwd=out)
+        done = subprocess.run([sys.executable, __file__, str(work), "--profile", *(["--tiny"] if size == "tiny" else [])],
+                              capture_output=True, text=True, timeout=limit, cwd=work)
         result = {"row": "profile", "rc": done.returncode}
         if done.returncode == 0:
             result["json"] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -131,11 +133,12 @@ def profile_row(size: str, limit: float, out: Path) -> dict:
     return result
 
 
-def profile(size: str, out: Path) -> dict:
+def profile(size: str, work: Path) -> dict:
     """torch.profiler over three of our training steps (after two of warm-up): the ten ops or
     kernels with the most device time (CPU time on a CPU), and the share of the steps' wall time
     the device spent in none of them (idle: host work, launches, synchronizations)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -149,13 +152,13 @@ def profile(size: str, out: Path) -> dict:
     start = time.perf_counter()
     gpu = size == "gpu"
     cfg = Config().replace(name="tinyllama-1.1b" if gpu else "llama-tiny", seq_len=2048 if gpu else 64,
-                           micro_batch=4 if gpu else 2, precision="bf16" if gpu else "fp32", steps=5,
-                           sample_tokens=0, eval_every=0, progress=False, cache_dir=str(out / "cache"),
-                           out=str(out / "profiled-run"))
+                           micro_batch=4 if gpu else 2, precision="bf16" if gpu else "fp32", steps=5, compile=gpu,
+                           sample_tokens=0, eval_every=0, progress=False, cache_dir=str(work / "cache"),
+                           out=str(work / "profiled-run"))
     spec = prepare_data(cfg, Path(cfg.data.cache_dir))
     runtime = init_distributed(detect_environment(), timeout_s=None)
     try:
-        trainer = Trainer(cfg, spec, runtime, Mesh.build(ParallelDims.infer(1), 0, 1), Comm(), out / "profiled-run")
+        trainer = Trainer(cfg, spec, runtime, Mesh.build(ParallelDims.infer(1), 0, 1), Comm(), work / "profiled-run")
         for step in range(2):
             trainer.train_step(step)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -169,8 +172,10 @@ def profile(size: str, out: Path) -> dict:
     on_device = torch.cuda.is_available()
     key = "self_device_time_total" if on_device else "self_cpu_time_total"
     events = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    busy_us = sum(getattr(e, key) for e in events if on_device or e.key.startswith("aten::"))
-    top = [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events[:15]]
+    # the device's own work: its kernels and copies (an aten op's device time is its kernels' again)
+    work = [e for e in events if (e.device_type == DeviceType.CUDA if on_device else e.key.startswith("aten::"))]
+    busy_us = sum(getattr(e, key) for e in work)
+    top = [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in work[:15]]
     # the host waiting on the device inside the steps: each one leaves the GPU's queue empty after it
     syncs = {e.key: e.count for e in events if e.key in SYNCS}
     return {"model": cfg.model.name, "steps": 3, "wall_s": wall, "device_busy_s": busy_us / 1e6,
@@ -178,7 +183,7 @@ def profile(size: str, out: Path) -> dict:
             "top": top, "seconds": time.perf_counter() - start}
 
 
-def gemm_sweep(size: str, limit: float, out: Path) -> dict:
+def gemm_sweep(size: str, limit: float, work: Path) -> dict:
     """The rate of one matrix product [m, k] @ [k, n] in bf16 (fp32 in the dry run) as it grows:
     the curve the planner's clock reads matrix-product efficiency from (docs/planner.md). Each
     point: the median of timed products after warm-up, on random data."""
@@ -279,7 +284,7 @@ def main() -> int:
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.profile:
-        print(json.dumps(profile(size, out)))
+        print(json.dumps(profile(size, out)))  # out: the working folder its parent gave
         return 0
     import torch
 
@@ -290,15 +295,17 @@ def main() -> int:
     jobs.insert(2, ("gemm", functools.partial(gemm_sweep, size), 40))
     jobs.insert(4, ("planner", functools.partial(planner_check, size), 240))
     results = []
+    work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))  # the runs' folders and caches, apart from the two files
     for row, job, limit in jobs:
         left = deadline - time.monotonic()
         if left < 30:
             results.append({"row": row, "rc": None, "seconds": 0, "error": "skipped: the budget ran out"})
         else:
-            results.append(job(min(limit, left), out))
+            results.append(job(min(limit, left), work))
         # written after every row, so a run stopped from outside keeps what it measured
         (out / "figures.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
         (out / "figures.md").write_text(markdown(results, device))
+    shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out / 'figures.json'} and {out / 'figures.md'}")
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

@@ -32,9 +32,19 @@ from scaletrain.dist.mesh import Group
 def _square_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    # Summed where the gradients live (host memory, when offloaded), moved once.
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-    return torch.linalg.vector_norm(norms).square().to(device)
+    # Summed where the gradients live (host memory, when offloaded), moved once; one multi-tensor
+    # kernel per device rather than one per gradient (hundreds of launches in a large model).
+    squares = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(same, 2, dtype=torch.float32))).square()
+               for (_, same) in _grouped(grads)]
+    return torch.stack([square.to(device) for square in squares]).sum()
+
+
+def _grouped(grads: Sequence[torch.Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]]:
+    """``grads`` by (device, dtype): what one multi-tensor (foreach) kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return list(groups.items())
 
 
 @torch.no_grad()
@@ -54,6 +64,6 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, counted: 
     total = total.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+        for (where, dtype), same in _grouped(grads):
+            torch._foreach_mul_(same, coef.to(where, dtype))
     return total

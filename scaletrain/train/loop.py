@@ -45,7 +45,7 @@ def fit(trainer: Trainer) -> RunSummary:
                disable=not (trainer.is_main and cfg.run.progress))
     record: dict = {}
     val_loss, saved = None, None
-    window = StepWindow(cfg.run.log_every, trainer.tokens_per_step)
+    window = StepWindow(trainer.log_every, trainer.tokens_per_step)
     try:
         for step in range(trainer.start_step, end):
             trainer.step = done = step + 1

@@ -17,8 +17,10 @@ measured over the window, from its first step's start to the read,
     tokens_per_s = K * tokens_per_step / (t_read - t_start)
 
 because a step's host time under deferred reads measures how fast the host
-queues work, not how fast the device does it. With K = 1 (the default) this
-is the per-step figure, read at every step as before.
+queues work, not how fast the device does it. With K = 1 this is the
+per-step figure, read at every step. K defaults to ``GPU_LOG_EVERY`` on a GPU,
+where each read empties the device's queue, and to 1 on a CPU, where the host
+does the work itself and nothing waits.
 
 What still reads the device at every step, and why (docs/kernels.md):
 fp16's loss scaler and ``--on-nan skip`` (whether to update depends on the
@@ -35,6 +37,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+GPU_LOG_EVERY = 10  # steps read at once on a GPU when --log-every is not given
+
+
+def default_log_every(device: torch.device) -> int:
+    """``--log-every`` when not given (module docstring)."""
+    return GPU_LOG_EVERY if device.type == "cuda" else 1
 
 
 @dataclass

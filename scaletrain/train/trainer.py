@@ -41,7 +41,7 @@ from scaletrain.train.engine import Engine
 from scaletrain.train.layout import Layout
 from scaletrain.train.metrics import peak_tflops
 from scaletrain.train.sampling import generate, line_prompt
-from scaletrain.train.step_window import PendingStep, StepWindow
+from scaletrain.train.step_window import PendingStep, StepWindow, default_log_every
 
 
 def first_sample(step: int, micro: int, grad_accum: int, dp_size: int, dp_rank: int, micro_batch: int) -> int:
@@ -92,6 +92,7 @@ class Trainer:
         self.run_dir = run_dir
         self.is_main = runtime.is_main
         self.device = runtime.device
+        self.log_every = cfg.run.log_every or default_log_every(self.device)
         self.step: int | None = None  # the step under way, counted from 1, for failure reports
         self.where = "before training"  # where the run stands, for failure reports (train/loop.py)
         self.data = open_data(spec, cfg)
@@ -101,7 +102,7 @@ class Trainer:
         self.engine = Engine(built.model, t, cfg.parallel, mesh, comm, self.device, plan=built.plan,
                              seq_len=cfg.data.seq_len, sample=self.data.train.get(0, t.micro_batch)[0],
                              source=built.source, fused_head=spec.kind == "text", run_dir=run_dir,
-                             log_every=cfg.run.log_every, report_memory=cfg.run.report_memory)
+                             log_every=self.log_every, report_memory=cfg.run.report_memory)
         layout = self.layout
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * layout.micro_batches * layout.replicas.batch.size \

@@ -9,10 +9,10 @@ group spans, in ``steps`` messages (a ring all-reduce of n ranks: 2(n-1)).
 
 Figures are the vendors' datasheets, per device, dense (no sparsity):
 
-    device   bf16 TFLOP/s  fp32*  memory  NVLink/dir  network/device
-    A100       312         156    80 GB   300 GB/s    25 GB/s (200 Gb/s InfiniBand)
-    H100       989         495    80 GB   450 GB/s    50 GB/s (400 Gb/s)
-    H200       989         495   141 GB   450 GB/s    50 GB/s (400 Gb/s)
+    device   bf16 TFLOP/s  fp32*  memory  bandwidth  NVLink/dir  network/device
+    A100       312         156    80 GB  2.0 TB/s   300 GB/s    25 GB/s (200 Gb/s InfiniBand)
+    H100       989         495    80 GB  3.35 TB/s  450 GB/s    50 GB/s (400 Gb/s)
+    H200       989         495   141 GB  4.8 TB/s   450 GB/s    50 GB/s (400 Gb/s)
 
 (* tf32 tensor cores, as torch uses them for fp32 matmuls when allowed; the
 MFU peaks of train/metrics.py.) Latencies: about 5 us within a node, 10 us
@@ -27,11 +27,12 @@ microseconds each that is ``block_overhead_s`` (0.3 ms on a GPU, 2 ms for
 eager PyTorch on a CPU). It is why many small micro-batches run slower than
 a few large ones of the same FLOPs.
 
-Achievable fractions. No training step runs at the datasheet peak: the
-planner multiplies the peak by ``efficiency`` (0.5 on GPUs, near what
-Megatron-LM reports for large decoder runs; 0.6 of the measured matmul peak on a
-CPU, whose smaller layers run far from it) and the bandwidths by 0.8 (bus
-bandwidth that NCCL's all-reduce tests reach of the link's rate).
+Achievable fractions. No training step runs at the datasheet peak. On a GPU
+the share of the peak depends on the sizes of the step's matrix products and
+on its memory-bound work (plan/compute.py); on a CPU the planner multiplies
+the measured peak by ``efficiency`` (0.6: its smaller layers run far from
+it). The links' bandwidths are multiplied by 0.8 (bus bandwidth that NCCL's
+all-reduce tests reach of the link's rate).
 """
 
 from __future__ import annotations
@@ -53,17 +54,18 @@ class Device:
     memory_bytes: int
     intra_node_gbps: float  # GB/s one direction, per device (NVLink)
     inter_node_gbps: float  # GB/s per device across nodes (network)
+    memory_gbps: float = 0.0  # GB/s of the device's own memory (plan/compute.py; none for the CPU)
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
-    efficiency: float = 0.5  # share of peak FLOP/s a training step reaches
+    efficiency: float = 0.6  # on a CPU: the share of the measured peak a training step reaches
     block_overhead_s: float = 3e-4  # launching one block's forward and backward kernels, per micro-batch
     link_efficiency: float = 0.8  # share of the link's rate a collective reaches
 
 
 DEVICES = {
-    "A100": Device("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 80 * GB, 300.0, 25.0),
-    "H100": Device("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 80 * GB, 450.0, 50.0),
-    "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 141 * GB, 450.0, 50.0),
+    "A100": Device("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 80 * GB, 300.0, 25.0, 2039.0),
+    "H100": Device("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 80 * GB, 450.0, 50.0, 3350.0),
+    "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 141 * GB, 450.0, 50.0, 4800.0),
 }
 
 # gloo over loopback on the two-core test machine: 1.27 GB/s bus bandwidth at 64 MiB
@@ -71,7 +73,6 @@ DEVICES = {
 # The CPU's peak is measured at planning time.
 CPU_LINK_GBPS = 1.27
 CPU_LATENCY_S = 1e-3
-CPU_EFFICIENCY = 0.6
 CPU_BLOCK_OVERHEAD_S = 2e-3  # eager PyTorch, ~100 operators a block forward and backward
 
 
@@ -79,7 +80,7 @@ def cpu_device(peak_tflops: float, memory_bytes: int) -> Device:
     """This machine as a device: ``peak_tflops`` measured (or given), host memory."""
     peaks = dict.fromkeys(("bf16", "fp16", "fp32"), peak_tflops)
     return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, CPU_LATENCY_S, CPU_LATENCY_S,
-                  efficiency=CPU_EFFICIENCY, link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S)  # a measured bus bandwidth already
+                  link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S)  # a measured bus bandwidth already
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,6 @@ class Cluster:
         if spans_nodes:
             return d.inter_latency_s, d.inter_node_gbps * GB * d.link_efficiency
         return d.intra_latency_s, d.intra_node_gbps * GB * d.link_efficiency
-
-    def flops(self, precision: str) -> float:
-        """Achievable FLOP/s of one device at ``precision``."""
-        return self.device.tflops[precision] * 1e12 * self.device.efficiency
 
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -7,7 +7,7 @@ import functools
 from scaletrain.config import Config
 from scaletrain.models.spec import matmul_flops_per_token
 from scaletrain.parallel.pipeline.schedules import Action, compute_orders
-from scaletrain.plan import activations
+from scaletrain.plan import activations, compute
 from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.inventory import Planned, RankWeights, Split, rank_weights, whole_model
 from scaletrain.plan.memory import ALLOWANCE, weight_memory
@@ -37,9 +37,14 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     busiest = max(range(p.pp), key=lambda r: stages[r]["total"])
     micro_batches = t.grad_accum * (micro if p.pp > 1 else 1)
     tokens = micro_batches * t.micro_batch * groups.sizes[groups.batch] * model.shape.seq_len
-    block_runs = micro_batches * max(len(rank_weights(model, split, r).blocks) for r in range(p.pp))
+    most_blocks = max(range(p.pp), key=lambda r: len(rank_weights(model, split, r).blocks))
+    block_runs = micro_batches * len(rank_weights(model, split, most_blocks).blocks)
+    held = stages[busiest]
+    clock = compute.clock(model.shape, x, len(rank_weights(model, split, most_blocks).blocks),
+                          most_blocks == p.pp - 1, micro_batches,
+                          2 * (held["params"] + held["optimizer"]) + held["grads"], t.precision, cluster)
     time = step_seconds(cfg, world, _flops(model, t.recompute, tokens),
-                        _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs)
+                        _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs, clock)
     return Prediction(cfg=cfg, world=world, memory=stages[busiest], stages=stages, comm=traffics,
                       time=time, tokens_per_step=tokens, fits=stages[busiest]["total"] <= cluster.device.memory_bytes)
 

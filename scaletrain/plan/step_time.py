@@ -5,9 +5,10 @@ the model's ``flops_per_token``: ``6N + 12*L*a*d*s`` per token, N the linear
 layers' weights, grouped-query attention's narrower k and v as they are,
 experts at top_k/E; models/spec.py) times the global batch's tokens, spread evenly over the
 world (tp splits every matmul, pp the layers, cp the positions, dp and ep the
-sequences), at the device's achievable rate (plan/hardware.py):
+sequences), the matrix products' and the attention's each at its rate on the
+busiest rank, plus that rank's memory-bound seconds (plan/compute.py):
 
-    compute = flops_per_token * tokens / (world * peak * efficiency)
+    compute = F_matmul / (world * rate_matmul) + F_attention / (world * rate_attention) + memory_s
 
 plus the launch overhead of every block of every micro-batch on the busiest
 rank (plan/hardware.py). Recomputation adds the forward of what it reruns: a recomputed block's
@@ -44,6 +45,7 @@ import functools
 from scaletrain.config import Config
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.parallel.pipeline.schedules import bubble, build, simulate
+from scaletrain.plan.compute import Clock
 from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.traffic import Groups
 
@@ -80,13 +82,15 @@ def collective_seconds(traffic: dict, sizes: dict[str, int], dims: ParallelDims,
 
 
 def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict, groups: Groups,
-                 cluster: Cluster, block_runs: int) -> dict[str, float]:
+                 cluster: Cluster, block_runs: int, clock: Clock) -> dict[str, float]:
     """The step's time by part (module docstring). ``flops``: ``model``, ``recompute`` and
-    ``attention`` (the part of ``model`` ring attention overlaps) FLOPs of the whole step; ``sizes``: group sizes by ledger name (plan/traffic.py)."""
+    ``attention`` (the part of ``model`` that is attention's, which ring attention overlaps)
+    FLOPs of the whole step; ``clock``: the busiest rank's rates (plan/compute.py)."""
     p, t = cfg.parallel, cfg.train
-    rate = cluster.flops(t.precision) * world
-    compute = flops["model"] / rate + block_runs * cluster.device.block_overhead_s
-    recompute = flops["recompute"] / rate
+    attention_s = flops["attention"] / (clock.attention_flops_s * world)
+    compute = (flops["model"] - flops["attention"]) / (clock.matmul_flops_s * world) + attention_s \
+        + clock.memory_s + block_runs * cluster.device.block_overhead_s
+    recompute = flops["recompute"] / (clock.matmul_flops_s * world)
     micro, virtual = p.pipeline_sizes()
     share = bubble_share(p.pp_schedule, p.pp, micro, virtual)
     busy = compute + recompute
@@ -106,7 +110,7 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
             elif group in data_groups and op == "all_gather" and p.zero == 3:
                 exposed += max(seconds / entry["calls"], seconds - busy)
             elif group == "cp":
-                exposed += max(0.0, seconds - flops["attention"] / rate)
+                exposed += max(0.0, seconds - attention_s)
             else:
                 exposed += seconds
     return {"compute": compute, "recompute": recompute, "comm": exposed, "bubble": bubble_s,

@@ -1,0 +1,83 @@
+"""The planner's clock on a GPU (plan/compute.py): matrix products faster as they grow, the
+measured curve read back at its own points, and whole steps against what one H200 measured
+(docs/performance.md) and what llm-foundry published for MPT on H100s (docs/planner.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.config import Config
+from scaletrain.plan import activations, compute
+from scaletrain.plan.hardware import Cluster, cpu_device
+from scaletrain.plan.inventory import Planned
+
+
+def test_the_curve_reads_back_its_measured_points_and_grows_with_either_side():
+    for i, rows in enumerate(compute.SIDES):
+        for j, side in enumerate(compute.SIDES):
+            share = compute.matmul_share(rows, side, side)
+            assert share == pytest.approx(compute.MEASURED_TFLOPS[i][j] / compute.MEASURED_PEAK_TFLOPS)
+    # between the points and beyond them: never falling as a side grows, held at the edges
+    sides = [2 ** (e / 4) for e in range(28, 60)]
+    for rows in sides:
+        shares = [compute.matmul_share(int(rows), int(s), int(s)) for s in sides]
+        assert all(b >= a for a, b in zip(shares, shares[1:]))
+    assert compute.matmul_share(65536, 65536, 65536) == compute.matmul_share(8192, 8192, 8192)
+
+
+def test_a_wider_model_runs_its_products_nearer_the_peak():
+    shares = []
+    for name in ("gpt2-124m", "tinyllama-1.1b", "llama3-8b"):
+        shape = _planned(name, seq=2048).shape
+        shares.append(compute.matmul_rate_share(shape, tokens=4 * 2048, tp=1))
+    assert shares == sorted(shares) and shares[0] < 0.6 < shares[-1] < 0.8
+
+
+def test_tensor_parallel_products_are_narrower_and_slower():
+    shape = _planned("llama3-8b", seq=2048).shape
+    assert compute.matmul_rate_share(shape, 8192, tp=8) < compute.matmul_rate_share(shape, 8192, tp=1)
+
+
+def test_a_cpu_keeps_a_share_of_its_measured_peak_for_every_flop():
+    cluster = Cluster(cpu_device(0.1, 8 * 2**30), 1, 1)
+    planned = _planned("gpt-small", 128)
+    x = activations.shape_of(planned.shape, planned.tensor_plan, 4, 1, False, 1, "fp32", "fp32")
+    clock = compute.clock(planned.shape, x, 4, True, 1, 10**6, "fp32", cluster)
+    assert clock.matmul_flops_s == clock.attention_flops_s == pytest.approx(0.1e12 * 0.6)
+    assert clock.memory_s == 0
+
+
+# (model, micro-batch, sequence, measured tokens/s): our trainer on one H200, bf16
+# (scripts/gpu-figures.sh, 2026-11-27; docs/performance.md); gpt2-124m ran eager, tinyllama compiled.
+MEASURED = [("tinyllama-1.1b", 4, 2048, 60_830), ("gpt2-124m", 16, 1024, 427_615)]
+
+
+@pytest.mark.parametrize("name, micro, seq, measured", MEASURED, ids=[m[0] for m in MEASURED])
+def test_one_h200s_measured_steps_are_predicted_within_15_percent(name, micro, seq, measured, capsys):
+    best = _plan(capsys, "--model", name, "--gpu", "H200", "--gpus", "1", "--dp", "1", "--micro-batch", str(micro),
+                 "--seq", str(seq), "--precision", "bf16")
+    assert abs(best["tokens_per_s"] / measured - 1) < 0.15, (best["tokens_per_s"], measured)
+
+
+def test_the_predicted_mfu_of_a_gpt_grows_with_its_width(capsys):
+    """The trend of llm-foundry's MPT tables (docs/planner.md): wider models reach more of the peak."""
+    mfu = []
+    for layers, hidden, heads in ((12, 768, 12), (24, 2048, 16), (32, 4096, 32)):
+        best = _plan(capsys, "--layers", str(layers), "--hidden", str(hidden), "--heads", str(heads), "--seq", "2048",
+                     "--gpu", "H100", "--gpus", "1", "--dp", "1", "--micro-batch", "4", "--precision", "bf16",
+                     "--gpu-memory", "400GB")
+        weights = layers * 12 * hidden**2 + 50304 * hidden  # the blocks' matrices and the tied head
+        mfu.append(best["tokens_per_s"] * (6 * weights + 12 * layers * hidden * 2048) / 989.4e12)
+    assert mfu == sorted(mfu) and mfu[0] < 0.35 and 0.4 < mfu[-1] < 0.75
+
+
+def _plan(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["candidates"][0]
+
+
+def _planned(name: str, seq: int) -> Planned:
+    return Planned.of(Config().replace(name=name, seq_len=seq).model, 50304, seq)

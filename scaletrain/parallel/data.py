@@ -35,6 +35,11 @@ micro-batches and the reduction both run in fp32 (Megatron's "main_grad");
 the optimizer's fp32 master gradients are filled from the bucket
 (`gradient`), never rounded to bf16 on the way.
 
+One rank alone, averaging over itself in the gradients' own dtype, has
+nothing to reduce: its gradients stay autograd's, accumulated in place over
+micro-batches and freed by `zero_grad`, with no bucket (a copy of every
+gradient a step saved: 4.4 GB on a 1.1B model, docs/performance.md).
+
 Gradient accumulation: inside `no_sync()` the hooks only accumulate; the
 buckets launch on the final micro-batch, so communication happens once per
 optimizer step whatever ``--grad-accum`` is.
@@ -158,7 +163,12 @@ class DataParallel:
         device = params[0].device if params else torch.device("cpu")
         self.buckets: list[Bucket] = []
         self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}
-        for index, members in enumerate(plan_buckets(params[::-1], int(bucket_mb * 2**20), reduce_dtype)):
+        alone = group.size == 1 and (average_over or 1) == 1 and compressor is None
+        # (module docstring) nothing to reduce: these gradients need no bucket
+        self._unbucketed = [p for p in params if alone and reduce_dtype in (None, p.dtype)]
+        unbucketed = {id(p) for p in self._unbucketed}
+        bucketed = [p for p in params if id(p) not in unbucketed]
+        for index, members in enumerate(plan_buckets(bucketed[::-1], int(bucket_mb * 2**20), reduce_dtype)):
             flat = torch.zeros(sum(p.numel() for p in members), dtype=reduce_dtype or members[0].dtype,
                                device=device)
             views = [chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in members]), members)]
@@ -211,6 +221,9 @@ class DataParallel:
             if bucket.grads_are_views:  # also for parameters that got no gradient this step
                 for param, view in zip(bucket.params, bucket.views):
                     param.grad = view
+        for param in self._unbucketed:  # a zero gradient where none came, as a bucket's slot holds
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         self._next = 0
         self._scale = 1.0 / self._average_over
 
@@ -223,6 +236,8 @@ class DataParallel:
             bucket.filled.clear()
             for param in bucket.params:
                 param.grad = None
+        for param in self._unbucketed:
+            param.grad = None
 
     def holds(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is one of the parameters this instance averages."""

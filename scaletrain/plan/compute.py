@@ -37,9 +37,10 @@ memory's datasheet bandwidth (torch's fused AdamW moved 3.28 of the H200's
     memory_s = (PASSES * (blocks * block_bytes + loss_bytes) * micro_batches
                 + 2 * (params + optimizer) + grads) / (bandwidth * MEMORY_SHARE)
 
-``ELEMENTWISE_PASSES`` is the one constant fitted to a whole step (our
-tinyllama-1.1b step on an H200); the rest is measured kernel by kernel, and
-docs/planner.md checks the whole against published tables it was not fitted to.
+``ELEMENTWISE_PASSES`` is the one constant set against a whole step (with 4
+the clock gives our 1.1B model's H200 step within 2%, docs/performance.md);
+the rest is measured kernel by kernel, and docs/planner.md checks the whole
+against published tables it was not set against.
 """
 
 from __future__ import annotations

@@ -16,12 +16,13 @@ not the rest), with nothing but the machine's own torch, Triton and transformers
 
 and writes OUT/figures.json (every command, its seconds, exit code and JSON) and OUT/figures.md
 (the tables), rewritten after every row. ``--budget SECONDS`` bounds the whole (470 s on a GPU
-by default): the rows run headline first, and those the budget cannot reach are recorded as
-skipped. On one H200 the rows took: tinyllama throughput 200-240 s (three compilations), the
-profile 31-38 s, gpt2 eager 50 s, the planner 27 s, the three kernel benches 53 s; the rest did
-not fit in the first two runs' budgets. ``--tiny`` runs the same on tiny models with fp32 and no
-compilation: the dry run a CPU machine can make (the Triton benches then need TRITON_INTERPRET=1,
-which it sets).
+by default): the rows run headline first (the throughputs, the profile after the first), and
+those the budget cannot reach are recorded as skipped; ``--rows tinyllama,gpt2`` runs only the
+rows whose names hold one of the words. On one H200 the rows took: tinyllama throughput
+200-240 s (three compilations), the profile 31-38 s, gpt2 eager 50 s, the planner 27 s, the
+three kernel benches 53 s; the rest did not fit in the first two runs' budgets. ``--tiny`` runs
+the same on tiny models with fp32 and no compilation: the dry run a CPU machine can make (the
+Triton benches then need TRITON_INTERPRET=1, which it sets).
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ GPU = [  # the headline first: a budget that runs out drops the rows at the end
                                    "--warmup", "8"], 330),
     ("throughput gpt2-124m", ["bench", "throughput", "--model", "gpt2-124m", "--seq-len", "1024", "--micro-batch", "16",
                               "--precision", "bf16", "--compile", "--steps", "20", "--warmup", "5"], 150),
+    ("throughput llama3.2-1b", ["bench", "throughput", "--model", "llama3.2-1b", "--seq-len", "2048",
+                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"], 150),
     ("adam", ["bench", "adam"], 60),
     ("softmax", ["bench", "softmax"], 60),
     ("cross-entropy", ["bench", "cross-entropy"], 60),
-    ("throughput llama3.2-1b", ["bench", "throughput", "--model", "llama3.2-1b", "--seq-len", "2048",
-                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"], 150),
     ("ladder", ["bench", "finetune", "--model", "tinyllama-1.1b", "--seq-len", "1024", "--micro-batch", "4",
                 "--steps", "4", "--warmup", "2", "--rungs", "full,bf16-mixed,pure-bf16,adamw8bit,recompute"], 240),
 ]
@@ -122,7 +123,8 @@ def profile_row(size: str, limit: float, work: Path) -> dict:
     """The profile below, in a process of its own (its time limited, its CUDA memory its own)."""
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, __file__, str(work), "--profile", *(["--tiny"] if size == "tiny" else [])],
+        tiny = ["--tiny"] if size == "tiny" else []
+        done = subprocess.run([sys.executable, __file__, str(work), "--profile", *tiny],
                               capture_output=True, text=True, timeout=limit, cwd=work)
         result = {"row": "profile", "rc": done.returncode}
         if done.returncode == 0:
@@ -266,7 +268,8 @@ def _headline(result: dict) -> str:
                 + ("" if idle is None else f", GPU idle {idle:.1%}"))
     if result["row"] == "gemm":
         best = max(figures["points"], key=lambda p: p["tflops"])
-        return f"{len(figures['points'])} products, at most {best['tflops']:.0f} TFLOP/s (m={best['m']}, k=n={best['k']})"
+        return (f"{len(figures['points'])} products, at most {best['tflops']:.0f} TFLOP/s "
+                f"(m={best['m']}, k=n={best['k']})")
     ratio = figures.get("ratio")
     peer = figures.get("peer", {}).get("name", "the peer")
     return "" if ratio is None else f"ratio {ratio:.3f} (ours / {peer})"
@@ -279,6 +282,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for the whole (default: 470 on a GPU, none with --tiny): a row that would start "
                              "with under 30 s left is skipped, and each row's time limit is cut to what is left")
+    parser.add_argument("--rows", default=None,
+                        help="run only the rows whose names contain one of these comma-separated words "
+                             "(such as tinyllama,gpt2,profile)")
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the profile row's own process
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -296,8 +302,12 @@ def main() -> int:
     deadline = time.monotonic() + budget
     jobs = [(row, functools.partial(run, row, command), limit) for row, command, limit in (TINY if args.tiny else GPU)]
     jobs.insert(1, ("profile", functools.partial(profile_row, size), 240))  # what to fix, right after the headline
-    jobs.insert(2, ("gemm", functools.partial(gemm_sweep, size), 40))
-    jobs.insert(4, ("planner", functools.partial(planner_check, size), 240))
+    after_throughput = 1 + max(i for i, (row, _, _) in enumerate(jobs) if row.startswith("throughput"))
+    jobs[after_throughput:after_throughput] = [("planner", functools.partial(planner_check, size), 240),
+                                               ("gemm", functools.partial(gemm_sweep, size), 40)]
+    if args.rows:
+        wanted = [name.strip() for name in args.rows.split(",")]
+        jobs = [job for job in jobs if any(name in job[0] for name in wanted)]
     results = []
     work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))  # the runs' folders and caches, apart from the two files
     for row, job, limit in jobs:

@@ -27,10 +27,25 @@ from scaletrain.parallel.pipeline import schedules
 from scaletrain.paths import readable_file
 
 
-def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None) -> Any:
-    """A dataclass field that carries its flag's help text and choices."""
-    meta = {"help": help, "flag": flag, "choices": choices}
+def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
+         auto: bool = False) -> Any:
+    """A dataclass field that carries its flag's help text and choices; ``auto``: it also takes
+    the word ``auto``, resolved before training (``--micro-batch auto``: plan/fit.py)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "auto": auto}
     return field(default=default, metadata=meta)
+
+
+AUTO = "auto"
+
+
+def count_or_auto(text: str) -> int | str:
+    """A flag's value that is a whole number or the word ``auto``."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a whole number or 'auto'") from None
 
 
 @dataclass
@@ -102,7 +117,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = _opt(300, "optimizer steps")
-    micro_batch: int = _opt(16, "sequences per rank per micro-batch")
+    micro_batch: int | str = _opt(16, "sequences per rank per micro-batch, or 'auto': the largest power of two "
+                                      "the planner predicts to fit this device's memory (plan/fit.py)", auto=True)
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
     lr: float = _opt(1e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (cosine floor)")
@@ -338,8 +354,8 @@ def coerce(key: str, fld: dataclasses.Field, value: Any, named: str = "config ke
     """Check a value against the field's type and choices, in the user's words: ``named`` says what
     gave it (a TOML key, a library option), ``fix`` where to change it."""
     typ = base_type(fld)
-    if value is None:
-        return None
+    if value is None or (fld.metadata.get("auto") and value == AUTO):
+        return value
     if typ is list:  # a repeatable flag: one string, or a list of them
         if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise UserError(f"{named} '{key}' must be a string or a list of strings, not {value!r}; {fix}.")
@@ -374,6 +390,8 @@ def add_field_flag(group, fld: dataclasses.Field, default: Any) -> None:
         group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=default, help=help_text)
     elif typ is list:
         group.add_argument(flag, dest=key, action="append", default=default, help=help_text, metavar="PATH")
+    elif fld.metadata.get("auto"):
+        group.add_argument(flag, dest=key, type=count_or_auto, default=default, help=help_text, metavar="N|auto")
     else:
         group.add_argument(flag, dest=key, type=typ, default=default, choices=fld.metadata.get("choices"),
                            help=help_text, metavar=typ.__name__.upper() if not fld.metadata.get("choices") else None)

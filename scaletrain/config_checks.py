@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 
-from scaletrain.config import Config, ParallelConfig
+from scaletrain.config import AUTO, Config, ParallelConfig
 from scaletrain.dist.ray_launch import check_placement
 from scaletrain.errors import UserError
+from scaletrain.models import CLASSIFIER
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.train.trackers import TRACKERS
 from scaletrain.train.trackers import names as tracker_names
@@ -32,11 +33,14 @@ def check_values(cfg: Config) -> None:
     """Range checks that need no model or world: one sentence per mistake."""
     flat = cfg.flat()
     for name in _POSITIVE:
-        if flat[name] is not None and flat[name] < 1:
+        if flat[name] is not None and flat[name] != AUTO and flat[name] < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {flat[name]}.")
     for name in _NON_NEGATIVE:
         if flat[name] < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, not {flat[name]}.")
+    if cfg.train.micro_batch == AUTO and cfg.model.name == CLASSIFIER:
+        raise UserError("--micro-batch auto plans a decoder's memory; give the mlp a number, such as "
+                        "--micro-batch 64.")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1, not {cfg.data.val_fraction}.")
     if not 0 <= cfg.model.dropout < 1:
@@ -108,6 +112,15 @@ def check_here(cfg: Config, command: str) -> None:
     if cfg.parallel.launcher != "local":
         raise UserError(f"{command} starts its processes on this machine itself; drop --launcher "
                         f"{cfg.parallel.launcher}.")
+    refuse_auto(cfg, command)
+
+
+def refuse_auto(cfg: Config, command: str) -> None:
+    """``--micro-batch auto`` is chosen where a training run starts (plan/fit.py); what compares
+    or times runs of a set size needs the number."""
+    if cfg.train.micro_batch == AUTO:
+        raise UserError(f"--micro-batch auto is chosen by a training run (scaletrain train or finetune); {command} "
+                        f"needs a number, such as --micro-batch 8.")
 
 
 def check_launcher(p: ParallelConfig) -> None:

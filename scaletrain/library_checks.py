@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from scaletrain.config import Config, ParallelConfig, TrainConfig, coerce
-from scaletrain.config_checks import check_values
+from scaletrain.config_checks import check_values, refuse_auto
 from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.models.decoder import CausalAttention
@@ -43,6 +43,7 @@ def engine_config(options: dict[str, Any]) -> Config:
     checked = {name: coerce(name, fields[name], value, named="setup() option", fix="give one of that type")
                for name, value in options.items()}
     cfg = Config().replace(**checked)
+    refuse_auto(cfg, "setup()")
     parse_policy(cfg.train.recompute)
     return cfg
 

@@ -1,0 +1,61 @@
+"""``--micro-batch auto``: the largest micro-batch the planner predicts to fit one device.
+
+The planner's memory model (plan/memory.py, plan/activations.py: the bytes of
+the busiest rank by category, checked against the trainer's memory ledger)
+is run for the run's own layout at micro-batches 1, 2, 4, ... up to
+``LARGEST``, and the largest whose predicted total fits the device is taken:
+
+    micro_batch = max { 2^i <= LARGEST : predicted_total(2^i) <= memory }
+
+``memory`` is the device's own (CUDA's total on a GPU; on a CPU the machine's
+memory shared by the processes on it). Rank 0 chooses and every rank takes its
+choice. The run's first step then confirms it: the run reports the measured
+peak beside the prediction when it ends (train/run.py), and a first step that
+runs out of memory ends the run with the next size down to give.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.errors import UserError
+from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
+from scaletrain.plan.predict import predict
+
+LARGEST = 1024  # sequences: past this a step is long whatever the device holds
+
+
+def device_memory(device: torch.device, processes_here: int) -> int:
+    """Bytes one rank may fill: its GPU's, or its share of this machine's memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(processes_here, 1)
+
+
+def largest_fitting(cfg: Config, world: int, vocab_size: int, memory: int, on_gpu: bool) -> tuple[int, int]:
+    """(the micro-batch, its predicted bytes on the busiest rank) for ``cfg``'s layout on ``world``
+    ranks of ``memory`` bytes each; one sentence where not even one sequence fits."""
+    device = DEVICES["H100"] if on_gpu else cpu_device(1.0, memory)  # the time model is not read here
+    cluster = Cluster(device, world, world).with_memory(memory)
+    chosen = None
+    size = 1
+    while size <= LARGEST:
+        prediction = predict(cfg.replace(micro_batch=size), world, vocab_size, cluster)
+        if not prediction.fits:
+            break
+        chosen = (size, prediction.memory["total"])
+        size *= 2
+    if chosen is None:
+        needed = prediction.memory["total"] / 2**30
+        raise UserError(f"--micro-batch auto: even one sequence per micro-batch is predicted to need "
+                        f"{needed:.1f} GiB of this device's {memory / 2**30:.1f} GiB; shorten --seq-len, add "
+                        f"recomputation or sharding (--recompute, --zero), or use more devices.")
+    return chosen
+
+
+def chosen_sentence(micro_batch: int, predicted: int, memory: int) -> str:
+    return (f"--micro-batch auto: {micro_batch}, the largest power of two (up to {LARGEST}) the planner predicts "
+            f"to fit: {predicted / 2**30:.2f} GiB of this device's {memory / 2**30:.1f} GiB")

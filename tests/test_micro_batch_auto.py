@@ -28,7 +28,8 @@ def test_the_largest_power_of_two_that_fits_is_taken():
     four, eight = _predicted(cfg, 4, 2**40), _predicted(cfg, 8, 2**40)
     assert four < eight
     memory = (four + eight) // 2  # room for four sequences, not for eight
-    assert largest_fitting(cfg, 1, VOCAB, memory, on_gpu=False) == (4, _predicted(cfg, 4, memory))
+    chosen, predicted = largest_fitting(cfg, 1, VOCAB, memory, on_gpu=False)
+    assert (chosen, predicted["total"]) == (4, _predicted(cfg, 4, memory))
     assert largest_fitting(cfg, 1, VOCAB, 2**40, on_gpu=False)[0] == LARGEST
 
 
@@ -44,8 +45,10 @@ def test_a_run_takes_the_planners_choice_on_every_rank_and_reports_its_peak(corp
                    "--no-progress", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr[-2000:]
     chosen = re.search(r"--micro-batch auto: (\d+), the largest power of two", done.stdout)
-    reported = re.search(r"--micro-batch auto: (\d+), predicted ([\d.]+) GiB; .*: ([\d.]+) GiB", done.stdout)
+    reported = re.search(r"--micro-batch auto: (\d+); weights, gradients, optimizer state and activations predicted "
+                         r"([\d.]+) GiB on the busiest rank, measured ([\d.]+) GiB on rank 0's first step", done.stdout)
     assert chosen and reported and chosen[1] == reported[1] and float(reported[3]) > 0
+    assert (tmp_path / "run" / "memory.json").is_file()  # the first step, measured by the ledger
     # the choice is the planner's for this layout and this machine's memory, shared by two processes
     cfg = Config().replace(name="llama-tiny", seq_len=16, dp=2, zero=3)
     expected, _ = largest_fitting(cfg, 2, VOCAB, device_memory(torch.device("cpu"), 2), on_gpu=False)

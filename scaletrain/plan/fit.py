@@ -9,8 +9,9 @@ is run for the run's own layout at micro-batches 1, 2, 4, ... up to
 
 ``memory`` is the device's own (CUDA's total on a GPU; on a CPU the machine's
 memory shared by the processes on it). Rank 0 chooses and every rank takes its
-choice. The run's first step then confirms it: the run reports the measured
-peak beside the prediction when it ends (train/run.py), and a first step that
+choice. The run's first step then confirms it: the memory ledger measures
+that step (``--report-memory``, on with ``auto``: memory.json), the run sets
+its figures beside the prediction when it ends (train/run.py), and a step that
 runs out of memory ends the run with the next size down to give.
 """
 
@@ -35,8 +36,8 @@ def device_memory(device: torch.device, processes_here: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(processes_here, 1)
 
 
-def largest_fitting(cfg: Config, world: int, vocab_size: int, memory: int, on_gpu: bool) -> tuple[int, int]:
-    """(the micro-batch, its predicted bytes on the busiest rank) for ``cfg``'s layout on ``world``
+def largest_fitting(cfg: Config, world: int, vocab_size: int, memory: int, on_gpu: bool) -> tuple[int, dict]:
+    """(the micro-batch, its predicted bytes on the busiest rank by row) for ``cfg``'s layout on ``world``
     ranks of ``memory`` bytes each; one sentence where not even one sequence fits."""
     device = DEVICES["H100"] if on_gpu else cpu_device(1.0, memory)  # the time model is not read here
     cluster = Cluster(device, world, world).with_memory(memory)
@@ -46,7 +47,7 @@ def largest_fitting(cfg: Config, world: int, vocab_size: int, memory: int, on_gp
         prediction = predict(cfg.replace(micro_batch=size), world, vocab_size, cluster)
         if not prediction.fits:
             break
-        chosen = (size, prediction.memory["total"])
+        chosen = (size, prediction.memory)
         size *= 2
     if chosen is None:
         needed = prediction.memory["total"] / 2**30
@@ -56,6 +57,18 @@ def largest_fitting(cfg: Config, world: int, vocab_size: int, memory: int, on_gp
     return chosen
 
 
-def chosen_sentence(micro_batch: int, predicted: int, memory: int) -> str:
+def chosen_sentence(micro_batch: int, predicted: dict, memory: int) -> str:
     return (f"--micro-batch auto: {micro_batch}, the largest power of two (up to {LARGEST}) the planner predicts "
-            f"to fit: {predicted / 2**30:.2f} GiB of this device's {memory / 2**30:.1f} GiB")
+            f"to fit: {predicted['total'] / 2**30:.2f} GiB of this device's {memory / 2**30:.1f} GiB")
+
+
+def measured_sentence(micro_batch: int, predicted: dict, ledger: dict) -> str:
+    """The choice beside what rank 0's memory ledger measured on the first step, row for row
+    (weights, gradients, optimizer state, activations), and on a GPU CUDA's peak beside the
+    predicted total."""
+    counted = sum(ledger[row] for row in ("params", "grads", "optimizer", "activations_peak"))
+    counted_predicted = sum(predicted[row] for row in ("params", "grads", "optimizer", "activations"))
+    cuda = f"; CUDA's peak {ledger['cuda_peak'] / 2**30:.2f} GiB" if ledger.get("cuda_peak") else ""
+    return (f"--micro-batch auto: {micro_batch}; weights, gradients, optimizer state and activations predicted "
+            f"{counted_predicted / 2**30:.2f} GiB on the busiest rank, measured {counted / 2**30:.2f} GiB on rank "
+            f"0's first step; {predicted['total'] / 2**30:.2f} GiB predicted in all{cuda}")

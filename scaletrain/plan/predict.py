@@ -37,11 +37,11 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     busiest = max(range(p.pp), key=lambda r: stages[r]["total"])
     micro_batches = t.grad_accum * (micro if p.pp > 1 else 1)
     tokens = micro_batches * t.micro_batch * groups.sizes[groups.batch] * model.shape.seq_len
-    most_blocks = max(range(p.pp), key=lambda r: len(rank_weights(model, split, r).blocks))
-    block_runs = micro_batches * len(rank_weights(model, split, most_blocks).blocks)
+    blocks = [len(rank_weights(model, split, r).blocks) for r in range(p.pp)]
+    slowest = blocks.index(max(blocks))  # the first rank with the most blocks
+    block_runs = micro_batches * blocks[slowest]
     held = stages[busiest]
-    clock = compute.clock(model.shape, x, len(rank_weights(model, split, most_blocks).blocks),
-                          most_blocks == p.pp - 1, micro_batches,
+    clock = compute.clock(model.shape, x, blocks[slowest], slowest == p.pp - 1, micro_batches,
                           2 * (held["params"] + held["optimizer"]) + held["grads"], t.precision, cluster)
     time = step_seconds(cfg, world, _flops(model, t.recompute, tokens),
                         _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs, clock)

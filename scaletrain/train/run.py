@@ -12,7 +12,6 @@ local workers.
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.paths import writable_dir
-from scaletrain.plan.fit import chosen_sentence, device_memory, largest_fitting
+from scaletrain.plan.fit import chosen_sentence, device_memory, largest_fitting, measured_sentence
 from scaletrain.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
@@ -250,19 +249,19 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         if debug:  # every rank started alike, before rank 0 writes anything
             check_same_config(comm, world, cfg.to_dict())
         # Rank 0 decides (prepares the run, if no launching process did) and all learn the verdict.
-        outcome: tuple[Config, DataSpec, tuple[int, int] | None] | str | None = None
+        outcome: tuple[Config, DataSpec, dict | None] | str | None = None
         if runtime.is_main:
             try:
                 cfg = continue_after_restart(cfg)
                 spec = prepare_run(cfg) if spec is None else spec
-                cfg, auto = choose_micro_batch(cfg, spec, runtime.device, env)
-                outcome = (cfg, spec, auto)
+                cfg, predicted = choose_micro_batch(cfg, spec, runtime.device, env)
+                outcome = (cfg, spec, predicted)
             except UserError as exc:
                 outcome = str(exc)
         outcome = comm.all_gather_object(outcome, world)[0]
         if isinstance(outcome, str):
             raise UserError(outcome)
-        cfg, spec, auto = outcome
+        cfg, spec, predicted = outcome  # predicted: --micro-batch auto's memory by row, else None
         if debug and rank_log is None:
             rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
@@ -281,16 +280,11 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         try:
             summary = fit(trainer)
         except torch.OutOfMemoryError:
-            if auto is None:
+            if predicted is None:
                 raise
             raise JobFailed(f"--micro-batch auto chose {cfg.train.micro_batch}, which the planner predicted to "
-                            f"fit in {auto[1] / 2**30:.2f} GiB, but a step ran out of memory; give --micro-batch "
-                            f"{max(cfg.train.micro_batch // 2, 1)}.") from None
-        if auto and runtime.is_main:
-            measured = "CUDA's peak allocation" if runtime.device.type == "cuda" else \
-                "the process's peak resident memory, the interpreter and its libraries included"
-            print(f"--micro-batch auto: {cfg.train.micro_batch}, predicted {auto[1] / 2**30:.2f} GiB; {measured}: "
-                  f"{peak_bytes(runtime.device) / 2**30:.2f} GiB")
+                            f"fit in {predicted['total'] / 2**30:.2f} GiB, but a step ran out of memory; give "
+                            f"--micro-batch {max(cfg.train.micro_batch // 2, 1)}.") from None
         if cfg.finetune.lora_rank and runtime.is_main:
             save_adapters(layout.model, Path(cfg.run.out) / ADAPTER_FILE,
                           {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),
@@ -300,6 +294,8 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
         if cfg.run.report_memory:
             write_memory_report(trainer.memory_report(), comm, world, Path(cfg.run.out), runtime.is_main)
+        if predicted is not None and runtime.is_main:
+            print(measured_sentence(cfg.train.micro_batch, predicted, trainer.memory_report()))
         if layout.pipeline:
             write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, Path(cfg.run.out))
         # Every rank done before any leaves, through the tracked door: a rank still waiting in a
@@ -320,22 +316,15 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
 
 
 def choose_micro_batch(cfg: Config, spec: DataSpec, device: torch.device,
-                       env: ProcessEnv) -> tuple[Config, tuple[int, int] | None]:
-    """``--micro-batch auto`` made a number (plan/fit.py), and (it, its predicted bytes); any
-    other micro-batch as it is."""
+                       env: ProcessEnv) -> tuple[Config, dict | None]:
+    """``--micro-batch auto`` made a number (plan/fit.py), with the memory ledger on so that the
+    first step measures it, and its predicted bytes by row; any other micro-batch as it is (None)."""
     if cfg.train.micro_batch != AUTO:
         return cfg, None
     memory = device_memory(device, env.local_world_size)
     micro_batch, predicted = largest_fitting(cfg, env.world_size, spec.vocab_size, memory, device.type == "cuda")
     print(chosen_sentence(micro_batch, predicted, memory))
-    return cfg.replace(micro_batch=micro_batch), (micro_batch, predicted)
-
-
-def peak_bytes(device: torch.device) -> int:
-    """This process's peak memory so far: CUDA's allocator on a GPU, else the resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return cfg.replace(micro_batch=micro_batch, report_memory=True), predicted
 
 
 def explain_failure(exc: Exception, health: Health | None, where: str, run_dir: Path) -> Exception:

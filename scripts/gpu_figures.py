@@ -13,6 +13,8 @@ not the rest), with nothing but the machine's own torch, Triton and transformers
   profile      torch.profiler over three of our compiled tinyllama steps: the kernels that take the
                time, the host syncs, and the share of the step the GPU sat idle
   gemm         one matrix product's rate as its sides grow: the planner's efficiency curve
+  packing      the same instruction records trained packed (FlexAttention over the documents' tiles)
+               and unpacked (one per row, padded): positions per second, and their ratio
 
 and writes OUT/figures.json (every command, its seconds, exit code and JSON) and OUT/figures.md
 (the tables), rewritten after every row. ``--budget SECONDS`` bounds the whole (470 s on a GPU
@@ -67,6 +69,7 @@ TINY = [
     ("ladder", ["bench", "finetune", "--model", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "3",
                 "--warmup", "1", "--rungs", "full,recompute"], 300),
 ]
+PACKED = {"gpu": ("tinyllama-1.1b", 2048, 4, 12), "tiny": ("llama-tiny", 64, 2, 6)}  # model, seq, micro, steps
 PLANNED = {"gpu": ("gpt2-124m", 1024, 8), "tiny": ("gpt-tiny", 64, 4)}  # model, seq, micro-batch
 SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 VOCAB = 50304  # the planner's default vocabulary, given to the real run too (the byte tokenizer has 256)
@@ -116,6 +119,43 @@ def planner_check(size: str, limit: float, work: Path) -> dict:
     else:
         result["error"] = (train.stderr + plan.stderr)[-2000:]
     print(f"planner: {result['rc']} in {result['seconds']} s", flush=True)
+    return result
+
+
+def packing(size: str, limit: float, work: Path) -> dict:
+    """Synthetic instruction records (answers of 40 to 1,500 characters, so a row packs several)
+    trained packed and unpacked, each for a few steps in a process of its own: the median of their
+    positions per second after the first three steps (compilation, allocator warm-up)."""
+    model, seq, micro, steps = PACKED[size]
+    start = time.perf_counter()
+    records = [{"instruction": f"Describe fox number {i}.", "output": "Rusty runs. " * (4 + (i * 37) % 125)}
+               for i in range(2000)]
+    (work / "instructions.json").write_text(json.dumps(records))
+    precision = ["--precision", "bf16"] if size == "gpu" else []
+    rates, errors = {}, []
+    for name, pack in (("packed", "--pack"), ("unpacked", "--no-pack")):
+        try:
+            done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--model", model, "--data",
+                                   str(work / "instructions.json"), "--sft", pack, "--seq-len", str(seq),
+                                   "--micro-batch", str(micro), "--steps", str(steps), "--sample-tokens", "0",
+                                   "--eval-every", "0", "--no-progress", *precision, "--out", str(work / name)],
+                                  capture_output=True, text=True, timeout=limit / 2, cwd=work)
+        except subprocess.TimeoutExpired:
+            errors.append(f"{name} over {limit / 2:.0f} s")
+            continue
+        if done.returncode:
+            errors.append(done.stderr[-1000:])
+            continue
+        lines = (work / name / "metrics.jsonl").read_text().splitlines()
+        timed = sorted(row["tokens_per_s"] for row in map(json.loads, lines) if "tokens_per_s" in row)[3:]
+        rates[name] = timed[len(timed) // 2]
+    result = {"row": "packing", "rc": 1 if errors else 0, "seconds": round(time.perf_counter() - start, 1)}
+    if errors:
+        result["error"] = "\n".join(errors)
+    else:
+        result["json"] = {"model": model, "seq_len": seq, "micro_batch": micro, "tokens_per_s": rates,
+                          "ratio": rates["packed"] / rates["unpacked"]}
+    print(f"packing: {result['rc']} in {result['seconds']} s", flush=True)
     return result
 
 
@@ -266,6 +306,10 @@ def _headline(result: dict) -> str:
         syncs = sum(figures["host_syncs"].values())
         return (f"{figures['wall_s']:.3f} s for 3 steps, {syncs} host syncs"
                 + ("" if idle is None else f", GPU idle {idle:.1%}"))
+    if result["row"] == "packing":
+        rates = figures["tokens_per_s"]
+        return (f"packed {rates['packed']:,.0f} against unpacked {rates['unpacked']:,.0f} positions/s: "
+                f"ratio {figures['ratio']:.3f}")
     if result["row"] == "gemm":
         best = max(figures["points"], key=lambda p: p["tflops"])
         return (f"{len(figures['points'])} products, at most {best['tflops']:.0f} TFLOP/s "
@@ -303,7 +347,8 @@ def main() -> int:
     jobs = [(row, functools.partial(run, row, command), limit) for row, command, limit in (TINY if args.tiny else GPU)]
     jobs.insert(1, ("profile", functools.partial(profile_row, size), 240))  # what to fix, right after the headline
     after_throughput = 1 + max(i for i, (row, _, _) in enumerate(jobs) if row.startswith("throughput"))
-    jobs[after_throughput:after_throughput] = [("planner", functools.partial(planner_check, size), 240),
+    jobs[after_throughput:after_throughput] = [("packing", functools.partial(packing, size), 200),
+                                               ("planner", functools.partial(planner_check, size), 240),
                                                ("gemm", functools.partial(gemm_sweep, size), 40)]
     if args.rows:
         wanted = [name.strip() for name in args.rows.split(",")]

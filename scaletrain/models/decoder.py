@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.packed_attention import flex_document_attention, uses_flex
+
 
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v for q, k, v [batch, heads, seq, head_dim].
@@ -47,9 +49,13 @@ class CausalAttention(nn.Module):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
                      dropout: float = 0.0) -> torch.Tensor:
-    """Causal attention of a whole sequence, kept inside each document when ``documents`` is given."""
+    """Causal attention of a whole sequence, kept inside each document when ``documents`` is given:
+    on a GPU by FlexAttention, which visits only the tiles the documents leave in
+    (models/packed_attention.py), elsewhere by SDPA with the dense mask."""
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    if uses_flex(q, dropout):
+        return flex_document_attention(q, k, v, documents)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, documents, causal=True),
                                           dropout_p=dropout)
 

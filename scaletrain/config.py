@@ -152,6 +152,11 @@ class TrainConfig:
     fused: str = _opt("none", "Triton kernels: the fused AdamW (one launch updates every parameter) and the "
                               "chunked fused cross-entropy (needs a GPU, or TRITON_INTERPRET=1)",
                       choices=("none", "triton"))
+    head_loss: str | None = _opt(None, "the language model's head and cross-entropy: 'chunked' a chunk of rows at "
+                                       "a time, the logits never whole (a Triton kernel: a GPU, or "
+                                       "TRITON_INTERPRET=1), or 'logits' made whole (default: chunked on a GPU "
+                                       "where the head's weight is whole on each rank, else logits)",
+                                 choices=("logits", "chunked"))
     compile: bool = _opt(False, "compile every transformer block with torch.compile (the first steps "
                                 "pay the compile time)")
     peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "

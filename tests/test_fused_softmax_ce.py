@@ -26,10 +26,10 @@ from scaletrain.config import Config
 from scaletrain.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_reference,
-    default_chunk_rows,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
+from scaletrain.kernels.head_loss import chunk_rows
 from scaletrain.kernels.softmax import softmax, softmax_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,9 +165,11 @@ def test_without_grad_mode_no_gradient_is_computed():
     assert torch.equal(logits, before)  # not overwritten by a gradient nobody asked for
 
 
-def test_default_chunk_holds_about_as_much_as_the_hidden_states():
-    assert default_chunk_rows(8192, 768, 50304) == 128  # 8192 / ceil(50304 / 768) = 124.1, up to 2^7
-    assert default_chunk_rows(4, 768, 100) == 4        # never more rows than there are
+def test_default_chunk_holds_at_least_2048_rows_else_about_as_much_as_the_hidden_states():
+    assert chunk_rows(8192, 768, 50304) == 2048           # 8192 / ceil(50304 / 768) = 124 rows: the floor
+    assert chunk_rows(131072, 4096, 32000) == 16384       # 131072 / ceil(32000 / 4096) = 16384: as large as [N, d]
+    assert chunk_rows(100000, 4096, 32000) == 16384       # 12500, up to a power of two
+    assert chunk_rows(4, 768, 100) == 4                   # never more rows than there are
 
 
 # -- the benchmark, as a functional run in the interpreter ----------------------

@@ -106,15 +106,13 @@ def _race_heads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
                 warmup: int) -> tuple[dict, float]:
     """Head + loss, ours against the trainer's way (and its torch.compile on a GPU):
     each one's time and peak memory, and the largest difference between ours and the peer."""
-    from scaletrain.kernels.cross_entropy import (
-        default_chunk_rows,
-        fused_linear_cross_entropy,
-    )
+    from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
+    from scaletrain.kernels.head_loss import chunk_rows
 
     def materialised() -> torch.Tensor:
         return F.cross_entropy((hidden @ weight.T).float(), targets)
 
-    chunk = default_chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    chunk = chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
     losses = {"ours": (f"fused head + loss in chunks of {chunk} rows",
                        lambda: fused_linear_cross_entropy(hidden, weight, targets)),
               "peer": ("logits, .float(), F.cross_entropy", materialised)}

@@ -19,11 +19,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on ``device``, or None when they can."""
+def unavailable(device: torch.device, flag: str = "--fused triton") -> str | None:
+    """Why the Triton kernels cannot run on ``device``, or None when they can (``flag``: the
+    option that asked for them, named in the way out)."""
     if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed; pip install triton (on a CUDA machine), or drop --fused triton."
+        return f"Triton is not installed; pip install triton (on a CUDA machine), or drop {flag}."
     if device.type != "cuda" and not interpreted():
         return (f"Triton kernels need a CUDA GPU, and this run is on {device.type}; run on a GPU, or set "
-                f"TRITON_INTERPRET=1 to run them in Triton's interpreter (slowly), or drop --fused triton.")
+                f"TRITON_INTERPRET=1 to run them in Triton's interpreter (slowly), or drop {flag}.")
     return None

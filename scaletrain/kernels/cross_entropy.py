@@ -39,12 +39,11 @@ evaluation) must say so by needing no gradient, else it pays for them too.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from scaletrain.kernels import head_loss
 from scaletrain.kernels.softmax import launch_config, online_max_sum
 
 MAX_BLOCK = 4096  # vocabulary entries a program holds at once
@@ -119,13 +118,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, inplace: bool 
     return _CrossEntropy.apply(logits, targets, inplace, max_block, torch.is_grad_enabled())
 
 
-def default_chunk_rows(n: int, d: int, vocab: int) -> int:
-    """Rows per chunk whose logits [rows, V] are about as large as the hidden
-    states [N, d] themselves (Liger Kernel's choice), a power of two: the
-    loss then needs no more memory than its input already takes."""
-    return min(n, triton.next_power_of_2(max(1, math.ceil(n / math.ceil(vocab / d)))))
-
-
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the head's matmul would run in: the caller's autocast's, else the inputs' own."""
     device = hidden.device.type
@@ -186,11 +178,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     """Mean cross-entropy of the logits ``hidden @ weight.T`` against ``targets``,
     differentiable in ``hidden`` [N, d] and ``weight`` [V, d], without ever
     holding the [N, V] logits: ``chunk_rows`` rows of them at a time
-    (`default_chunk_rows` when None)."""
+    (kernels/head_loss.py's rule when None)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).contiguous()
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(*hidden.shape, weight.shape[0])
+        chunk_rows = head_loss.chunk_rows(*hidden.shape, weight.shape[0])
     return _FusedLinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, max_block,
                                           torch.is_grad_enabled())  # as in cross_entropy
 

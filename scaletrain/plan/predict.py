@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from scaletrain.config import Config
+from scaletrain.kernels import head_loss
 from scaletrain.models.spec import matmul_flops_per_token
 from scaletrain.parallel.pipeline.schedules import Action, compute_orders
 from scaletrain.plan import activations, compute
@@ -27,12 +28,15 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     groups = Groups.of(cfg, world)
     shards = groups.sizes[groups.zero_shard]
     host_is_device = cluster.device.name == "cpu"
+    # The trainer's rule (train/layout.py): chunked where the head's weight is whole on its rank.
+    chunked = (model.shape.vocab > 0 and p.tp == 1 and p.pp == 1 and p.zero < 3
+               and head_loss.chunked(t.head_loss, t.fused, on_gpu=not host_is_device))
     stages, traffics = [], []
     for pp_rank in range(p.pp):
         weights = rank_weights(model, split, pp_rank)
         held = weight_memory(cfg, weights, shards, host_is_device)
         saved = _activation_peak(cfg, weights, x, micro, pp_rank)
-        stages.append(_rank_memory(held, saved, x, weights))
+        stages.append(_rank_memory(held, saved, x, weights, chunked))
         traffics.append(step_traffic(cfg, world, weights, x, list(weights.stages), weights.n_stages))
     busiest = max(range(p.pp), key=lambda r: stages[r]["total"])
     micro_batches = t.grad_accum * (micro if p.pp > 1 else 1)
@@ -49,9 +53,16 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
                       time=time, tokens_per_step=tokens, fits=stages[busiest]["total"] <= cluster.device.memory_bytes)
 
 
-def _rank_memory(held: dict[str, int], saved: int, x: activations.Shape, weights: RankWeights) -> dict[str, int]:
-    """The ledger's categories plus ``other`` (buffers, the loss's temporaries, the allowance) and ``total``."""
-    logits = 8 * x.b * x.s * -(-x.vocab // x.tp) if weights.last else 0
+def _rank_memory(held: dict[str, int], saved: int, x: activations.Shape, weights: RankWeights,
+                 chunked: bool) -> dict[str, int]:
+    """The ledger's categories plus ``other`` (buffers, the loss's temporaries, the allowance) and ``total``;
+    ``chunked``: the head and the loss run a chunk of rows at a time (kernels/head_loss.py)."""
+    if not weights.last:
+        logits = 0
+    elif chunked:
+        logits = head_loss.chunk_bytes(x.b * x.s, x.h, x.vocab, x.e)
+    else:
+        logits = 8 * x.b * x.s * -(-x.vocab // x.tp)
     memory = {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
               "activations": saved}
     device = sum(memory.values()) - held["host"] + held["buffers"] + logits

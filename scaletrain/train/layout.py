@@ -31,6 +31,7 @@ from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.dist.comm import Comm
 from scaletrain.dist.mesh import Mesh
 from scaletrain.finetune.sliced import FolderSource, flat_reader, materialize
+from scaletrain.kernels import head_loss, unavailable
 from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
@@ -116,12 +117,13 @@ class Layout:
         if self.ep_group.size > 1:
             self.expert_parallel = parallelize_experts(self.model, comm, self.ep_group)
         self.moe_layers = moe_layers(self.model)
-        # --fused triton: the head and the loss as one chunked kernel, where the head's weight
-        # is whole on this rank after the forward (not split by tp, not freed by ZeRO-3, not
-        # behind a pipeline's last stage, which gets the kernel on its logits instead).
-        fused_loss = t.fused == "triton" and fused_head and self.tp_group.size == 1
-        self.fused_head_loss = fused_loss and self.pp_group.size == 1 and p.zero < 3
-        if fused_loss and not self.fused_head_loss:
+        # The head and the loss chunked (kernels/head_loss.py), where the head's weight is whole on
+        # this rank after the forward (not split by tp, not freed by ZeRO-3, not behind a pipeline's
+        # last stage, which gets --fused triton's kernel on its logits instead).
+        whole_head = fused_head and self.tp_group.size == 1 and self.pp_group.size == 1 and p.zero < 3
+        on_gpu = device.type == "cuda" and unavailable(device) is None  # Triton there to run the kernel
+        self.fused_head_loss = whole_head and head_loss.chunked(t.head_loss, t.fused, on_gpu)
+        if t.fused == "triton" and fused_head and self.tp_group.size == 1 and not whole_head:
             self.loss_fn = fused_loss_fn
         # Pipeline parallelism: each pp rank keeps its stages of the model.
         self.micro_batches, _ = p.pipeline_sizes()

@@ -43,6 +43,7 @@ from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.kernels import unavailable
+from scaletrain.kernels.head_loss import CHUNKED
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.paths import writable_dir
 from scaletrain.plan.fit import chosen_sentence, device_memory, largest_fitting, measured_sentence
@@ -71,14 +72,21 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
         raise UserError(f"--sync-every {p.sync_every} averages data-parallel replicas, but this layout has one "
                         f"(dp 1); start more processes (--nproc) or drop --sync-every.")
     parse_policy(cfg.train.recompute)
-    if cfg.train.fused == "triton":
-        reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    for flag, used in (("--fused triton", cfg.train.fused == "triton"),
+                       ("--head-loss chunked", cfg.train.head_loss == CHUNKED)):
+        reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"), flag) if used else None
         if reason:
-            raise UserError(f"--fused triton: {reason}")
+            raise UserError(f"{flag}: {reason}")
+    if cfg.train.head_loss == CHUNKED and (dims.tp > 1 or dims.pp > 1 or p.zero == 3):
+        raise UserError(f"--head-loss chunked needs the head's weight whole on the rank that computes the loss, "
+                        f"and --tp {dims.tp}, --pp {dims.pp}, --zero {p.zero} leave it split, on another stage "
+                        f"or freed; drop --head-loss, or use --tp 1, --pp 1 and --zero below 3.")
     if cfg.model.name == CLASSIFIER:
         for flag, used in (("--recompute", cfg.train.recompute != "none"), ("--compile", cfg.train.compile)):
             if used:
                 raise UserError(f"{flag} applies to a decoder's blocks; drop it for the mlp.")
+        if cfg.train.head_loss is not None:
+            raise UserError("--head-loss applies to a language model's head; drop it for the mlp.")
         dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
     else:
         family = spec_for(cfg.model.name)

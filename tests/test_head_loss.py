@@ -1,0 +1,78 @@
+"""The head and the loss, chunked or on whole logits (kernels/head_loss.py): chunked by default on a
+GPU where the head's weight is whole, trained as the logits run does (on a CPU in Triton's
+interpreter), counted so by the planner, and refused in one sentence where it cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.config import Config
+from scaletrain.kernels.head_loss import CHUNKED, LOGITS, chunk_bytes, chunked
+from scaletrain.plan.hardware import DEVICES, Cluster
+from scaletrain.plan.predict import predict
+from scaletrain.train.run import launch
+
+VOCAB = 50304
+
+
+def test_chunked_by_default_on_a_gpu_or_with_fused_triton_unless_told():
+    assert chunked(None, "none", on_gpu=True) and not chunked(None, "none", on_gpu=False)
+    assert chunked(None, "triton", on_gpu=False)
+    assert not chunked(LOGITS, "triton", on_gpu=True) and chunked(CHUNKED, "none", on_gpu=False)
+
+
+def test_the_planner_counts_one_chunk_where_the_head_is_whole():
+    cfg = Config().replace(name="gpt2-124m", seq_len=1024, micro_batch=8, precision="bf16")
+    h100 = Cluster(DEVICES["H100"], 1, 1)
+    default, logits = (predict(cfg.replace(head_loss=choice), 1, VOCAB, h100).memory["other"]
+                       for choice in (None, LOGITS))
+    n = 8 * 1024
+    whole, one_chunk = 8 * n * VOCAB, chunk_bytes(n, 768, VOCAB, 2)
+    assert one_chunk < whole / 4
+    # ``other`` is buffers, the loss's temporaries, and 10% of everything for the allocator
+    assert logits - default == pytest.approx(1.1 * (whole - one_chunk), rel=1e-3)
+    split = cfg.replace(tp=2, nproc=2)  # the head split by tp: whole logits whatever the default
+    tp_default, tp_logits = (predict(split.replace(head_loss=choice), 2, VOCAB, Cluster(DEVICES["H100"], 2, 2))
+                             .memory["other"] for choice in (None, LOGITS))
+    assert tp_default == tp_logits
+
+
+pytest.importorskip("triton", reason="the chunked head and loss are a Triton kernel (pip install -e '.[dev]')")
+
+
+def _losses(cfg: Config, head_loss: str) -> list[float]:
+    out = Path(f"{cfg.run.out}-{head_loss}")
+    launch(cfg.replace(head_loss=head_loss, out=str(out)))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows] + [rows[-1]["val_loss"]]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_chunked_head_and_loss_train_as_whole_logits(tiny_cfg, name):
+    cfg = tiny_cfg.replace(name=name, steps=3, eval_batches=2)
+    chunked_run, logits_run = _losses(cfg, CHUNKED), _losses(cfg, LOGITS)
+    assert chunked_run == pytest.approx(logits_run, rel=1e-6)
+    assert logits_run[0] != logits_run[2]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--head-loss", "chunked", "--nproc", "2", "--tp", "2"], "--head-loss chunked needs the head's weight whole"),
+    (["--head-loss", "chunked", "--model", "mlp"], "--head-loss applies to a language model's head"),
+], ids=["tp", "mlp"])
+def test_where_the_chunked_head_cannot_run_it_says_so(tiny_cfg, capsys, args, words):
+    code = main(["train", *args, "--out", tiny_cfg.run.out])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert not Path(tiny_cfg.run.out).exists()
+
+
+def test_without_a_gpu_or_the_interpreter_chunked_names_its_flag(tiny_cfg, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code = main(["train", "--head-loss", "chunked", "--out", tiny_cfg.run.out])
+    err = capsys.readouterr().err
+    assert code == 2 and "Triton kernels need a CUDA GPU" in err and "drop --head-loss chunked" in err, err

@@ -178,11 +178,11 @@ def test_unfit_tensors_are_refused():
     tables = lookup_table(dynamic_map(signed=True)), lookup_table(dynamic_map(signed=False))
     param = torch.zeros(2 * BLOCK)
     with pytest.raises(ValueError, match="contiguous"):
-        adamw8bit_step(param, torch.zeros(2, BLOCK).t(), state, *tables, step=2, lr=1e-2,
+        adamw8bit_step(param, torch.zeros(2, BLOCK).t(), state, *tables, block=BLOCK, step=2, lr=1e-2,
                        beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
     with pytest.raises(TypeError, match="among"):
-        adamw8bit_step(param.double(), param.double(), state, *tables, step=2, lr=1e-2, beta1=0.9, beta2=0.95,
-                       eps=1e-8, weight_decay=0.0)
+        adamw8bit_step(param.double(), param.double(), state, *tables, block=BLOCK, step=2, lr=1e-2, beta1=0.9,
+                       beta2=0.95, eps=1e-8, weight_decay=0.0)
 
 
 def test_fused_triton_selects_the_kernel_for_adamw8bit():

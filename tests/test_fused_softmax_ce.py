@@ -124,9 +124,9 @@ def test_fused_linear_cross_entropy_matches_autograd_for_any_chunking(dtype):
     (2 * expected).backward()
     torch.testing.assert_close(fused_linear_cross_entropy_reference(hidden, weight, targets), expected)
     results = []
-    for chunk_rows in (None, 1, 3, 10, 16):  # one row, uneven chunks, all rows, more than all
+    for rows in (None, 1, 3, 10, 16):  # one row, uneven chunks, all rows, more than all
         h_ours, w_ours = _leaf(hidden), _leaf(weight)
-        loss = fused_linear_cross_entropy(h_ours, w_ours, targets, chunk_rows=chunk_rows, max_block=16)
+        loss = fused_linear_cross_entropy(h_ours, w_ours, targets, chunk_rows=rows, max_block=16)
         (2 * loss).backward()
         torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
         _close(h_ours.grad, h.grad, dtype)

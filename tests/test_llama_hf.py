@@ -19,8 +19,8 @@ from tokenizers import ByteLevelBPETokenizer
 
 from scaletrain.cli import main
 from scaletrain.config import Config
-from scaletrain.finetune.hf import load_hf_model, read_hf_model
-from scaletrain.finetune.sliced import FolderSource, materialize
+from scaletrain.finetune.hf import read_hf_model
+from scaletrain.finetune.sliced import FolderSource, load_hf_model, materialize
 from scaletrain.generate import load_run_model
 from scaletrain.models import family_config, spec_for
 from scaletrain.parallel.tensor import parallelize

@@ -231,21 +231,6 @@ def read_hf_weights(hf_model: HFModel, family_cfg: Any) -> dict[str, torch.Tenso
     return tensors
 
 
-def load_hf_model(folder: Path) -> tuple[torch.nn.Module, Any]:
-    """The model in a Hugging Face folder (fp32, in eval mode) and its family's config: built on
-    the meta device, each weight read straight into its own storage (finetune/sliced.py)."""
-    from scaletrain.config import ModelConfig
-    from scaletrain.finetune.sliced import FolderSource, materialize
-
-    hf_model = read_hf_model(folder)
-    family_cfg = hf_model.family_cfg(ModelConfig(**hf_model.values))
-    source = FolderSource(hf_model, family_cfg)  # every name and shape checked before any weight is read
-    with torch.device("meta"):
-        model = hf_model.spec.build(family_cfg)
-    materialize(model, source, torch.device("cpu"), splits={}, tp_rank=0)
-    return model.eval(), family_cfg
-
-
 TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP = "tokenizer_config.json", "special_tokens_map.json"
 TEMPLATE_FILE, TEMPLATE_JSON = "chat_template.jinja", "chat_template.json"
 

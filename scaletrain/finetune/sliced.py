@@ -102,3 +102,17 @@ def flat_reader(model: nn.Module, source: FolderSource):
         return source.read_flat(names[id(param)], tuple(param.shape), lo, hi).float()
 
     return read
+
+
+def load_hf_model(folder: Path) -> tuple[torch.nn.Module, Any]:
+    """The model in a Hugging Face folder (fp32, in eval mode) and its family's config: built on
+    the meta device, each weight read straight into its own storage."""
+    from scaletrain.config import ModelConfig
+
+    hf_model = read_hf_model(folder)
+    family_cfg = hf_model.family_cfg(ModelConfig(**hf_model.values))
+    source = FolderSource(hf_model, family_cfg)  # every name and shape checked before any weight is read
+    with torch.device("meta"):
+        model = hf_model.spec.build(family_cfg)
+    materialize(model, source, torch.device("cpu"), splits={}, tp_rank=0)
+    return model.eval(), family_cfg

@@ -38,8 +38,6 @@ import math
 
 import torch
 
-from scaletrain.optim.adamw8bit import BLOCK
-
 try:
     import triton
     import triton.language as tl
@@ -119,32 +117,33 @@ if triton is not None:
 
 @torch.no_grad()
 def adamw8bit_step(param: torch.Tensor, grad: torch.Tensor, state: dict, signed_table: torch.Tensor,
-                   unsigned_table: torch.Tensor, *, step: float, lr: float, beta1: float, beta2: float,
-                   eps: float, weight_decay: float) -> None:
+                   unsigned_table: torch.Tensor, *, block: int, step: float, lr: float, beta1: float,
+                   beta2: float, eps: float, weight_decay: float) -> None:
     """One 8-bit AdamW step of ``param`` in place, its ``state``'s codes and maxima (the keys of
-    optim/adamw8bit.py) updated in place; ``step`` is t, counted from 1; the tables are
-    `lookup_table` of the signed and the unsigned map, on the parameter's device."""
-    _check(param, grad, state, signed_table, unsigned_table)
+    optim/adamw8bit.py, one maximum per ``block`` elements) updated in place; ``step`` is t,
+    counted from 1; the tables are `lookup_table` of the signed and the unsigned map, on the
+    parameter's device."""
+    _check(param, grad, state, signed_table, unsigned_table, block)
     numel = param.numel()
     if not numel:
         return
     # The scalars as the reference computes them (Python doubles, rounded to fp32 by the launch).
     bias_correction1, bias_correction2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
-    _adamw8bit_kernel[(triton.cdiv(numel, BLOCK),)](
+    _adamw8bit_kernel[(triton.cdiv(numel, block),)](
         param, grad, *(state[key] for key in _STATE_KEYS), signed_table, unsigned_table, numel,
         1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, -lr / bias_correction1, bias_correction2_sqrt,
-        BLOCK=BLOCK, MAP_SIZE=MAP_SIZE, num_warps=NUM_WARPS)
+        BLOCK=block, MAP_SIZE=MAP_SIZE, num_warps=NUM_WARPS)
 
 
 def _check(param: torch.Tensor, grad: torch.Tensor, state: dict, signed_table: torch.Tensor,
-           unsigned_table: torch.Tensor) -> None:
+           unsigned_table: torch.Tensor, block: int) -> None:
     """What the kernel assumes of its tensors; each broken assumption would corrupt memory silently."""
     numel, device = param.numel(), param.device
     if param.dtype not in _STORAGE_DTYPES or grad.dtype not in _STORAGE_DTYPES:
         raise TypeError(f"the 8-bit AdamW kernel takes parameters and gradients among {_STORAGE_DTYPES}, "
                         f"got {param.dtype} and {grad.dtype}")
     codes_m, absmax_m, codes_v, absmax_v = (state[key] for key in _STATE_KEYS)
-    blocks = -(-numel // BLOCK)
+    blocks = -(-numel // block)
     for t, dtype, size in [(param, param.dtype, numel), (grad, grad.dtype, numel), (codes_m, torch.uint8, numel),
                            (codes_v, torch.uint8, numel), (absmax_m, torch.float32, blocks),
                            (absmax_v, torch.float32, blocks), (signed_table, torch.float32, 2 * MAP_SIZE),

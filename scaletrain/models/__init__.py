@@ -6,7 +6,7 @@ and the rest of scaletrain finds a model's spec by its preset name.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -15,9 +15,6 @@ from scaletrain.models.gpt_spec import GPT_SPEC
 from scaletrain.models.llama_spec import LLAMA_SPEC
 from scaletrain.models.mlp import MLPClassifier
 from scaletrain.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from scaletrain.config import ModelConfig
 
 FAMILIES: tuple[ModelSpec, ...] = (GPT_SPEC, LLAMA_SPEC)
 CLASSIFIER = "mlp"  # the digits classifier of the data-parallel exercise: no spec, no text
@@ -41,14 +38,16 @@ def spec_of_hf(model_type: str | None) -> ModelSpec | None:
                                                            else spec.hf.reads_untyped)), None)
 
 
-def family_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> Any:
-    """The family's own config for the user's ModelConfig (the preset, flags over it)."""
+def family_config(cfg, vocab_size: int, seq_len: int) -> Any:
+    """The family's own config for the user's model settings (config.py's ModelConfig: the preset,
+    flags over it); models/ reads them and never imports the command line's settings."""
     return spec_for(cfg.name).configure(cfg, vocab_size, seq_len)
 
 
-def build_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int, n_features: int = 0,
+def build_model(cfg, *, vocab_size: int, seq_len: int, n_features: int = 0,
                 n_classes: int = 0) -> nn.Module:
-    """A freshly initialized model (call after seeding the RNG)."""
+    """A freshly initialized model of the user's model settings ``cfg`` (config.py's ModelConfig),
+    to call after seeding the RNG."""
     if cfg.name == CLASSIFIER:
         return MLPClassifier(n_features, n_classes, cfg.mlp_hidden)
     spec = spec_for(cfg.name)

@@ -6,7 +6,6 @@ from collections.abc import Collection
 
 import torch
 
-from scaletrain.config import TrainConfig
 from scaletrain.optim.adafactor import Adafactor, build_adafactor
 from scaletrain.optim.adamw import build_adamw, decay_groups
 from scaletrain.optim.adamw8bit import AdamW8bit
@@ -14,9 +13,9 @@ from scaletrain.optim.masters import MasterWeights
 from scaletrain.optim.schedule import lr_at
 
 
-def build_optimizer(param_groups: list[dict], cfg: TrainConfig,
-                    embeddings: Collection[torch.Tensor] = ()) -> torch.optim.Optimizer:
-    """``--optimizer`` over ``param_groups`` (the model's decay groups, or their masters);
+def build_optimizer(param_groups: list[dict], cfg, embeddings: Collection[torch.Tensor] = ()) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``param_groups`` (the model's decay groups, or their masters), as the
+    training settings ``cfg`` say (config.py's TrainConfig: optimizer, lr, betas, momentum, fused);
     ``embeddings``: the stepped tensors of embedding tables, whose 8-bit AdamW state stays fp32."""
     if cfg.optimizer == "adafactor":
         return Adafactor(param_groups, lr=cfg.lr)

@@ -170,5 +170,5 @@ class AdamW8bit(torch.optim.Optimizer):
             self._tables[p.device] = (lookup_table(self.signed_map).to(p.device),
                                       lookup_table(self.unsigned_map).to(p.device))
         beta1, beta2 = group["betas"]
-        adamw8bit_step(p, p.grad, state, *self._tables[p.device], step=t, lr=float(group["lr"]), beta1=beta1,
-                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        adamw8bit_step(p, p.grad, state, *self._tables[p.device], block=BLOCK, step=t, lr=float(group["lr"]),
+                       beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])

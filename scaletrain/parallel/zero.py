@@ -93,7 +93,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -104,6 +104,7 @@ from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import ShardCollectives
 from scaletrain.parallel.zero3 import StageThreeGathering
+from scaletrain.parallel.zero_units import Piece, Unit
 
 STAGES = (1, 2, 3)
 # Reduce-scatters in flight at once (stages 2, 3): each holds a unit's
@@ -121,50 +122,6 @@ class FlatShard:
     spans: list[tuple[int, int, int]]  # (global rank, start, stop) for every rank of the group
     rank: int  # this process's global rank
     local: torch.Tensor  # 1-D: this rank's elements [start, stop)
-
-
-@dataclass
-class Piece:
-    """The part of one parameter that lies in this rank's shard of its unit."""
-
-    param: nn.Parameter  # the model's parameter
-    name: str
-    tensor: nn.Parameter  # what the optimizer updates: a view of the unit's master shard
-
-
-@dataclass(eq=False)  # a unit is itself: compared by identity, never field by field (tensors)
-class Unit:
-    """Parameters flattened into one padded buffer, sharded evenly over the group (module docstring)."""
-
-    params: list[nn.Parameter]
-    offsets: list[int]  # each parameter's first element in the flat buffer
-    shard_numel: int  # S
-    full: torch.Tensor  # every element, working dtype; the parameters are views of it
-    shard: torch.Tensor  # this rank's S elements of the working weights
-    master: torch.Tensor  # the same in fp32, where the optimizer runs (may be `shard` itself)
-    grad: torch.Tensor  # this rank's S elements of the reduced gradient
-    master_grad: torch.Tensor  # the same in fp32 beside the master (may be `grad` itself)
-    grad_full: torch.Tensor | None  # stage 1: the unsharded gradients, kept across micro-batches
-    module: nn.Module | None = None  # stage 3: the module whose forward uses the unit
-    staging: torch.Tensor | None = None  # stages 2, 3: this micro-batch's unsharded gradients
-    arrived: set[int] = field(default_factory=set)  # params whose gradient came since the last launch
-    filled: set[int] = field(default_factory=set)  # stage 1: params with a gradient since zero_grad
-    reduced: bool = False  # a reduce-scatter has written `grad` in this step
-    launched: bool = False  # stage 1: its one reduce-scatter of the step has started
-    gathered: bool = True
-    gathering: Pending | None = None
-    pieces: list[Piece] = field(default_factory=list)
-
-    def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i``'s elements of a flat buffer of this unit, shaped like it."""
-        return buffer[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view_as(self.params[i])
-
-    def span(self, i: int, owner: int) -> tuple[int, int]:
-        """The elements [start, stop) of parameter ``i``'s flattening that rank ``owner`` holds."""
-        first, last = owner * self.shard_numel, (owner + 1) * self.shard_numel
-        numel = self.params[i].numel()
-        start = min(max(first - self.offsets[i], 0), numel)
-        return start, max(start, min(last - self.offsets[i], numel))
 
 
 def layer_modules(model: nn.Module) -> list[nn.Module]:

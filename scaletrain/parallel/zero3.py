@@ -35,12 +35,12 @@ from torch import nn
 
 from scaletrain.parallel.hybrid import ShardCollectives
 
-if TYPE_CHECKING:  # zero.py builds the units and this hook set: the import goes one way at run time
-    from scaletrain.parallel.zero import Unit
+if TYPE_CHECKING:
+    from scaletrain.parallel.zero_units import Unit
 
 
 class StageThreeGathering:
-    """The gather and free hooks of ZeRO-3's ``units`` (parallel/zero.py's `Unit`, each with
+    """The gather and free hooks of ZeRO-3's ``units`` (parallel/zero_units.py's `Unit`, each with
     its ``module``) on ``model``, whose root unit comes first in ``units`` (the module docstring).
     ``before_forward`` runs at the start of every forward of the model (zero.py launches
     the reductions a backward left incomplete). Frees every unit: the forward gathers them."""

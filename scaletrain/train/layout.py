@@ -149,7 +149,8 @@ class Layout:
             self.host_peak = peak_resident_bytes()
         if self.folder and self.tensor_parallel:  # the weights have their storage now, for good
             self.tensor_parallel.hook_replicated_gradients(self.model)
-        self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline)  # PipeDream-2BW's 1-stale update
+        # PipeDream-2BW's 1-stale update: the pipeline's weight versions, or a delayed gradient
+        self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline.versions if self.pipeline else None)
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])

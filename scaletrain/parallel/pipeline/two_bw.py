@@ -47,15 +47,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Action
-
-if TYPE_CHECKING:  # parallel.py imports this module
-    from scaletrain.parallel.pipeline.parallel import PipelineParallel
 
 
 class WeightVersions:
@@ -185,9 +181,11 @@ class DelayedGradient:
 
 
 def delayed_update(schedule: str, model: nn.Module,
-                   pipeline: PipelineParallel | None) -> WeightVersions | DelayedGradient | None:
-    """What makes a step's update the 1-stale one under PipeDream-2BW: the ``pipeline``'s weight
-    versions, or without a pipeline a `DelayedGradient` of the model's trainable weights."""
+                   versions: WeightVersions | None) -> WeightVersions | DelayedGradient | None:
+    """What makes a step's update the 1-stale one under PipeDream-2BW: a pipeline's weight
+    ``versions``, or without a pipeline (None) a `DelayedGradient` of the model's trainable weights."""
     if schedule != PIPEDREAM_2BW:
         return None
-    return pipeline.versions if pipeline else DelayedGradient([p for p in model.parameters() if p.requires_grad])
+    if versions is not None:
+        return versions
+    return DelayedGradient([p for p in model.parameters() if p.requires_grad])

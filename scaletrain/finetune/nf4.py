@@ -60,7 +60,7 @@ backward: y = x W^T + b, dL/dx = dL/dy W; the base gets no gradient.
 
 Comparison. ``uniform_code(16)``, 16 evenly spaced levels in [-1, 1], is the
 plain int4 absmax quantizer at the same block size; on normal weights NF4's
-round-trip mean squared error is lower (docs/finetune-nf4.md gives figures).
+round-trip mean squared error is lower (docs/finetuning.md gives figures).
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def chunk_peak(x: Shape, blocks: int, first: bool, last: bool, recompute: str) -
 
 
 def weight_grad_inputs(x: Shape, blocks: int, last: bool) -> int:
-    """What a split backward keeps from B to W (pipeline/weight_grad.py): the inputs of
+    """What a split backward keeps from B to W (parallel/pipeline/weight_grad.py): the inputs of
     the linear layers whose weight gradient waits, attention and MLP projections and,
     unless sp computes them at once with their re-gathered input, the column layers and
     the head (autocast casts each column layer's input on its own)."""

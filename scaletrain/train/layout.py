@@ -14,7 +14,7 @@ close it.
 
 The step (train/engine.py) runs over a layout and never builds one; a
 layout never runs a step, nor builds a model: the command builds its models
-from the seed (train/build.py), a user brings theirs (library.py). Nothing
+from the seed (train/trainer.py: `build_run_model`), a user brings theirs (library.py). Nothing
 here names a model: it reads the plan, so every layout of the same model
 starts from the same weights, which is what makes parity checkable.
 """

@@ -19,7 +19,7 @@ from pathlib import Path
 # socket a dead peer closed (the rendezvous store, gloo), pages of them before
 # the one sentence that names the rank. Errors still show; a user's own
 # TORCH_CPP_LOG_LEVEL=WARNING brings the warnings back. --debug-dist asks for
-# them all (dist/debug.py), and torch reads the level only when it loads.
+# them all (runtime/debug.py), and torch reads the level only when it loads.
 if "--debug-dist" in sys.argv[1:]:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "INFO"
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -269,7 +269,7 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from scaletrain.dist.launch import detect_environment
+    from scaletrain.runtime.launch import detect_environment
     from scaletrain.train.run import launch, print_summary
 
     base = None
@@ -337,7 +337,9 @@ def _bench(args: argparse.Namespace) -> int:
                              cfg.data.vocab_size, Path(args.folder) if args.folder else None)
         table = prepare.format_table
     elif args.what in ("softmax", "cross-entropy"):
-        from scaletrain.bench import softmax  # its kernels import Triton, which only these need
+        from scaletrain.bench import (
+            softmax,  # its kernels import Triton, which only these need
+        )
 
         run = softmax.run_softmax if args.what == "softmax" else softmax.run_cross_entropy
         result, table = run(cfg, args.warmup), softmax.format_table

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+import tomllib
 
-from scaletrain.dist.mesh import ParallelDims
-from scaletrain.dist.ray_launch import RayPlacement
 from scaletrain.errors import UserError
 from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.paths import readable_file
+from scaletrain.runtime.mesh import ParallelDims
+from scaletrain.runtime.ray_launch import RayPlacement
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
@@ -215,7 +215,7 @@ class ParallelConfig:
     bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
                                   "communication starts earlier in backward, in more calls)")
     allreduce: str = _opt("backend", "gradient all-reduce: the backend's, or the ring written with "
-                                     "send/recv in dist/ring.py", choices=("backend", "ring"))
+                                     "send/recv in runtime/ring.py", choices=("backend", "ring"))
     reduce_dtype: str = _opt("fp32", "dtype in which gradients accumulate and are all-reduced; bf16 "
                                      "halves the bytes of --param-dtype bf16 runs",
                              choices=("fp32", "bf16"))
@@ -240,7 +240,7 @@ class ParallelConfig:
                               "parallelism, gradients averaged every step)")
 
     def ray_placement(self) -> RayPlacement:
-        """Where --launcher ray puts the workers (dist/ray_launch.py)."""
+        """Where --launcher ray puts the workers (runtime/ray_launch.py)."""
         return RayPlacement(self.ray_address, self.cpus_per_worker, self.gpus_per_worker)
 
     def mesh_dims(self, world_size: int) -> ParallelDims:

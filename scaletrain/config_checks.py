@@ -3,7 +3,7 @@ refused in one sentence that says what to change, before any work starts.
 
 `check_values` needs no model and no processes, so the launching process
 runs it first; the mesh's own sizes are checked where the mesh is built
-(dist/mesh.py).
+(runtime/mesh.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib.util
 
 from scaletrain.config import AUTO, Config, ParallelConfig
-from scaletrain.dist.ray_launch import check_placement
 from scaletrain.errors import UserError
 from scaletrain.models import CLASSIFIER
 from scaletrain.parallel.pipeline import schedules
+from scaletrain.runtime.ray_launch import check_placement
 from scaletrain.train.trackers import TRACKERS
 from scaletrain.train.trackers import names as tracker_names
 
@@ -173,7 +173,7 @@ def _check_pure_bf16(cfg: Config) -> None:
 
 def _check_hybrid(p: ParallelConfig) -> None:
     """--shard-group and --quantize-weights (parallel/hybrid.py); the divisibility of the
-    dp group is checked with the mesh (dist/mesh.py)."""
+    dp group is checked with the mesh (runtime/mesh.py)."""
     if p.shard_group is not None and not p.zero:
         raise UserError(f"--shard-group {p.shard_group} shards ZeRO's state within groups of ranks, which "
                         f"needs --zero 1, 2 or 3; add --zero or drop --shard-group.")

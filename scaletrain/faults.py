@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from scaletrain.dist.launch import restart_attempt
 from scaletrain.errors import UserError
+from scaletrain.runtime.launch import restart_attempt
 
 VARIABLE = "SCALETRAIN_FAULT"
 KINDS = ("kill", "hang", "nan", "skip")

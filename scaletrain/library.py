@@ -46,11 +46,22 @@ from torch import nn
 
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.data.sampler import ShardedSampler
-from scaletrain.dist.launch import DistRuntime, connect, detect_environment, init_distributed, shutdown
 from scaletrain.errors import UserError
-from scaletrain.library_checks import check_combinations, check_plan, engine_config, layout_for_world
+from scaletrain.library_checks import (
+    check_combinations,
+    check_plan,
+    engine_config,
+    layout_for_world,
+)
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
+from scaletrain.runtime.launch import (
+    DistRuntime,
+    connect,
+    detect_environment,
+    init_distributed,
+    shutdown,
+)
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import engine as core
 from scaletrain.train.sampling import generate

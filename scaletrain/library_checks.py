@@ -17,12 +17,12 @@ from torch import nn
 
 from scaletrain.config import Config, ParallelConfig, TrainConfig, coerce
 from scaletrain.config_checks import check_values, refuse_auto
-from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
-from scaletrain.recompute import parse_policy
+from scaletrain.runtime.mesh import ParallelDims
+from scaletrain.techniques.recompute import parse_policy
 from scaletrain.train.layout import model_dropout
 
 # The command's options that belong to a run rather than to a step: its evaluation, the

@@ -43,11 +43,11 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.config_checks import check_here
-from scaletrain.dist.launch import detect_environment
-from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
+from scaletrain.runtime.launch import detect_environment
+from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import execute, prepare_run, resolve_layout, world_size_for

@@ -12,10 +12,10 @@ set to ``[SCRIPT, *ARGS]`` and the variables of ``init_process_group``'s
 ``MASTER_ADDR``, ``MASTER_PORT``), so a script that calls
 ``dist.init_process_group()`` finds its place. Without ``--nproc`` this
 process is one of a job another launcher started, or the only one: its place
-is read as the trainer reads it (dist/launch.py: torchrun's variables,
+is read as the trainer reads it (runtime/launch.py: torchrun's variables,
 SLURM's, Open MPI's or MPICH's) and written into those same variables, so one
 script runs unchanged under every launcher. With ``--launcher ray`` the N workers are Ray
-Train workers on a Ray cluster (dist/ray_launch.py), given the same variables.
+Train workers on a Ray cluster (runtime/ray_launch.py), given the same variables.
 
 Failures are reported as the trainer's are: a rank that raises is named with
 its traceback, a rank that is killed with its signal, and ``--max-restarts
@@ -62,8 +62,8 @@ def add_run_parser(commands) -> None:
 def export_place() -> None:
     """This process's place in its job, from whichever launcher started it, as the variables
     ``init_process_group``'s default ``env://`` rendezvous reads; under torch's elastic agent, at
-    an address of this launch attempt's own (dist/launch.py: `attempt_rendezvous`)."""
-    from scaletrain.dist.launch import attempt_rendezvous, detect_environment
+    an address of this launch attempt's own (runtime/launch.py: `attempt_rendezvous`)."""
+    from scaletrain.runtime.launch import attempt_rendezvous, detect_environment
 
     env = detect_environment()
     addr, port = attempt_rendezvous(env)
@@ -90,8 +90,8 @@ def run_script(script: str, args: list[str]) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     from scaletrain.config_checks import check_launcher
-    from scaletrain.dist.spawn import WorkerFailed, spawn_local
-    from scaletrain.dist.ray_launch import launch_ray, ray_cluster
+    from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
+    from scaletrain.runtime.spawn import WorkerFailed, spawn_local
 
     script = readable_file("SCRIPT", args.script, SCRIPT_WANTED)
     if script.suffix != ".py":

@@ -38,8 +38,8 @@ from typing import Any
 from scaletrain.config import Config, ParallelConfig, base_type, coerce, field_of
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
-from scaletrain.train.trackers import names as tracker_names
 from scaletrain.train.trackers import end_mlflow_run, open_experiment
+from scaletrain.train.trackers import names as tracker_names
 
 METRICS = ("loss", "val_loss")
 REDUCTION = 2  # ASHA keeps the best 1/REDUCTION of the trials at each rung
@@ -152,7 +152,11 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from scaletrain.dist.ray_launch import check_placement, forwarded_variables, ray_cluster
+    from scaletrain.runtime.ray_launch import (
+        check_placement,
+        forwarded_variables,
+        ray_cluster,
+    )
     from scaletrain.train.data_setup import prepare_data
 
     space = search_space(args)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from scaletrain.dist import free_port
+from scaletrain.runtime import free_port
 
 
 class DistributedTestError(AssertionError):
@@ -60,7 +60,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     # process: spawning instead costs every rank its own torch import
     # (seconds on a small machine), and forking pytest itself is unsafe.
     context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "scaletrain.dist"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "scaletrain.runtime"])
     results = context.Queue()
     port = free_port()
     processes = [

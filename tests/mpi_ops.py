@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from scaletrain.dist import Comm, Group, ParallelDims
-from scaletrain.dist.ring import RingAllReduce
+from scaletrain.runtime import Comm, Group, ParallelDims
+from scaletrain.runtime.ring import RingAllReduce
 
 
 def _rows(sender: int, receiver: int) -> int:
@@ -80,7 +80,7 @@ def exercise(comm: Comm, group: Group) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from scaletrain.dist.launch import connect, detect_environment, init_distributed
+    from scaletrain.runtime.launch import connect, detect_environment, init_distributed
 
     env = detect_environment()
     runtime = init_distributed(env, timeout_s=60, backend="mpi4py")

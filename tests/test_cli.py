@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scaletrain.dist.launch import free_port
+from scaletrain.runtime.launch import free_port
 from tests.conftest import run_cli
 
 

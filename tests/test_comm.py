@@ -7,9 +7,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist import Comm, Ledger, Mesh, ParallelDims, Pending, detect_environment, init_distributed, shutdown
-from scaletrain.dist.autograd import exchange_rows
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime import (
+    Comm,
+    Ledger,
+    Mesh,
+    ParallelDims,
+    Pending,
+    detect_environment,
+    init_distributed,
+    shutdown,
+)
+from scaletrain.runtime.autograd import exchange_rows
+from scaletrain.runtime.mesh import Group
 from tests.distributed import DistributedTestError, run_distributed
 
 OBJECT_BYTES = len(pickle.dumps({"rank": 0}))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config import Config
-from scaletrain.dist.spawn import spawn_local
+from scaletrain.runtime.spawn import spawn_local
 from scaletrain.train.data_setup import prepare_data
 from tests.trainers import build_trainer
 

@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.compress_activations import (
+from scaletrain.models.gpt import GPT, GPTConfig
+from scaletrain.techniques.compress_activations import (
     BLOCK,
     ActivationCompression,
     dequantize_int8,
     fills_its_storage,
     quantize_int8,
 )
-from scaletrain.models.gpt import GPT, GPTConfig
-from scaletrain.recompute import apply_recompute
+from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import ActivationMeter
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.run import execute, prepare_run

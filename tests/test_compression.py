@@ -7,9 +7,14 @@ import math
 import pytest
 import torch
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
-from scaletrain.dist.mesh import Group
-from scaletrain.optim.compression import PowerSGD, SignCompressor, pack_bits, unpack_bits
+from scaletrain.optim.compression import (
+    PowerSGD,
+    SignCompressor,
+    pack_bits,
+    unpack_bits,
+)
+from scaletrain.runtime import Comm, Mesh, ParallelDims
+from scaletrain.runtime.mesh import Group
 from tests.distributed import run_distributed
 
 # Two matrices that rank-2 PowerSGD compresses, a vector, and a 2 x 2 matrix

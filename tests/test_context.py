@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.gpt_spec import GPT_SPEC
+from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel import context
 from scaletrain.parallel.context import (
     RingAttention,
@@ -20,8 +20,8 @@ from scaletrain.parallel.context import (
     ring_attention,
     zigzag_positions,
 )
-from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel.tensor import parallelize
+from scaletrain.runtime import Comm, Mesh, ParallelDims
 from tests.distributed import run_distributed
 
 # batch, heads, sequence, head_dim of the attention tests

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.parallel.data import DataParallel, plan_buckets, replicate
+from scaletrain.runtime import Comm, Mesh, ParallelDims
 from tests.distributed import run_distributed
 
 D = 16

@@ -15,18 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.config import Config
-from scaletrain.dist import Comm, Group, ProcessEnv, free_port
-from scaletrain.dist.debug import (
+from scaletrain.errors import JobFailed, UserError
+from scaletrain.faults import Faults, parse
+from scaletrain.runtime import Comm, Group, ProcessEnv, free_port
+from scaletrain.runtime.debug import (
     DEBUG_ENVIRONMENT,
     RankLog,
     check_same_config,
     check_same_parameters,
     debug_environment,
 )
-from scaletrain.dist.desync import CollectiveTracker, explain_desync
-from scaletrain.dist.health import Health
-from scaletrain.errors import JobFailed, UserError
-from scaletrain.faults import Faults, parse
+from scaletrain.runtime.desync import CollectiveTracker, explain_desync
+from scaletrain.runtime.health import Health
 from scaletrain.train.run import explain_failure
 from tests.distributed import run_distributed
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
-from scaletrain.dist.launch import DistRuntime
 from scaletrain.parity import run_parity
+from scaletrain.runtime import Comm, Mesh, ParallelDims, ProcessEnv
+from scaletrain.runtime.launch import DistRuntime
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed

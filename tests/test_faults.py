@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from scaletrain.dist import free_port
-from scaletrain.dist.desync import CollectiveTracker
-from scaletrain.dist.health import Health
-from scaletrain.dist.mesh import Group
-from scaletrain.dist.launch import ProcessEnv, default_timeout
+from scaletrain.runtime import free_port
+from scaletrain.runtime.desync import CollectiveTracker
+from scaletrain.runtime.health import Health
+from scaletrain.runtime.launch import ProcessEnv, default_timeout
+from scaletrain.runtime.mesh import Group
 
 TIMEOUT_S = 10  # --timeout of these jobs: short, as a test's should be
 
@@ -135,7 +135,7 @@ def _losses(run: Path) -> list[float]:
 
 def test_heartbeats_stop_before_the_process_exits():
     """No heartbeat thread outlives `Health.stop`: one that is inside ``store.add`` while a
-    torchrun worker's interpreter finalizes aborts the finished process (dist/health.py)."""
+    torchrun worker's interpreter finalizes aborts the finished process (runtime/health.py)."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=5))  # noqa: F841
     health = Health(ProcessEnv(0, 1, 0, 1, "127.0.0.1", port, "torchrun"), timeout_s=2)

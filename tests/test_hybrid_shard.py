@@ -11,12 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.dist.mesh import ParallelDims
 from scaletrain.errors import UserError
-from scaletrain.parallel.hybrid import BLOCK, dequantize_int8, int8_shard_bytes, quantize_int8
+from scaletrain.parallel.hybrid import (
+    BLOCK,
+    dequantize_int8,
+    int8_shard_bytes,
+    quantize_int8,
+)
 from scaletrain.parity import run_parity
 from scaletrain.plan.hardware import Cluster, cpu_device
 from scaletrain.plan.predict import predict
+from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save

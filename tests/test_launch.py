@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from scaletrain.dist import (
+from scaletrain.errors import UserError
+from scaletrain.runtime import (
     Comm,
     Mesh,
     ParallelDims,
@@ -15,7 +16,6 @@ from scaletrain.dist import (
     shutdown,
     spawn_local,
 )
-from scaletrain.errors import UserError
 
 TORCHRUN = {
     "RANK": "3",

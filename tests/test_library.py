@@ -13,7 +13,7 @@ from torch import nn
 
 import scaletrain
 from scaletrain import ModelPlan, StagePlan, UserError
-from scaletrain.dist.spawn import spawn_local
+from scaletrain.runtime.spawn import spawn_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from transformer import PLAN, Transformer  # noqa: E402  (the example's own model and plan)

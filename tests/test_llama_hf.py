@@ -24,8 +24,8 @@ from scaletrain.finetune.sliced import FolderSource, load_hf_model, materialize
 from scaletrain.generate import load_run_model
 from scaletrain.models import family_config, spec_for
 from scaletrain.parallel.tensor import parallelize
-from scaletrain.dist.mesh import Group
 from scaletrain.parity import run_parity
+from scaletrain.runtime.mesh import Group
 from scaletrain.train import checkpoint as ckpt
 
 transformers = pytest.importorskip("transformers", reason="comparing with transformers needs the dev extra")

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from scaletrain.config import Config
-from scaletrain.dist import Comm, Mesh, ParallelDims, ProcessEnv
-from scaletrain.dist.launch import DistRuntime
 from scaletrain.errors import UserError
 from scaletrain.parallel.data import DataParallel
 from scaletrain.parallel.local_sgd import LocalSGD
+from scaletrain.runtime import Comm, Mesh, ParallelDims, ProcessEnv
+from scaletrain.runtime.launch import DistRuntime
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.run import check_optimizer_layout
 from scaletrain.train.trainer import Trainer

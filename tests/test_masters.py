@@ -10,7 +10,7 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.optim import MasterWeights, decay_groups
-from scaletrain.precision import autocast
+from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.memory import model_bytes
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletrain.models.gpt import GPT, GPTConfig
-from scaletrain.recompute import apply_recompute
+from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import (
     ActivationMeter,
     format_table,

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from scaletrain.dist.mesh import DIM_NAMES, ParallelDims, group_name
 from scaletrain.errors import UserError
+from scaletrain.runtime.mesh import DIM_NAMES, ParallelDims, group_name
 
 LAYOUTS = [
     ParallelDims(),

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.moe import (
     MoE,
@@ -23,6 +22,7 @@ from scaletrain.models.moe import (
     moe_layers,
 )
 from scaletrain.parallel.experts import parallelize_experts
+from scaletrain.runtime import Comm, Mesh, ParallelDims
 from tests.distributed import run_distributed
 
 # d_model, sequence length, sequences in a batch, experts

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.parity import relative_diffs
+from scaletrain.runtime import Comm, Mesh, ParallelDims
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
 from tests.conftest import run_cli

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.dist import free_port
-from scaletrain.dist.mesh import ParallelDims
+from scaletrain.runtime import free_port
+from scaletrain.runtime.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180  # each launch takes about 15 s on two cores; this only stops a hang

@@ -15,10 +15,18 @@ import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
 from scaletrain.data.batches import IGNORE_INDEX
-from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.models import build_model, spec_for
-from scaletrain.models.decoder import causal_attention, document_mask, document_positions
-from scaletrain.parallel.context import parallelize_context, ring_attention, zigzag_positions
+from scaletrain.models.decoder import (
+    causal_attention,
+    document_mask,
+    document_positions,
+)
+from scaletrain.parallel.context import (
+    parallelize_context,
+    ring_attention,
+    zigzag_positions,
+)
+from scaletrain.runtime import Comm, Mesh, ParallelDims
 from scaletrain.train.layout import loss_fn
 from tests.distributed import run_distributed
 

@@ -135,9 +135,9 @@ def test_deferrable_linear_outside_deferring_is_a_plain_linear():
 def _forward_through_stages(rank: int, n: int) -> dict:
     """Two ranks, two chunks each (stages 0-3): evaluation over batches of 4 and 2
     sequences, and 5 generated tokens, against the whole model in one process."""
-    from scaletrain.dist import Comm, Mesh, ParallelDims
     from scaletrain.models.decoder import sample_next
     from scaletrain.parallel.pipeline.parallel import PipelineParallel
+    from scaletrain.runtime import Comm, Mesh, ParallelDims
     from scaletrain.train.layout import loss_fn
 
     whole, model = _gpt(), _gpt()

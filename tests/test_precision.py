@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
-from scaletrain.precision import (
+from scaletrain.techniques.precision import (
     PRECISIONS,
     DynamicLossScaler,
     autocast,

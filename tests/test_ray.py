@@ -1,5 +1,5 @@
 """--launcher ray on a real Ray cluster, started by these tests and stopped after them
-(dist/ray_launch.py): dp2 under Ray trains as dp2 under --nproc, a killed Ray worker is
+(runtime/ray_launch.py): dp2 under Ray trains as dp2 under --nproc, a killed Ray worker is
 restarted by Ray and resumes exactly, `ray job submit` runs the trainer, `scaletrain run`
 launches a script on Ray workers, and mistakes are one sentence."""
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from scaletrain.cli import main
-from scaletrain.dist import free_port
 from scaletrain.parity import relative_diffs
+from scaletrain.runtime import free_port
 from scaletrain.train.checkpoint import read_model_tensors
 from tests.readme import readme_argv
 

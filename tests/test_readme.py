@@ -262,7 +262,7 @@ def _argv(example: Example) -> list[str]:
         command = command.replace(placeholder, path)
     words = [os.path.expanduser(word) for word in shlex.split(command)] + shlex.split(example.extra)
     if words[0] == "torchrun":  # a port of its own: other tests' jobs may hold torchrun's default
-        from scaletrain.dist import free_port
+        from scaletrain.runtime import free_port
 
         words[1:1] = ["--master-port", str(free_port())]
         return [sys.executable, "-m", "torch.distributed.run", *words[1:]]

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.errors import UserError
 from scaletrain.models.gpt import GPT, GPTConfig
-from scaletrain.recompute import apply_recompute, parse_policy
+from scaletrain.techniques.recompute import apply_recompute, parse_policy
 
 # Compared bit for bit or within bounds derived in each test: CI reruns them on other vector kernels.
 pytestmark = pytest.mark.numerics

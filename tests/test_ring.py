@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
-from scaletrain.dist.ring import RingAllReduce, ring_all_reduce
+from scaletrain.runtime import Comm, Mesh, ParallelDims
+from scaletrain.runtime.ring import RingAllReduce, ring_all_reduce
 from tests.distributed import run_distributed
 
 

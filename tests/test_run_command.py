@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.cli import main
-from scaletrain.dist import free_port
+from scaletrain.runtime import free_port
 
 ALL_REDUCE = '''
 import sys

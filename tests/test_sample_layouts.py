@@ -11,7 +11,6 @@ the third, runs in tests/test_readme.py.
 
 from __future__ import annotations
 
-
 import pytest
 
 from scaletrain.config import Config
@@ -33,7 +32,7 @@ def test_a_zero3_run_ends_with_its_sample(corpus, tmp_path):
     done = run_cli("train", "--model", model, "--nproc", "2", "--zero", "3", "--steps", "3", "--data", str(corpus),
                    "--no-progress", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"))
     _finished_with_sample(done, f"{model} under --zero 3")
-    # The collective timeout a local CPU run gets (dist/launch.py): a hang shows within a minute.
+    # The collective timeout a local CPU run gets (runtime/launch.py): a hang shows within a minute.
     assert "timeout = 60.0" in (tmp_path / "run" / "config.toml").read_text()
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletrain.dist import Comm, Mesh, ParallelDims
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel.tensor import (
@@ -20,9 +19,10 @@ from scaletrain.parallel.tensor import (
     split_sizes,
 )
 from scaletrain.parity import run_parity
+from scaletrain.runtime import Comm, Mesh, ParallelDims
 from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.memory import ActivationMeter
 from scaletrain.train.layout import loss_fn
+from scaletrain.train.memory import ActivationMeter
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.dist import Comm, Mesh, ProcessEnv
-from scaletrain.dist.launch import DistRuntime
+from scaletrain.runtime import Comm, Mesh, ProcessEnv
+from scaletrain.runtime.launch import DistRuntime
 from scaletrain.train.trainer import Trainer
 
 

@@ -21,11 +21,11 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from scaletrain.config import Config, TrainConfig
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.spawn import spawn_local
-from scaletrain.dist.mesh import Group, Mesh, ParallelDims
 from scaletrain.errors import UserError
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
+from scaletrain.runtime.mesh import Group, Mesh, ParallelDims
+from scaletrain.runtime.spawn import spawn_local
 from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
 from scaletrain.train.trainer import first_sample
 

@@ -1,4 +1,4 @@
-"""``scaletrain bench allreduce``: the ring all-reduce of dist/ring.py against the backend's.
+"""``scaletrain bench allreduce``: the ring all-reduce of runtime/ring.py against the backend's.
 
 Local workers sum float32 buffers from 4 KiB to 64 MiB, alternating call by
 call between the ring and the backend's all_reduce, so that machine noise
@@ -11,7 +11,7 @@ Bandwidth follows the nccl-tests convention:
   algbw = S / t        busbw = algbw x 2(n-1)/n
 
 An all-reduce of S bytes makes each rank send and receive 2(n-1)/n x S
-bytes at best (see dist/ring.py), so busbw is the rate one link carried: a
+bytes at best (see runtime/ring.py), so busbw is the rate one link carried: a
 figure comparable across rank counts and against the link's own bandwidth,
 where algbw would fall as ranks are added.
 
@@ -33,16 +33,16 @@ from pathlib import Path
 import torch
 
 from scaletrain.bench import machine, median
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.spawn import spawn_local
-from scaletrain.dist.mesh import Group, Mesh, ParallelDims
-from scaletrain.dist.ring import RingAllReduce
 from scaletrain.errors import UserError
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
+from scaletrain.runtime.mesh import Group, Mesh, ParallelDims
+from scaletrain.runtime.ring import RingAllReduce
+from scaletrain.runtime.spawn import spawn_local
 
 KIB, MIB = 2**10, 2**20
 SIZES = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
-OURS = "ring all-reduce (send/recv, dist/ring.py)"
+OURS = "ring all-reduce (send/recv, runtime/ring.py)"
 
 
 def run(nproc: int, sizes: list[int] = SIZES, repeats: int = 10, warmup: int = 2,

@@ -27,14 +27,22 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.bench import (Batches, largest_relative_gap, machine, race, race_rank, slowest_rank_medians,
-                              spawn_race, step_batches)
+from scaletrain.bench import (
+    Batches,
+    largest_relative_gap,
+    machine,
+    race,
+    race_rank,
+    slowest_rank_medians,
+    spawn_race,
+    step_batches,
+)
 from scaletrain.config import Config
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Mesh
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Mesh
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.layout import loss_fn
 

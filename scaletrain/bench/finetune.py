@@ -46,15 +46,15 @@ from scaletrain.bench import machine, median
 from scaletrain.bench.techniques import flags_of
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.spawn import spawn_local
-from scaletrain.dist.mesh import Mesh
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
 from scaletrain.models import LADDER_PRESET
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
 from scaletrain.plan.predict import predict
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
+from scaletrain.runtime.mesh import Mesh
+from scaletrain.runtime.spawn import spawn_local
 from scaletrain.train.data_setup import DataSpec, prepare_data
 from scaletrain.train.step_memory import POINTS, total
 from scaletrain.train.trainer import Trainer

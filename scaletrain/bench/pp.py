@@ -128,8 +128,6 @@ from scaletrain.bench import (
     step_batches,
 )
 from scaletrain.config import Config
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group, Mesh
 from scaletrain.errors import UserError
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import tied_parameters
@@ -143,6 +141,8 @@ from scaletrain.parallel.pipeline.partition import (
     parameter_costs,
 )
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group, Mesh
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.layout import loss_fn
 

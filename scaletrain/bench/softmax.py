@@ -41,7 +41,7 @@ from scaletrain.bench import machine, median
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.kernels import interpreted
-from scaletrain.precision import compute_dtype
+from scaletrain.techniques.precision import compute_dtype
 
 # (rows, cols, what they are); tiny ones for the interpreter, the second spanning blocks
 SOFTMAX_SHAPES = [(8 * 12 * 1024, 1024, "124M attention rows"), (8192, 50304, "50k vocabulary rows")]

@@ -13,7 +13,7 @@ What to expect, from the formulas in docs/techniques.md: full recompute cuts
 saved activations to the block inputs plus one block's at about 1/3 more
 compute; bf16 autocast roughly halves activation bytes; ``--param-dtype
 bf16`` halves the parameter bytes and adds 4 B/param of fp32 master;
-compressed activations (compress_activations.py) store the compressible
+compressed activations (techniques/compress_activations.py) store the compressible
 saved bytes in half (bf16) or about a quarter (int8);
 Adafactor's state is a small fraction of AdamW's; offload moves optimizer
 bytes to the host (the same place, on a CPU-only machine).
@@ -27,10 +27,10 @@ from pathlib import Path
 
 from scaletrain.bench import machine, median
 from scaletrain.config import Config
-from scaletrain.dist.comm import Comm, Ledger
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import UserError
+from scaletrain.runtime.comm import Comm, Ledger
+from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
+from scaletrain.runtime.mesh import Mesh, ParallelDims
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.trainer import Trainer
 

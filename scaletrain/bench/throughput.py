@@ -43,14 +43,14 @@ from torch import nn
 
 from scaletrain.bench import machine, median
 from scaletrain.config import Config
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import detect_environment, init_distributed, shutdown
-from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import UserError
 from scaletrain.export_hf import hf_tensors
 from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.optim import decay_groups, lr_at
-from scaletrain.precision import autocast
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
+from scaletrain.runtime.mesh import Mesh, ParallelDims
+from scaletrain.techniques.precision import autocast
 from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
 from scaletrain.train.metrics import mfu, peak_resident_bytes, peak_tflops
 from scaletrain.train.trainer import Trainer, build_run_model, first_sample

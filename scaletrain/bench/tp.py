@@ -82,19 +82,39 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from scaletrain.bench import (Batches, largest_relative_gap, machine, race, race_rank, slowest_rank_medians,
-                              spawn_race, step_batches)
+from scaletrain.bench import (
+    Batches,
+    largest_relative_gap,
+    machine,
+    race,
+    race_rank,
+    slowest_rank_medians,
+    spawn_race,
+    step_batches,
+)
 from scaletrain.config import Config
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
 from scaletrain.models import CLASSIFIER, build_model, spec_for
-from scaletrain.models.spec import Column, Row, TensorPlan, VocabEmbedding, VocabHead, tied_parameters
+from scaletrain.models.spec import (
+    Column,
+    Row,
+    TensorPlan,
+    VocabEmbedding,
+    VocabHead,
+    tied_parameters,
+)
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.tensor import parallelize
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 from scaletrain.train.data_setup import DataSpec
 from scaletrain.train.layout import loss_fn
 

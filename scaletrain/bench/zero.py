@@ -66,18 +66,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from scaletrain.bench import (Batches, largest_relative_gap, machine, race, race_rank, slowest_rank_medians,
-                              spawn_race, step_batches)
+from scaletrain.bench import (
+    Batches,
+    largest_relative_gap,
+    machine,
+    race,
+    race_rank,
+    slowest_rank_medians,
+    spawn_race,
+    step_batches,
+)
 from scaletrain.config import Config
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import replicate
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 from scaletrain.train.data_setup import DataSpec
-from scaletrain.train.memory import bytes_by_entry, optimizer_state
 from scaletrain.train.layout import loss_fn
+from scaletrain.train.memory import bytes_by_entry, optimizer_state
 
 OURS, PEER, DEEPSPEED = "scaletrain ZeRO-3", "torch FSDP2 (fully_shard)", "DeepSpeed ZeRO-3"
 CPU_MEMORY_NOTE = "not measurable on CPU"

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 def _square_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -100,8 +100,8 @@ from typing import Protocol
 
 import torch
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 AllReduce = Callable[[torch.Tensor], None]
 

@@ -112,9 +112,9 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.models.decoder import CausalAttention, causal_attention, document_mask
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 def zigzag_positions(seq_len: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -49,7 +49,7 @@ before the sum, rather than divided after: low-precision sums then stay in
 range, and a short last batch (`weigh_by`) is averaged correctly.
 
 The reduction itself is pluggable: the backend's all-reduce (asynchronous
-work handles), the ring of dist/ring.py, or a gradient compressor
+work handles), the ring of runtime/ring.py, or a gradient compressor
 (optim/compression.py); the last two run on one communication thread, in
 bucket order, so they overlap backward too.
 """
@@ -65,10 +65,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from scaletrain.dist.comm import Comm, Pending
-from scaletrain.dist.mesh import Group
-from scaletrain.dist.ring import RingAllReduce
 from scaletrain.optim.compression import GradientCompressor
+from scaletrain.runtime.comm import Comm, Pending
+from scaletrain.runtime.mesh import Group
+from scaletrain.runtime.ring import RingAllReduce
 
 # What a bucket's reduction may be: the backend's all-reduce, the ring, or
 # a compressor's `reduce(key, flat, shapes)` (optim/compression.py).

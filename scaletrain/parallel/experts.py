@@ -72,10 +72,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from scaletrain.dist.autograd import exchange_rows
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.models.moe import moe_layers, run_experts
+from scaletrain.runtime.autograd import exchange_rows
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 class DispatchedExperts(nn.ModuleList):

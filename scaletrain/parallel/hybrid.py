@@ -9,7 +9,7 @@ optimizer state over all ranks and only a secondary weight shard per node
 reduce-scatters crossing nodes; HSDP, here, keeps all of them in the node.
 Plain ZeRO shards over all ``D`` data-parallel ranks, so every
 weight all-gather and gradient reduce-scatter spans every node. With
-``--shard-group N`` the dp group (dist/mesh.py) is cut into ``G = D / N``
+``--shard-group N`` the dp group (runtime/mesh.py) is cut into ``G = D / N``
 shard groups of N neighbouring ranks (a node) and N replica groups of the G
 ranks at the same place in each shard group. ZeRO runs inside the shard
 group, unchanged (units padded to N, rank r of the group owns elements
@@ -59,8 +59,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from scaletrain.dist.comm import Comm, Pending
-from scaletrain.dist.mesh import Group, Mesh, hybrid_group_name
+from scaletrain.runtime.comm import Comm, Pending
+from scaletrain.runtime.mesh import Group, Mesh, hybrid_group_name
 
 BLOCK = 256  # elements per absmax scale: 1.6% of the int8 bytes spent on scales
 LEVELS = 127  # int8's symmetric range [-127, 127] (-128 left unused, so 0 is exact and signs symmetric)

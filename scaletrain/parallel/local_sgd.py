@@ -51,9 +51,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.parallel.data import plan_buckets, summer
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 class LocalSGD:

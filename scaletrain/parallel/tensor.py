@@ -19,7 +19,7 @@ sum of the whole output. Between them everything (attention per head, GELU
 per feature) is local. The region is entered with f (identity forward,
 all-reduce of the input's gradient backward) and left with g (all-reduce of
 the partial sums forward, identity backward): per block 2 all-reduces of
-b*s*h elements forward and 2 backward (dist/autograd.py).
+b*s*h elements forward and 2 backward (runtime/autograd.py).
 
 Embeddings and loss (vocabulary parallel). The token embedding's rows are
 split by vocabulary: a rank looks up the ids in its range, writes zeros for
@@ -96,18 +96,26 @@ from torch import nn
 from torch.autograd import Function
 
 from scaletrain.data.batches import IGNORE_INDEX
-from scaletrain.dist.autograd import (
+from scaletrain.models.spec import (
+    Column,
+    PositionEmbedding,
+    Region,
+    Row,
+    TensorPlan,
+    VocabEmbedding,
+    VocabHead,
+)
+from scaletrain.optim.clip import clip_grad_norm_
+from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, linear
+from scaletrain.runtime.autograd import (
     all_reduced,
     copy_to_group,
     gather_sequence,
     reduce_from_group,
     scatter_sequence,
 )
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
-from scaletrain.models.spec import Column, PositionEmbedding, Region, Row, TensorPlan, VocabEmbedding, VocabHead
-from scaletrain.optim.clip import clip_grad_norm_
-from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, linear
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 # -- the plan ------------------------------------------------------------------
 

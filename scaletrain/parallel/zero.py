@@ -98,13 +98,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from scaletrain.dist.comm import Comm, Pending
-from scaletrain.dist.mesh import Group
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import ShardCollectives
 from scaletrain.parallel.zero3 import StageThreeGathering
 from scaletrain.parallel.zero_units import Piece, Unit
+from scaletrain.runtime.comm import Comm, Pending
+from scaletrain.runtime.mesh import Group
 
 STAGES = (1, 2, 3)
 # Reduce-scatters in flight at once (stages 2, 3): each holds a unit's

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from scaletrain.dist.comm import Pending
+from scaletrain.runtime.comm import Pending
 
 
 @dataclass

@@ -54,7 +54,7 @@ the head's input, and the loss: log-softmax keeps its fp32 output ``4*b*s*V``
 (vocabulary-parallel: the softmax ``4*b*s*V/t`` with local ids and mask),
 plus the targets.
 
-Recomputation (recompute.py) changes which of these are alive at the peak:
+Recomputation (techniques/recompute.py) changes which of these are alive at the peak:
 
     none        everything, at the end of the forward
     selective   drops the log-sum-exp (the attention output stays: proj saves it)

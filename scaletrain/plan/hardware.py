@@ -3,7 +3,7 @@ and the links between devices.
 
 A link moves ``b`` bytes in ``alpha + b / beta`` seconds (Hockney's alpha-beta
 model): ``alpha`` the latency of one message, ``beta`` the bandwidth one
-device can drive in one direction. A collective's wire bytes (dist/comm.py:
+device can drive in one direction. A collective's wire bytes (runtime/comm.py:
 what one rank sends under the ring algorithm) go over the slowest link its
 group spans, in ``steps`` messages (a ring all-reduce of n ranks: 2(n-1)).
 

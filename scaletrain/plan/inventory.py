@@ -30,14 +30,19 @@ import torch
 from torch import nn
 
 from scaletrain.config import FinetuneConfig, ModelConfig
-from scaletrain.dist.mesh import Group
 from scaletrain.finetune.base import add_adapters
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelShape, ModelSpec, TensorPlan
 from scaletrain.parallel.experts import parallelize_experts
-from scaletrain.parallel.pipeline.partition import balance, keep_stages, parameter_costs, shared_parameters
+from scaletrain.parallel.pipeline.partition import (
+    balance,
+    keep_stages,
+    parameter_costs,
+    shared_parameters,
+)
 from scaletrain.parallel.tensor import parallelize
 from scaletrain.parallel.zero import layer_modules
+from scaletrain.runtime.mesh import Group
 
 
 @dataclass(frozen=True)

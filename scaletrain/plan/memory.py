@@ -56,7 +56,7 @@ from scaletrain.config import Config
 from scaletrain.optim.adamw8bit import BLOCK, MIN_8BIT
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.plan.inventory import RankWeights
-from scaletrain.precision import compute_dtype
+from scaletrain.techniques.precision import compute_dtype
 
 ALLOWANCE = 0.10
 STEP_COUNTER = 4  # bytes: AdamW's and Adafactor's per-tensor step, an fp32 scalar

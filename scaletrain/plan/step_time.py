@@ -19,7 +19,7 @@ only the attention's ``4*a*d*s``.
 Communication. Each collective of the step (plan/traffic.py) costs
 ``steps * alpha + wire_bytes / beta`` on the slowest link its group spans
 (NVLink inside a node, the network across; which ranks a group holds
-follows the mesh order, tp innermost: dist/mesh.py). ``steps`` is the ring
+follows the mesh order, tp innermost: runtime/mesh.py). ``steps`` is the ring
 algorithm's message count: ``2(n-1)`` for an all-reduce, ``n-1`` for the
 other collectives, one per point-to-point message. What the step waits for:
 
@@ -43,11 +43,11 @@ from __future__ import annotations
 import functools
 
 from scaletrain.config import Config
-from scaletrain.dist.mesh import ParallelDims
 from scaletrain.parallel.pipeline.schedules import bubble, build, simulate
 from scaletrain.plan.compute import Clock
 from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.traffic import Groups
+from scaletrain.runtime.mesh import ParallelDims
 
 _MESSAGES = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
              "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,

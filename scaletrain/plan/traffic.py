@@ -1,7 +1,7 @@
 """The collectives of one optimizer step on one rank, in the ledger's own terms.
 
 Every figure is the ``bytes`` (and ``calls``) the communication ledger
-(dist/comm.py) records for the operation, and ``wire_bytes`` follow by the
+(runtime/comm.py) records for the operation, and ``wire_bytes`` follow by the
 same rule; a group of one records nothing. ``b`` sequences of ``s`` (the
 rank's) positions per micro-batch, width ``h``, ``e`` bytes per autocast
 activation (4 in fp32), ``w`` per weight, ``r`` per gradient bucket, ``K``
@@ -66,14 +66,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 from scaletrain.config import Config
-from scaletrain.dist.comm import FIELDS, wire_bytes_of
-from scaletrain.dist.mesh import group_name, hybrid_group_name
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import int8_shard_bytes
 from scaletrain.plan.activations import Shape
 from scaletrain.plan.inventory import RankWeights
 from scaletrain.plan.memory import dtype_bytes, zero_units
-from scaletrain.precision import compute_dtype
+from scaletrain.runtime.comm import FIELDS, wire_bytes_of
+from scaletrain.runtime.mesh import group_name, hybrid_group_name
+from scaletrain.techniques.precision import compute_dtype
 
 
 class Traffic:

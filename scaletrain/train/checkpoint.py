@@ -74,12 +74,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
 from scaletrain.optim.adamw8bit import AdamW8bit
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
+from scaletrain.runtime.mesh import Group
 from scaletrain.train.manifest import (
     MANIFEST,
     entry,

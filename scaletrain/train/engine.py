@@ -59,10 +59,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scaletrain.compress_activations import ActivationCompression
 from scaletrain.config import ParallelConfig, TrainConfig
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Mesh
 from scaletrain.faults import Faults, poison
 from scaletrain.finetune.sliced import FolderSource
 from scaletrain.models.moe import auxiliary_loss
@@ -71,11 +68,20 @@ from scaletrain.optim import lr_at
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.runtime import timer
 from scaletrain.parallel.pipeline.schedules import Span
-from scaletrain.precision import DynamicLossScaler, autocast
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Mesh
+from scaletrain.techniques.compress_activations import ActivationCompression
+from scaletrain.techniques.precision import DynamicLossScaler, autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.layout import Layout
 from scaletrain.train.memory import ActivationMeter, memory_ledger
-from scaletrain.train.nonfinite import agreed_flag, first_nonfinite, late_stop_report, local_flag, stop_report
+from scaletrain.train.nonfinite import (
+    agreed_flag,
+    first_nonfinite,
+    late_stop_report,
+    local_flag,
+    stop_report,
+)
 from scaletrain.train.routing import RoutingStats
 from scaletrain.train.step_memory import StepMemory
 from scaletrain.train.step_window import PendingStep

@@ -25,11 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.compile import compile_blocks
 from scaletrain.config import ParallelConfig, TrainConfig
 from scaletrain.data.batches import IGNORE_INDEX
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Mesh
 from scaletrain.finetune.sliced import FolderSource, flat_reader, materialize
 from scaletrain.kernels import head_loss, unavailable
 from scaletrain.models.decoder import CausalAttention
@@ -47,8 +44,11 @@ from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.parallel.pipeline.two_bw import delayed_update
 from scaletrain.parallel.tensor import TensorParallel, parallelize
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
-from scaletrain.precision import compute_dtype
-from scaletrain.recompute import apply_recompute
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Mesh
+from scaletrain.techniques.compile import compile_blocks
+from scaletrain.techniques.precision import compute_dtype
+from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state
 from scaletrain.train.metrics import peak_resident_bytes
 from scaletrain.train.replicas import Replicas

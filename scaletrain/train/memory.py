@@ -62,7 +62,7 @@ cheap elementwise results instead of saving them), so for a compiled model
 the figure is an upper bound; the compiled code itself runs from the next
 micro-batch on.
 
-Compressed activations (``--compress-activations``, compress_activations.py):
+Compressed activations (``--compress-activations``, techniques/compress_activations.py):
 the compression hooks sit above the meter's and hand the meter what they keep
 (the bf16 copy, or the int8 blocks and their scales), so the meter counts the
 compressed bytes, which is what stays allocated; the full-precision tensor is
@@ -254,7 +254,7 @@ def _identity(x):
 
 def _passes_saves_down(pack) -> bool:
     """Whether ``pack`` belongs to hooks that hand what they keep to the hooks beneath them
-    (compress_activations.py): the meter's own hooks then see the kept bytes and need no chaining."""
+    (techniques/compress_activations.py): the meter's own hooks then see the kept bytes and need no chaining."""
     return getattr(getattr(pack, "__self__", None), "passes_saves_down", False)
 
 

@@ -10,7 +10,7 @@ masters, after the gradient synchronisation), and one all-reduce of a flag
 
     found = max over ranks r of  [loss_r or any g in grads_r is inf or NaN]
 
-fp16's loss scaler finds overflows this way (precision.py: the same flag,
+fp16's loss scaler finds overflows this way (techniques/precision.py: the same flag,
 read from its unscaling pass). ``--on-nan skip`` applies its rule, leave
 the update out, to every precision; ``--on-nan stop`` ends the run before
 the update, with a report: the step, the loss, and the first parameter whose
@@ -24,9 +24,9 @@ from collections.abc import Iterable
 
 import torch
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.errors import JobFailed
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 def local_flag(loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:

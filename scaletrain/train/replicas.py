@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from scaletrain.config import ParallelConfig
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group, Mesh
 from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, JointDataParallel, replicate, summer
 from scaletrain.parallel.experts import ExpertParallel
 from scaletrain.parallel.local_sgd import LocalSGD
-from scaletrain.precision import compute_dtype
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group, Mesh
+from scaletrain.techniques.precision import compute_dtype
 
 
 def _group_along(mesh: Mesh, *dims: str) -> Group:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.models.moe import MoE
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 @dataclass

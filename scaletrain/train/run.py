@@ -17,15 +17,32 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.compile import COMPILE_NOTE
 from scaletrain.config import AUTO, Config, load_run_config
 from scaletrain.config_checks import check_values
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.debug import RankLog, check_same_config, check_same_parameters, debug_environment
-from scaletrain.dist.desync import CollectiveTracker
-from scaletrain.dist.health import Health
-from scaletrain.dist.launch import (
+from scaletrain.errors import JobFailed, UserError
+from scaletrain.finetune.base import add_adapters, as_finetune
+from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
+from scaletrain.kernels import unavailable
+from scaletrain.kernels.head_loss import CHUNKED
+from scaletrain.models import CLASSIFIER, build_model, spec_for
+from scaletrain.paths import writable_dir
+from scaletrain.plan.fit import (
+    chosen_sentence,
+    device_memory,
+    largest_fitting,
+    measured_sentence,
+)
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.debug import (
+    RankLog,
+    check_same_config,
+    check_same_parameters,
+    debug_environment,
+)
+from scaletrain.runtime.desync import CollectiveTracker
+from scaletrain.runtime.health import Health
+from scaletrain.runtime.launch import (
     CLUSTER_TIMEOUT_S,
     ProcessEnv,
     check_backend,
@@ -36,24 +53,17 @@ from scaletrain.dist.launch import (
     restart_attempt,
     shutdown,
 )
-from scaletrain.dist.mesh import Mesh, ParallelDims
-from scaletrain.dist.spawn import WorkerKilled, spawn_local
-from scaletrain.dist.ray_launch import launch_ray, ray_cluster
-from scaletrain.errors import JobFailed, UserError
-from scaletrain.finetune.base import add_adapters, as_finetune
-from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
-from scaletrain.kernels import unavailable
-from scaletrain.kernels.head_loss import CHUNKED
-from scaletrain.models import CLASSIFIER, build_model, spec_for
-from scaletrain.paths import writable_dir
-from scaletrain.plan.fit import chosen_sentence, device_memory, largest_fitting, measured_sentence
-from scaletrain.recompute import parse_policy
+from scaletrain.runtime.mesh import Mesh, ParallelDims
+from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
+from scaletrain.runtime.spawn import WorkerKilled, spawn_local
+from scaletrain.techniques.compile import COMPILE_NOTE
+from scaletrain.techniques.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
+from scaletrain.train.loop import RunSummary, fit
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.step_memory import format_points
-from scaletrain.train.loop import RunSummary, fit
 from scaletrain.train.trainer import Trainer
 
 
@@ -338,8 +348,8 @@ def choose_micro_batch(cfg: Config, spec: DataSpec, device: torch.device,
 def explain_failure(exc: Exception, health: Health | None, where: str, run_dir: Path) -> Exception:
     """What this rank's failure is reported as. Its own (a sentence, or a bug with
     its traceback): as it is, after telling the others. A collective that failed
-    because another rank did: a `JobFailed` naming that rank (dist/health.py), the rank it
-    waits for and where that rank is (dist/desync.py), or, when every member is in it and
+    because another rank did: a `JobFailed` naming that rank (runtime/health.py), the rank it
+    waits for and where that rank is (runtime/desync.py), or, when every member is in it and
     it timed out, the collective; ``where``: where the run stood (``in step 3``)."""
     if health is None:
         return exc

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import torch
 
 from scaletrain.models.decoder import sample_next
-from scaletrain.precision import autocast
+from scaletrain.techniques.precision import autocast
 
 PROMPT_CHARS = 48
 

@@ -27,14 +27,14 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.data.batches import IGNORE_INDEX
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.launch import DistRuntime
-from scaletrain.dist.mesh import Mesh
 from scaletrain.finetune.base import start_from_base
 from scaletrain.finetune.sliced import FolderSource, folder_source
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import ModelPlan
-from scaletrain.precision import autocast
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.launch import DistRuntime
+from scaletrain.runtime.mesh import Mesh
+from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, open_data
 from scaletrain.train.engine import Engine

@@ -26,8 +26,6 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.partition import (
     Costs,
@@ -40,9 +38,18 @@ from scaletrain.parallel.pipeline.partition import (
     time_costs,
 )
 from scaletrain.parallel.pipeline.runtime import PipelineRuntime
-from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW, Schedule, Span, build, forward_only, two_bw_step
+from scaletrain.parallel.pipeline.schedules import (
+    PIPEDREAM_2BW,
+    Schedule,
+    Span,
+    build,
+    forward_only,
+    two_bw_step,
+)
 from scaletrain.parallel.pipeline.two_bw import WeightVersions
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, targets), or (inputs, targets, documents) for packed rows
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -42,12 +42,12 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from scaletrain.dist.comm import Comm, Pending
-from scaletrain.dist.mesh import Group
 from scaletrain.parallel.pipeline.partition import Stage
 from scaletrain.parallel.pipeline.schedules import Action, Schedule, Span
 from scaletrain.parallel.pipeline.two_bw import WeightVersions
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore
+from scaletrain.runtime.comm import Comm, Pending
+from scaletrain.runtime.mesh import Group
 
 
 class PipelineRuntime:

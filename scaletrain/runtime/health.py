@@ -15,7 +15,7 @@ else the ranks whose counter stood still for three intervals, and that
 left no word, are the ones that died or hang.
 
 The same thread publishes the rank's record of its collectives
-(dist/desync.py) whenever it changed, and `desync` reads every rank's to say,
+(runtime/desync.py) whenever it changed, and `desync` reads every rank's to say,
 when a collective failed and nobody died, which rank keeps it waiting and
 where that rank is instead; `stuck` names a collective that timed out with
 every member in it.
@@ -41,8 +41,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from scaletrain.dist.desync import Call, CollectiveTracker, explain_desync
-from scaletrain.dist.launch import ProcessEnv, restart_attempt
+from scaletrain.runtime.desync import Call, CollectiveTracker, explain_desync
+from scaletrain.runtime.launch import ProcessEnv, restart_attempt
 
 # Store operations on an unreachable store fail with one of these.
 STORE_ERRORS = (RuntimeError, dist.DistError)
@@ -95,7 +95,7 @@ class Health:
             self._published = version
 
     def desync(self) -> str | None:
-        """Which ranks keep this rank's failed collective waiting and where they are (dist/desync.py),
+        """Which ranks keep this rank's failed collective waiting and where they are (runtime/desync.py),
         from every rank's published record; None without a record here, when this rank failed
         outside a collective (its own error is the cause), or when nobody is behind."""
         if self._tracker is None or not self._tracker.record()["waiting"]:

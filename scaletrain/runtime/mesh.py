@@ -298,7 +298,7 @@ class Group:
 
 class TorchGroups:
     """How `Mesh.build` makes groups by default: torch.distributed process groups.
-    (dist/mpi.py's `MpiGroups` makes MPI communicators the same way.)"""
+    (runtime/mpi.py's `MpiGroups` makes MPI communicators the same way.)"""
 
     @property
     def world(self) -> Any:

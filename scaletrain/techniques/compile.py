@@ -34,7 +34,6 @@ from collections.abc import Sequence
 
 from torch import nn
 
-
 COMPILE_NOTE = ("--compile: the first step compiles every distinct block graph (seconds to minutes); "
                 "later steps reuse it.")
 

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 OPS = ("sum", "avg")
 

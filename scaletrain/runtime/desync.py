@@ -9,10 +9,10 @@ the operation of the backend ("Timed out waiting 600000ms for recv"), not the
 rank that went astray. With NCCL it is worse: the watchdog ends the process.
 
 So every rank keeps a record of its collectives
-(`CollectiveTracker`, filled by dist/comm.py's `Comm`, the one door to the
+(`CollectiveTracker`, filled by runtime/comm.py's `Comm`, the one door to the
 network): per torch process group, how many calls it has made and the last
 one, and the call it is blocked in now, if any (a call that failed stays
-marked, since it never completed). dist/health.py's heartbeat thread
+marked, since it never completed). runtime/health.py's heartbeat thread
 publishes the record in the rendezvous store beside the heartbeat, and when
 a collective fails on a rank whose peers are all alive, `explain_desync`
 reads every rank's record and names, for each rank blocked in call #n of a
@@ -40,12 +40,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime.mesh import Group
 
 
 def group_key(group: Group) -> str:
     """``torch group 3 of ranks 0,2``: the process group a call went to, by torch's name for it
-    (given in the order groups are made, so the same on every rank) and its members. dist/mesh.py
+    (given in the order groups are made, so the same on every rank) and its members. runtime/mesh.py
     makes one torch group per member set (with cp = 1 the dp_cp group is the dp group, and a
     group of all ranks the world), and calls are numbered per torch group."""
     return f"torch group {getattr(group.handle, 'group_name', '?')} of ranks {','.join(map(str, group.ranks))}"

@@ -9,7 +9,7 @@ Ray Train's ``TorchTrainer`` asks the cluster for ``--nproc`` workers, each with
 variables torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) and joins them into one torch process group, gloo without GPUs and nccl with
 them: Ray's rendezvous replaces ours, and the worker then runs as under any launcher
-(dist/launch.py takes the group Ray made). A user's script (``scaletrain run --launcher
+(runtime/launch.py takes the group Ray made). A user's script (``scaletrain run --launcher
 ray``) makes its own group, as it would under torchrun: Ray's is handed back first and the
 script gets a fresh MASTER_PORT.
 
@@ -40,9 +40,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scaletrain.dist.launch import CLUSTER_TIMEOUT_S, LAUNCHER_VARIABLE, free_port
-from scaletrain.dist.spawn import WorkerKilled
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.runtime.launch import CLUSTER_TIMEOUT_S, LAUNCHER_VARIABLE, free_port
+from scaletrain.runtime.spawn import WorkerKilled
 
 # Variables the workers need from the launching process: fault injection and the project's own,
 # the trackers' (MLFLOW_TRACKING_URI, WANDB_MODE), the hub's, the kernels' and torch's settings.

@@ -1,12 +1,12 @@
 """Where this process's rank and world come from, and how the process group is set
-up and torn down (starting several local processes: dist/spawn.py).
+up and torn down (starting several local processes: runtime/spawn.py).
 
 Launchers announce a process's place through environment variables; they are
 read in this order, the first that applies wins:
 
   torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
   Ray        the same variables, in a Ray Train worker (SCALETRAIN_LAUNCHER=ray,
-             dist/ray_launch.py), whose process group Ray has already made
+             runtime/ray_launch.py), whose process group Ray has already made
   Slurm      srun with more than one task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
              SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE ("4(x2),3") with SLURM_NODEID;
              MASTER_ADDR else the first host of the step's node list (task 0 runs
@@ -24,7 +24,7 @@ across nodes (`default_timeout`).
 
 With ``--backend mpi4py`` (processes started by mpirun) no torch process group
 is made: MPI itself is the network, its communicators the mesh's groups and
-`MpiComm` the door to it (dist/mpi.py); `connect` hands out the mesh and the
+`MpiComm` the door to it (runtime/mpi.py); `connect` hands out the mesh and the
 Comm of whichever network the runtime has.
 """
 
@@ -41,15 +41,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist.comm import Comm, Ledger
-from scaletrain.dist.desync import CollectiveTracker
-from scaletrain.dist.mesh import Mesh, ParallelDims
 from scaletrain.errors import UserError
+from scaletrain.runtime.comm import Comm, Ledger
+from scaletrain.runtime.desync import CollectiveTracker
+from scaletrain.runtime.mesh import Mesh, ParallelDims
 
 DEFAULT_ADDR = "127.0.0.1"
 SETTLE_S = 0.1  # what shutdown waits after its barrier for gloo's threads (`shutdown`)
 DEFAULT_PORT = 29500
-LAUNCHER_VARIABLE = "SCALETRAIN_LAUNCHER"  # "ray" in a Ray Train worker (dist/ray_launch.py)
+LAUNCHER_VARIABLE = "SCALETRAIN_LAUNCHER"  # "ray" in a Ray Train worker (runtime/ray_launch.py)
 # The collective timeouts when --timeout is not given (`default_timeout`).
 LOCAL_CPU_TIMEOUT_S = 60.0
 CLUSTER_TIMEOUT_S = 600.0
@@ -281,7 +281,7 @@ def check_backend(backend: str | None, env: ProcessEnv) -> str:
         if env.source not in ("mpi", "single"):
             raise UserError(f"--backend mpi4py needs its processes started by mpirun, not {env.source}; "
                             f"run mpirun -n {env.world_size} scaletrain train ... or choose --backend gloo.")
-        from scaletrain.dist.mpi import import_mpi
+        from scaletrain.runtime.mpi import import_mpi
         world = import_mpi().COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (env.rank, env.world_size):
             raise UserError(f"MPI counts rank {world.Get_rank()} of {world.Get_size()} but the environment says "
@@ -296,7 +296,7 @@ def init_distributed(env: ProcessEnv, timeout_s: float | None, backend: str | No
     nccl computes on GPU local_rank; gloo and mpi4py compute on the CPU.
     """
     if env.source == "ray" and dist.is_initialized():
-        backend = dist.get_backend()  # Ray chose it from the workers' GPUs (dist/ray_launch.py)
+        backend = dist.get_backend()  # Ray chose it from the workers' GPUs (runtime/ray_launch.py)
     chosen = check_backend(backend, env)
     timeout_s = timeout_s or default_timeout(chosen, env)
     device = torch.device("cpu")
@@ -393,9 +393,9 @@ def connect(runtime: DistRuntime, dims: ParallelDims,
             tracker: CollectiveTracker | None = None) -> tuple[Mesh, Comm]:
     """The mesh's groups and the Comm over them on the runtime's network: MPI communicators
     and `MpiComm` with --backend mpi4py, else torch process groups and `Comm`; with a
-    ``tracker`` every collective is numbered for the desync detector (dist/desync.py)."""
+    ``tracker`` every collective is numbered for the desync detector (runtime/desync.py)."""
     if runtime.backend == "mpi4py":
-        from scaletrain.dist.mpi import MpiComm, MpiGroups
+        from scaletrain.runtime.mpi import MpiComm, MpiGroups
 
         comm = MpiComm(Ledger(), tracker)
         return Mesh.build(dims, runtime.env.rank, runtime.env.world_size, MpiGroups(comm.MPI)), comm

@@ -3,7 +3,7 @@
 ``--nproc N`` (and ``scaletrain run --nproc N``, the benches, ``check_parity``)
 starts N workers through torch's elastic agent on this machine, with a
 rendezvous of its own and ``--max-restarts`` as torchrun's. Each worker finds
-its place from the agent's variables (dist/launch.py: `detect_environment`).
+its place from the agent's variables (runtime/launch.py: `detect_environment`).
 A worker's user mistake or job failure comes back as its one sentence, the
 lowest rank's first; a bug as `WorkerFailed` with the traceback; a worker
 killed by a signal as `WorkerKilled`, naming it.
@@ -25,8 +25,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from scaletrain.dist.launch import DEFAULT_ADDR, free_port, restart_attempt
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.runtime.launch import DEFAULT_ADDR, free_port, restart_attempt
 
 
 class WorkerFailed(RuntimeError):

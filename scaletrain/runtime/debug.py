@@ -27,9 +27,9 @@ Three aids, off by default (each costs time or disk), beside a fourth that every
    parameters of the same names, shapes and dtypes (`check_same_parameters`,
    once the model is built and split: the dense weights over dp x ep x cp,
    the experts, which ep ranks hold different ones of, over dp x cp). A digest per rank crosses the network
-   (through dist/comm.py, in the ledger); only when two differ do the full
+   (through runtime/comm.py, in the ledger); only when two differ do the full
    descriptions follow, to name the rank and the field or parameter.
-4. The desync detector (dist/desync.py), on in every run (a dictionary update
+4. The desync detector (runtime/desync.py), on in every run (a dictionary update
    per collective): every collective numbered per group in a record that the
    heartbeat thread publishes, read when a collective fails to say which
    rank is behind and where.
@@ -51,9 +51,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 DEBUG_ENVIRONMENT = {
     "TORCH_DISTRIBUTED_DEBUG": "DETAIL",

@@ -8,8 +8,8 @@ comm    Comm, the one door to the network, and the Ledger that counts what
         went through it
 """
 
-from scaletrain.dist.comm import Comm, Ledger, Pending
-from scaletrain.dist.launch import (
+from scaletrain.runtime.comm import Comm, Ledger, Pending
+from scaletrain.runtime.launch import (
     DistRuntime,
     ProcessEnv,
     detect_environment,
@@ -18,8 +18,8 @@ from scaletrain.dist.launch import (
     init_distributed,
     shutdown,
 )
-from scaletrain.dist.mesh import DIM_NAMES, Group, Mesh, ParallelDims
-from scaletrain.dist.spawn import WorkerFailed, spawn_local
+from scaletrain.runtime.mesh import DIM_NAMES, Group, Mesh, ParallelDims
+from scaletrain.runtime.spawn import WorkerFailed, spawn_local
 
 __all__ = [
     "DIM_NAMES",

@@ -29,7 +29,7 @@ it); below it the calls run in the caller's thread, without overlap.
 Failures. MPI collectives have no timeout: a rank that raises exits, and
 mpirun then stops the others ("one or more processes exited with non-zero
 status"), but a rank that hangs hangs the job; ``--timeout`` and the
-heartbeats of dist/health.py belong to torch.distributed's backends.
+heartbeats of runtime/health.py belong to torch.distributed's backends.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.dist.comm import Comm, Ledger
-from scaletrain.dist.desync import CollectiveTracker
-from scaletrain.dist.mesh import Group
 from scaletrain.errors import UserError
+from scaletrain.runtime.comm import Comm, Ledger
+from scaletrain.runtime.desync import CollectiveTracker
+from scaletrain.runtime.mesh import Group
 
 INSTALL = "apt install openmpi-bin libopenmpi-dev; pip install 'scaletrain[mpi]'"
 

@@ -42,8 +42,8 @@ from functools import partial
 import torch
 from torch.autograd import Function
 
-from scaletrain.dist.comm import Comm
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Group
 
 
 def all_reduced(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist.desync import Call, CollectiveTracker
-from scaletrain.dist.mesh import Group
+from scaletrain.runtime.desync import Call, CollectiveTracker
+from scaletrain.runtime.mesh import Group
 
 FIELDS = ("calls", "bytes", "wire_bytes")
 
@@ -211,9 +211,9 @@ class Comm:
     Ranks given to an operation (src, dst, peers) are indices inside the group.
     The public methods check their arguments and write the ledger; the
     underscored ones below them move the bytes, here with torch.distributed
-    over the group's process group. `MpiComm` (dist/mpi.py) replaces only those.
+    over the group's process group. `MpiComm` (runtime/mpi.py) replaces only those.
     With a `tracker` (the trainer's), every call is also numbered per group
-    and every wait noted, for desync detection (dist/desync.py).
+    and every wait noted, for desync detection (runtime/desync.py).
     """
 
     def __init__(self, ledger: Ledger | None = None, tracker: CollectiveTracker | None = None):

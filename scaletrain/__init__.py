@@ -1,7 +1,7 @@
 """scaletrain: training at scale, every technique written from scratch and checked
 against single-device training.
 
-The command is ``scaletrain`` (cli.py); the library is these names (docs/library.md),
+The command is ``scaletrain`` (commands/cli.py); the library is these names (docs/library.md),
 imported on first use so that the command starts without them:
 
     setup, Engine               a model on the engine, and its training loop (library.py)
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "setup": "scaletrain.library", "Engine": "scaletrain.library",
-    "check_parity": "scaletrain.library_parity", "format_parity": ("scaletrain.parity", "format_table"),
+    "check_parity": "scaletrain.library_parity", "format_parity": ("scaletrain.commands.parity", "format_table"),
     "ModelPlan": "scaletrain.models.spec", "StagePlan": "scaletrain.models.spec", "Column": "scaletrain.models.spec",
     "Row": "scaletrain.models.spec", "Region": "scaletrain.models.spec", "VocabEmbedding": "scaletrain.models.spec",
     "VocabHead": "scaletrain.models.spec", "PositionEmbedding": "scaletrain.models.spec",

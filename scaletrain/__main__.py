@@ -2,6 +2,6 @@
 
 import sys
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 
 sys.exit(main())

@@ -2,19 +2,26 @@
 refused in one sentence that says what to change, before any work starts.
 
 `check_values` needs no model and no processes, so the launching process
-runs it first; the mesh's own sizes are checked where the mesh is built
-(runtime/mesh.py).
+runs it first; `resolve_layout` then sets the layout against the world's size
+and the model's shape (the planner asks it of every layout it weighs); the
+mesh's own sizes are checked where the mesh is built (runtime/mesh.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from scaletrain.config import AUTO, Config, ParallelConfig
 from scaletrain.errors import UserError
-from scaletrain.models import CLASSIFIER
+from scaletrain.kernels import unavailable
+from scaletrain.kernels.head_loss import CHUNKED
+from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.parallel.pipeline import schedules
+from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.runtime.ray_launch import check_placement
+from scaletrain.techniques.recompute import parse_policy
 from scaletrain.train.trackers import TRACKERS
 from scaletrain.train.trackers import names as tracker_names
 
@@ -310,3 +317,45 @@ def _check_pipeline(p: ParallelConfig) -> None:
     if p.zero == 3:
         raise UserError(f"--zero 3 gathers and frees each layer around the whole model's forward and "
                         f"backward, which pipeline stages never run as one; use --zero 1 or 2 with --pp {p.pp}.")
+
+
+def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
+    """Fill in dp and check the layout against the world and the model."""
+    p = cfg.parallel
+    dims = p.mesh_dims(world_size)
+    if p.sync_every > 1 and dims.dp == 1:
+        raise UserError(f"--sync-every {p.sync_every} averages data-parallel replicas, but this layout has one "
+                        f"(dp 1); start more processes (--nproc) or drop --sync-every.")
+    parse_policy(cfg.train.recompute)
+    for flag, used in (("--fused triton", cfg.train.fused == "triton"),
+                       ("--head-loss chunked", cfg.train.head_loss == CHUNKED)):
+        reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"), flag) if used else None
+        if reason:
+            raise UserError(f"{flag}: {reason}")
+    if cfg.train.head_loss == CHUNKED and (dims.tp > 1 or dims.pp > 1 or p.zero == 3):
+        raise UserError(f"--head-loss chunked needs the head's weight whole on the rank that computes the loss, "
+                        f"and --tp {dims.tp}, --pp {dims.pp}, --zero {p.zero} leave it split, on another stage "
+                        f"or freed; drop --head-loss, or use --tp 1, --pp 1 and --zero below 3.")
+    if cfg.model.name == CLASSIFIER:
+        for flag, used in (("--recompute", cfg.train.recompute != "none"), ("--compile", cfg.train.compile)):
+            if used:
+                raise UserError(f"{flag} applies to a decoder's blocks; drop it for the mlp.")
+        if cfg.train.head_loss is not None:
+            raise UserError("--head-loss applies to a language model's head; drop it for the mlp.")
+        dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
+    else:
+        family = spec_for(cfg.model.name)
+        g = family.configure(cfg.model, 1, cfg.data.seq_len)
+        family.check(g, dims.tp)
+        shape = family.shape(g)
+        dims.validate_for_model(n_heads=shape.n_heads, n_layers=shape.n_layers, seq_len=cfg.data.seq_len,
+                                n_experts=shape.moe_experts or None)
+        if shape.moe_experts and shape.moe_every > shape.n_layers:
+            raise UserError(f"--moe-every {shape.moe_every} skips every one of the model's {shape.n_layers} "
+                            f"blocks; choose at most {shape.n_layers}.")
+        _, virtual = cfg.parallel.pipeline_sizes()
+        if dims.pp * virtual > shape.n_layers:
+            raise UserError(f"--pp {dims.pp} with --virtual-stages {virtual} cuts the model into "
+                            f"{dims.pp * virtual} stages, but it has {shape.n_layers} layers; lower one of the two "
+                            f"or raise --n-layers.")
+    return cfg.replace(dp=dims.dp), dims

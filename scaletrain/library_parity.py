@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.commands.parity import ParityReport, relative_diffs
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.library import setup
 from scaletrain.library_checks import engine_config
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
-from scaletrain.parity import ParityReport, relative_diffs
 from scaletrain.runtime.spawn import WorkerFailed, spawn_local
 from scaletrain.train import checkpoint as ckpt
 

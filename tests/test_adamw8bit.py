@@ -8,7 +8,13 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.optim import build_optimizer
-from scaletrain.optim.adamw8bit import BLOCK, AdamW8bit, dequantize, dynamic_map, quantize
+from scaletrain.optim.adamw8bit import (
+    BLOCK,
+    AdamW8bit,
+    dequantize,
+    dynamic_map,
+    quantize,
+)
 from scaletrain.plan.memory import optimizer_bytes
 from scaletrain.train.memory import optimizer_state, tensor_bytes
 from tests.trainers import losses_of_run
@@ -97,7 +103,7 @@ def test_checkpoints_hold_fp32_moments_and_pack_back_exactly():
 
 def _final_weights(cfg, out, **changes) -> dict[str, torch.Tensor]:
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train.run import launch
+    from scaletrain.commands.train import launch
 
     return ckpt.read_model_tensors(launch(cfg.replace(out=str(out), **changes)).checkpoint)
 
@@ -106,7 +112,7 @@ def test_zero_shards_the_8bit_state_and_matches_one_process_within_its_quantizat
     """ZeRO-2 over two ranks quantizes each rank's flat shard in blocks of its own, which cut
     the weights elsewhere than one process does: the runs differ, but by less than the
     quantization's own error (8-bit against fp32 moments, in one process)."""
-    from scaletrain.parity import relative_diffs
+    from scaletrain.commands.parity import relative_diffs
 
     cfg = tiny_cfg.replace(lr=3e-3, steps=6)
     one = _final_weights(cfg, tmp_path / "one", optimizer="adamw8bit")

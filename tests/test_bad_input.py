@@ -1,7 +1,7 @@
 """Every user mistake: exit code 2, one sentence on stderr that says what to change, and
 nothing left behind (no run folder, no cache, no file of any kind).
 
-The table runs in this process through ``scaletrain.cli.main``, since a fresh interpreter per
+The table runs in this process through ``scaletrain.commands.cli.main``, since a fresh interpreter per
 case would cost seconds of imports each; a few cases also run as real processes to show that
 the user sees no traceback there either.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from tests.conftest import run_cli
 
 # gpt-tiny for three steps: a case that wrongly passed would train for a second, not minutes. No

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from tests.readme import readme_argv
 
 TINY = ("--model", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "4",

@@ -21,7 +21,7 @@ import pytest
 from scaletrain.errors import UserError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.manifest import MANIFEST
-from scaletrain.train.run import execute, prepare_run
+from scaletrain.commands.train import execute, prepare_run
 
 
 def _train(corpus: Path, out: Path, *extra: str) -> list[str]:

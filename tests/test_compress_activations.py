@@ -21,7 +21,7 @@ from scaletrain.techniques.compress_activations import (
 from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import ActivationMeter
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.run import execute, prepare_run
+from scaletrain.commands.train import execute, prepare_run
 
 B, S, D, L, V = 4, 32, 64, 2, 64
 # Largest relative L2 error of any parameter's gradient, fp32 on CPU, the model below

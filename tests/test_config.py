@@ -1,7 +1,7 @@
 
 import pytest
 
-from scaletrain.cli import build_parser
+from scaletrain.commands.cli import build_parser
 from scaletrain.config import Config, load_run_config, load_toml, resolve
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError

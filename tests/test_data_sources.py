@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.data.batches import TokenBatches
 from scaletrain.data.mixture import BLOCK, Mixture, block_counts

@@ -16,7 +16,6 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.errors import JobFailed, UserError
-from scaletrain.faults import Faults, parse
 from scaletrain.runtime import Comm, Group, ProcessEnv, free_port
 from scaletrain.runtime.debug import (
     DEBUG_ENVIRONMENT,
@@ -26,8 +25,9 @@ from scaletrain.runtime.debug import (
     debug_environment,
 )
 from scaletrain.runtime.desync import CollectiveTracker, explain_desync
+from scaletrain.runtime.faults import Faults, parse
 from scaletrain.runtime.health import Health
-from scaletrain.train.run import explain_failure
+from scaletrain.commands.train import explain_failure
 from tests.distributed import run_distributed
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.parity import run_parity
+from scaletrain.commands.parity import run_parity
 from scaletrain.runtime import Comm, Mesh, ParallelDims, ProcessEnv
 from scaletrain.runtime.launch import DistRuntime
 from scaletrain.train.data_setup import prepare_data

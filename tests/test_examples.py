@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.parity import relative_diffs
+from scaletrain.commands.parity import relative_diffs
 from scaletrain.runtime.launch import free_port
 from scaletrain.train import checkpoint as ckpt
 from tests.readme import readme_argv

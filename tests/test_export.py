@@ -1,17 +1,16 @@
 """scaletrain export: any checkpoint as one safetensors file that a fresh model
 loads strictly, with the step and the configuration in its header."""
 
-import tomllib
-
 import pytest
+import tomllib
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.models import build_model
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.run import execute, launch, prepare_run
+from scaletrain.commands.train import execute, launch, prepare_run
 
 BYTE_VOCAB = 256  # the byte tokenizer's, which tiny_cfg uses
 

@@ -20,14 +20,14 @@ import pytest
 
 pytest.importorskip("triton", reason="the 8-bit AdamW kernel is written in Triton")
 
+from scaletrain.commands.parity import relative_diffs
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.kernels import adamw8bit as kernel
 from scaletrain.kernels.adamw8bit import adamw8bit_step, lookup_table
 from scaletrain.optim import build_optimizer
 from scaletrain.optim.adamw8bit import BLOCK, AdamW8bit, dynamic_map, quantize
-from scaletrain.parity import relative_diffs
-from scaletrain.train.run import launch
+from scaletrain.commands.train import launch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

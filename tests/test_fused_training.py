@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.kernels import unavailable
-from scaletrain.train.run import launch
+from scaletrain.commands.train import launch
 
 pytest.importorskip("triton", reason="the fused kernels need Triton (pip install -e '.[dev]')")
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.kernels.head_loss import CHUNKED, LOGITS, chunk_bytes, chunked
 from scaletrain.plan.hardware import DEVICES, Cluster
 from scaletrain.plan.predict import predict
-from scaletrain.train.run import launch
+from scaletrain.commands.train import launch
 
 VOCAB = 50304
 

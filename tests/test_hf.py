@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import ByteLevelBPETokenizer
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.finetune.sliced import load_hf_model
 from scaletrain.models import GPT, GPTConfig
 from scaletrain.models.gpt_spec import GPT_SPEC
-from scaletrain.train.run import execute, prepare_run
+from scaletrain.commands.train import execute, prepare_run
 from tests.conftest import run_cli
 
 VOCAB = 300

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.commands.parity import run_parity
 from scaletrain.errors import UserError
 from scaletrain.parallel.hybrid import (
     BLOCK,
@@ -18,7 +19,6 @@ from scaletrain.parallel.hybrid import (
     int8_shard_bytes,
     quantize_int8,
 )
-from scaletrain.parity import run_parity
 from scaletrain.plan.hardware import Cluster, cpu_device
 from scaletrain.plan.predict import predict
 from scaletrain.runtime.mesh import ParallelDims

@@ -17,14 +17,14 @@ import pytest
 import torch
 from tokenizers import ByteLevelBPETokenizer
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
+from scaletrain.commands.generate import load_run_model
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.finetune.hf import read_hf_model
 from scaletrain.finetune.sliced import FolderSource, load_hf_model, materialize
-from scaletrain.generate import load_run_model
 from scaletrain.models import family_config, spec_for
 from scaletrain.parallel.tensor import parallelize
-from scaletrain.parity import run_parity
 from scaletrain.runtime.mesh import Group
 from scaletrain.train import checkpoint as ckpt
 

@@ -4,7 +4,7 @@ Each row is ``scaletrain parity`` on llama-tiny (RMSNorm, rotary positions,
 grouped-query attention with 4 query and 2 key/value heads, SwiGLU, an untied
 head): the layout and the single-device reference train with the same seed,
 data and global batch, and losses, gradient norms and final weights agree
-within relative 1e-5 in fp32 (the whole-model rule of scaletrain/parity.py).
+within relative 1e-5 in fp32 (the whole-model rule of scaletrain/commands/parity.py).
 Every row clips (``--grad-clip 0.5`` is below the tiny model's gradient norm),
 so a norm that counted a split, replicated or sharded gradient twice, or
 missed one, changes every update.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
+from scaletrain.commands.parity import run_parity
 from scaletrain.errors import UserError
-from scaletrain.parity import run_parity
 
 CLIP = 0.5
 LLAMA = dict(name="llama-tiny", grad_clip=CLIP, steps=3)

@@ -19,7 +19,7 @@ from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.runtime import Comm, Mesh, ParallelDims, ProcessEnv
 from scaletrain.runtime.launch import DistRuntime
 from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.run import check_optimizer_layout
+from scaletrain.commands.train import check_optimizer_layout
 from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer

@@ -10,12 +10,18 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import ModelConfig
-from scaletrain.finetune.lora import ADAPTER_FILE, LoRALinear, adapters, apply_lora, merged_tensors
+from scaletrain.finetune.lora import (
+    ADAPTER_FILE,
+    LoRALinear,
+    adapters,
+    apply_lora,
+    merged_tensors,
+)
 from scaletrain.models import build_model
-from scaletrain.parity import run_parity
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.run import execute, launch
+from scaletrain.commands.train import execute, launch
 
 TARGETS = ["qkv", "proj", "fc"]
 
@@ -135,7 +141,9 @@ def test_finetune_trains_the_adapters_and_leaves_the_base_as_it_was(base_run, pr
     assert ledger["grads"] == adapter_bytes  # gradients of the adapters alone
     assert 2 * adapter_bytes <= ledger["optimizer"] < 2 * adapter_bytes + 1024  # AdamW's two moments (+ steps)
 
-    from scaletrain.generate import generate  # from the fine-tune's run: the adapters merged
+    from scaletrain.commands.generate import (
+        generate,  # from the fine-tune's run: the adapters merged
+    )
     assert generate(summary.run_dir, "The fox", tokens=8, temperature=0).startswith("The fox")
 
 
@@ -148,8 +156,8 @@ def test_finetune_over_data_parallel_ranks_equals_one_device(base_run, prose, tm
 def test_qlora_keeps_the_base_in_4_bits_and_exports_the_merged_model(base_run, prose, tmp_path):
     from safetensors.torch import load_file as load_safetensors
 
-    from scaletrain.export import export
     from scaletrain.finetune.nf4 import NF4Linear
+    from scaletrain.train.export import export
 
     summary = launch(_finetune_cfg(base_run, prose, tmp_path, quantize="nf4"))
     tuned = ckpt.read_model_tensors(summary.checkpoint)

@@ -91,7 +91,7 @@ def test_a_padded_vocabulary_is_never_sampled():
 
 
 def test_a_padded_vocabulary_trains_over_tensor_parallel_ranks(tiny_cfg):
-    from scaletrain.parity import run_parity
+    from scaletrain.commands.parity import run_parity
 
     report = run_parity(tiny_cfg.replace(nproc=2, tp=2, vocab_multiple=64, steps=3), tolerance=1e-5)
     assert report.passed, report.to_json()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.parity import relative_diffs
+from scaletrain.commands.parity import relative_diffs
 from scaletrain.runtime import Comm, Mesh, ParallelDims
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
+from scaletrain.commands.parity import run_parity
 from scaletrain.models import build_model
-from scaletrain.parity import run_parity
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import prepare_data

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.commands.parity import relative_diffs
 from scaletrain.errors import JobFailed
-from scaletrain.faults import Faults, parse
-from scaletrain.parity import relative_diffs
+from scaletrain.runtime.faults import Faults, parse
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer

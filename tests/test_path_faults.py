@@ -3,7 +3,7 @@ line on stderr that begins with the flag, no traceback, and nothing left behind.
 
 Each row is a command line whose only mistake is one path (the other flags valid), built from
 the kind of path the flag wants: a file or folder to read, a folder or file to write. The rows
-run in this process through ``scaletrain.cli.main``. Permission bits do not stop root, so the
+run in this process through ``scaletrain.commands.cli.main``. Permission bits do not stop root, so the
 rows about permissions run, when the tests run as root, together in one child process that
 becomes the user nobody first; it imports what the commands need before it does, since the
 interpreter may live where nobody cannot read.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 
 TINY = ("--model", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "3", "--warmup-steps", "1",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress")
@@ -213,10 +213,10 @@ def test_path_fault_is_refused(row, corpus, tmp_path, monkeypatch, capsys):
 
 # What the commands import before they check their paths: loaded while the child can still
 # read the interpreter's files.
-PRELOADED = ("re", "shutil", "scaletrain.train.run", "scaletrain.parity", "scaletrain.bench.adam",
+PRELOADED = ("re", "shutil", "scaletrain.commands.train", "scaletrain.commands.parity", "scaletrain.bench.adam",
              "scaletrain.bench.allreduce", "scaletrain.bench.dp", "scaletrain.bench.pp",
              "scaletrain.bench.techniques", "scaletrain.bench.tp", "scaletrain.bench.zero",
-             "scaletrain.parallel.pipeline.timeline", "scaletrain.export", "scaletrain.generate",
+             "scaletrain.parallel.pipeline.timeline", "scaletrain.train.export", "scaletrain.commands.generate",
              "scaletrain.plan.report", "scaletrain.plan.predict", "scaletrain.plan.search")
 CANNOT_DROP = 77  # the child's exit code when it may not become nobody
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.gpt_spec import STAGES as GPT_STAGES
@@ -23,9 +24,8 @@ from scaletrain.parallel.pipeline.partition import (
     shared_parameters,
 )
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
-from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.run import launch
+from scaletrain.commands.train import launch
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 

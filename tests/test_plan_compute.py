@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.plan import activations, compute
 from scaletrain.plan.hardware import Cluster, cpu_device

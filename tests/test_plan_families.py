@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.config import Config, ModelConfig
 from scaletrain.models import spec_for
 from scaletrain.plan import activations

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
@@ -23,7 +23,14 @@ from scaletrain.models import family_config
 from scaletrain.plan.hardware import DEVICES, Cluster
 from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
 from scaletrain.plan.report import format_table, plot, to_json
-from scaletrain.plan.search import LIGHTER_FITS, SMALLER_TOO_BIG, layout_text, layouts, refusal, search
+from scaletrain.plan.search import (
+    LIGHTER_FITS,
+    SMALLER_TOO_BIG,
+    layout_text,
+    layouts,
+    refusal,
+    search,
+)
 
 GB = 10**9
 VOCAB = 50304

@@ -49,7 +49,7 @@ def test_small_updates_vanish_rounded_to_nearest_and_survive_rounded_at_random()
 
 
 def test_pure_bf16_keeps_weights_gradients_and_adamw_state_in_bf16(tiny_cfg):
-    from scaletrain.train.run import launch
+    from scaletrain.commands.train import launch
 
     summary = launch(tiny_cfg.replace(report_memory=True, steps=3, **PURE))
     ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]

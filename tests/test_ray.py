@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.cli import main
-from scaletrain.parity import relative_diffs
+from scaletrain.commands.cli import main
+from scaletrain.commands.parity import relative_diffs
 from scaletrain.runtime import free_port
 from scaletrain.train.checkpoint import read_model_tensors
 from tests.readme import readme_argv
@@ -149,8 +149,8 @@ def _refused(capsys, args: list[str]) -> str:
 
 def test_the_search_space_holds_each_grid_and_draw():
     """--grid values as Tune's grid search, in their field's type; --log-uniform draws within their bounds."""
-    from scaletrain.cli import build_parser
-    from scaletrain.sweep import search_space
+    from scaletrain.commands.cli import build_parser
+    from scaletrain.commands.sweep import search_space
 
     args = build_parser().parse_args(["sweep", "--grid", "micro_batch=4,8", "--log-uniform", "lr=1e-4:1e-2"])
     space = search_space(args)

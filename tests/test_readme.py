@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.cli import build_parser, main
+from scaletrain.commands.cli import build_parser, main
 from tests.readme import README, ROOT, commands
 from tests.test_llama_hf import PROSE, make_folder
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.runtime import free_port
 
 ALL_REDUCE = '''

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+from scaletrain.commands.parity import reference_config
+from scaletrain.commands.train import launch
 from scaletrain.config import Config
-from scaletrain.parity import reference_config
-from scaletrain.train.run import launch, resolve_layout
+from scaletrain.config_checks import resolve_layout
 from tests.conftest import run_cli
 from tests.test_llama_hf import PROSE, make_folder
 

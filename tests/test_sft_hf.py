@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.data.shards import open_prepared
 from scaletrain.data.tokenizer import load_tokenizer
-from scaletrain.parity import run_parity
 from tests.test_llama_hf import make_folder
 
 transformers = pytest.importorskip("transformers", reason="comparing with transformers needs the dev extra")
@@ -103,7 +103,7 @@ def test_chat_generation_answers_as_transformers_does(chat_folder):
     equal to transformers' greedy generation from apply_chat_template's prompt."""
     import torch
 
-    from scaletrain.generate import generate
+    from scaletrain.commands.generate import generate
 
     question = "Who jumps over the dog?"
     ours = generate(chat_folder, question, tokens=12, temperature=0, chat=True)

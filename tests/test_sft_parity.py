@@ -4,7 +4,7 @@ Alpaca-style and chat records (data/sft.py) rendered by the built-in template,
 the loss on the answers only, several examples packed per row with attention
 kept inside each (models/decoder.py): the layout and the single-device
 reference train with the same seed, data and global batch, and agree within
-relative 1e-5 in fp32 (scaletrain/parity.py's whole-model rule). Masking and
+relative 1e-5 in fp32 (scaletrain/commands/parity.py's whole-model rule). Masking and
 packing spread the trained tokens unevenly over micro-batches and ranks, so
 these rows fail unless the loss is the mean over the global batch's trained
 tokens (train/trainer.py): a per-micro-batch or per-rank mean weighs them
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
-from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import open_data, prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import train_and_save

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
-from scaletrain.parity import run_parity
 from scaletrain.plan.memory import optimizer_bytes
 from scaletrain.train.memory import optimizer_state, tensor_bytes
 from tests.trainers import losses_of_run

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scaletrain.errors import JobFailed
-from scaletrain.faults import Faults, parse
+from scaletrain.runtime.faults import Faults, parse
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.loop import fit
 from tests.trainers import build_trainer

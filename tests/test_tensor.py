@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from scaletrain.commands.parity import run_parity
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel.tensor import (
@@ -18,7 +19,6 @@ from scaletrain.parallel.tensor import (
     parallelize,
     split_sizes,
 )
-from scaletrain.parity import run_parity
 from scaletrain.runtime import Comm, Mesh, ParallelDims
 from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.layout import loss_fn

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scaletrain.cli import main
+from scaletrain.commands.cli import main
 from scaletrain.parallel.pipeline import timeline
 from scaletrain.parallel.pipeline.schedules import bubble, build, simulate
 

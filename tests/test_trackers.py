@@ -19,7 +19,7 @@ import pytest
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.run import launch
+from scaletrain.commands.train import launch
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -7,12 +7,12 @@ import pickle
 import pytest
 import torch
 
+from scaletrain.commands.parity import relative_diffs, run_parity
 from scaletrain.errors import UserError
 from scaletrain.models import build_model
-from scaletrain.parity import relative_diffs, run_parity
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.run import execute, prepare_run
+from scaletrain.commands.train import execute, prepare_run
 from scaletrain.train.step_memory import POINTS
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.parallel.pipeline.schedules import (
     bubble,
@@ -19,7 +20,6 @@ from scaletrain.parallel.pipeline.schedules import (
     two_bw_step,
 )
 from scaletrain.parallel.pipeline.two_bw import DelayedGradient
-from scaletrain.parity import run_parity
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.test_pipeline import _tied_weight_after_training

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.parity import run_parity
+from scaletrain.commands.parity import run_parity
 from scaletrain.train.checkpoint import flat_chunks
 from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed

@@ -35,7 +35,7 @@ def losses_of_run(cfg, out: Path, **changes) -> list[float]:
     """Launch ``cfg`` (with ``changes``) into ``out`` as the command does; the losses of its metrics.jsonl."""
     import json
 
-    from scaletrain.train.run import launch
+    from scaletrain.commands.train import launch
 
     launch(cfg.replace(out=str(out), **changes))
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

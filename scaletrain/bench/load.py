@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from scaletrain.bench import machine
 from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError
-from scaletrain.export_hf import byte_tokenizer
+from scaletrain.finetune.export_hf import byte_tokenizer
 from scaletrain.finetune.hf import is_hf_folder, read_hf_model
 from scaletrain.models import CLASSIFIER, family_config, spec_for
 

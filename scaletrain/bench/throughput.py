@@ -44,7 +44,7 @@ from torch import nn
 from scaletrain.bench import machine, median
 from scaletrain.config import Config
 from scaletrain.errors import UserError
-from scaletrain.export_hf import hf_tensors
+from scaletrain.finetune.export_hf import hf_tensors
 from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.optim import decay_groups, lr_at
 from scaletrain.runtime.comm import Comm

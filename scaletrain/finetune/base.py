@@ -27,13 +27,19 @@ from torch import nn
 
 from scaletrain.config import Config, FinetuneConfig, load_run_config
 from scaletrain.errors import UserError
-from scaletrain.export import find_checkpoint, without_adapters
-from scaletrain.finetune.hf import folder_tensors, is_hf_folder, load_hf_tokenizer, read_hf_model, read_hf_weights
+from scaletrain.finetune.hf import (
+    folder_tensors,
+    is_hf_folder,
+    load_hf_tokenizer,
+    read_hf_model,
+    read_hf_weights,
+)
 from scaletrain.finetune.lora import apply_lora
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelSpec
 from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import read_model_tensors
+from scaletrain.train.export import find_checkpoint, without_adapters
 
 # What a fine-tune inherits from its base run: the model's shape and how text becomes tokens.
 INHERITED = ("name", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta", "rope_scaling",

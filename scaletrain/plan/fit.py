@@ -11,7 +11,7 @@ is run for the run's own layout at micro-batches 1, 2, 4, ... up to
 memory shared by the processes on it). Rank 0 chooses and every rank takes its
 choice. The run's first step then confirms it: the memory ledger measures
 that step (``--report-memory``, on with ``auto``: memory.json), the run sets
-its figures beside the prediction when it ends (train/run.py), and a step that
+its figures beside the prediction when it ends (commands/train.py), and a step that
 runs out of memory ends the run with the next size down to give.
 """
 

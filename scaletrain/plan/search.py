@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from scaletrain.config import Config
-from scaletrain.config_checks import check_values
+from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.plan.hardware import Cluster
@@ -262,10 +262,6 @@ def refusal(cfg: Config, world: int) -> str | None:
     The trainer's own gates, in its order: the range checks, then the layout
     against the world and the model (heads, layers, stages, experts).
     """
-    # Imported here: the trainer loads torch's checkpointing (a second), and the
-    # command line reads this module's choices whenever it builds its parser.
-    from scaletrain.train.run import resolve_layout
-
     try:
         check_values(cfg)
         resolve_layout(cfg, world)

@@ -413,7 +413,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
                     zero: ZeroDataParallel | None = None, tensor_parallel: TensorParallel | None = None,
                     own_optimizer: Group | None = None, keep_last: int = 0,
                     strike: Callable[[str], None] = lambda point: None) -> Path:
-    """Write a checkpoint atomically (module docstring); ``strike`` is fault injection's hook (faults.py)."""
+    """Write a checkpoint atomically (module docstring); ``strike`` is fault injection's hook (runtime/faults.py)."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(_TMP_PREFIX + final.name)
     if team.is_main:

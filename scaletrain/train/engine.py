@@ -60,7 +60,6 @@ import torch
 from torch import nn
 
 from scaletrain.config import ParallelConfig, TrainConfig
-from scaletrain.faults import Faults, poison
 from scaletrain.finetune.sliced import FolderSource
 from scaletrain.models.moe import auxiliary_loss
 from scaletrain.models.spec import ModelPlan
@@ -69,6 +68,7 @@ from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.runtime import timer
 from scaletrain.parallel.pipeline.schedules import Span
 from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.faults import Faults, poison
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.compress_activations import ActivationCompression
 from scaletrain.techniques.precision import DynamicLossScaler, autocast
@@ -108,7 +108,7 @@ class Engine:
         self.train, self.parallel, self.mesh, self.comm, self.device = train, parallel, mesh, comm, device
         self.seq_len = seq_len  # every sequence's length, where given (cp, the library's generate)
         self.run_dir, self.log_every, self.report_memory = run_dir, log_every, report_memory
-        self.faults = Faults.from_env(mesh.rank)  # none unless SCALETRAIN_FAULT asks (faults.py)
+        self.faults = Faults.from_env(mesh.rank)  # none unless SCALETRAIN_FAULT asks (runtime/faults.py)
         self.layout = Layout(model, plan, train, parallel, mesh, comm, device, seq_len=seq_len, sample=sample,
                              source=source, fused_head=fused_head)
         self.compression = ActivationCompression(train.compress_activations)  # entered around each forward
@@ -241,7 +241,7 @@ class Engine:
             layout.zero.copy_grads_to_master()
         for name in self.faults.poisoned(step + 1):
             poison(layout.named_step_tensors(), name)
-        if not self.faults.skips(step + 1):  # a desync on purpose (faults.py)
+        if not self.faults.skips(step + 1):  # a desync on purpose (runtime/faults.py)
             self.comm.all_reduce(loss_sum, layout.replicas.dense, op="avg")
         # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
         grads = [p.grad for p in layout.step_params if p.grad is not None]

@@ -31,7 +31,7 @@ RUN/wandb.json); W&B ignores steps lower than ones it has seen, so the steps red
 checkpoint keep their first values there.
 
 Ray Tune (``tune``, which ``scaletrain sweep`` adds to each of its trials) gets every record as
-the trial's result, for its scheduler to stop the trial early (scaletrain/sweep.py).
+the trial's result, for its scheduler to stop the trial early (scaletrain/commands/sweep.py).
 
 How a run ends reaches each tracker as finished, failed or stopped: an MLflow run ends
 FINISHED, FAILED or KILLED (a run stopped from outside: Ctrl-C, or a sweep's scheduler).
@@ -73,7 +73,9 @@ def _numbers(record: dict[str, Any]) -> dict[str, float]:
 
 class TensorBoard:
     def __init__(self, cfg: Config, run_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only where written
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # heavy import, only where written
+        )
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
@@ -128,7 +130,7 @@ class MLflow:
     def _log_model(self, checkpoint: Path) -> None:
         """The final checkpoint exported (``scaletrain export``) as the artifact ``model``, and with
         ``--register NAME`` a new version of the registered model NAME made from it."""
-        from scaletrain.export import export
+        from scaletrain.train.export import export
 
         with tempfile.TemporaryDirectory() as folder:
             export(checkpoint, Path(folder) / "model.safetensors")

@@ -41,8 +41,9 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.commands.train import execute, prepare_run, world_size_for
 from scaletrain.config import Config
-from scaletrain.config_checks import check_here
+from scaletrain.config_checks import check_here, resolve_layout
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
@@ -50,7 +51,6 @@ from scaletrain.runtime.launch import detect_environment
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.run import execute, prepare_run, resolve_layout, world_size_for
 
 
 @dataclass

@@ -33,13 +33,13 @@ from torch import nn
 from scaletrain.config import load_run_config
 from scaletrain.data.chat import BUILTIN_TEMPLATE, END_OF_TURN, ChatTemplate
 from scaletrain.errors import UserError
-from scaletrain.export import find_checkpoint, without_adapters
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.finetune.sliced import load_hf_model
 from scaletrain.models import CLASSIFIER, build_model
 from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
 from scaletrain.train.data_setup import AnyTokenizer, run_tokenizer
+from scaletrain.train.export import find_checkpoint, without_adapters
 
 
 def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> None:

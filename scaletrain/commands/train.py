@@ -18,14 +18,12 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import AUTO, Config, load_run_config
-from scaletrain.config_checks import check_values
+from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
-from scaletrain.kernels import unavailable
-from scaletrain.kernels.head_loss import CHUNKED
-from scaletrain.models import CLASSIFIER, build_model, spec_for
+from scaletrain.models import build_model, spec_for
 from scaletrain.paths import writable_dir
 from scaletrain.plan.fit import (
     chosen_sentence,
@@ -53,11 +51,10 @@ from scaletrain.runtime.launch import (
     restart_attempt,
     shutdown,
 )
-from scaletrain.runtime.mesh import Mesh, ParallelDims
+from scaletrain.runtime.mesh import Mesh
 from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
 from scaletrain.runtime.spawn import WorkerKilled, spawn_local
 from scaletrain.techniques.compile import COMPILE_NOTE
-from scaletrain.techniques.recompute import parse_policy
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
 from scaletrain.train.loop import RunSummary, fit
@@ -72,48 +69,6 @@ def world_size_for(cfg: Config, env: ProcessEnv) -> int:
         raise UserError(f"--nproc spawns local workers, but this process is already one of "
                         f"{env.world_size} launched by {env.source}; drop --nproc.")
     return cfg.parallel.nproc if cfg.parallel.nproc > 1 else env.world_size
-
-
-def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
-    """Fill in dp and check the layout against the world and the model."""
-    p = cfg.parallel
-    dims = p.mesh_dims(world_size)
-    if p.sync_every > 1 and dims.dp == 1:
-        raise UserError(f"--sync-every {p.sync_every} averages data-parallel replicas, but this layout has one "
-                        f"(dp 1); start more processes (--nproc) or drop --sync-every.")
-    parse_policy(cfg.train.recompute)
-    for flag, used in (("--fused triton", cfg.train.fused == "triton"),
-                       ("--head-loss chunked", cfg.train.head_loss == CHUNKED)):
-        reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"), flag) if used else None
-        if reason:
-            raise UserError(f"{flag}: {reason}")
-    if cfg.train.head_loss == CHUNKED and (dims.tp > 1 or dims.pp > 1 or p.zero == 3):
-        raise UserError(f"--head-loss chunked needs the head's weight whole on the rank that computes the loss, "
-                        f"and --tp {dims.tp}, --pp {dims.pp}, --zero {p.zero} leave it split, on another stage "
-                        f"or freed; drop --head-loss, or use --tp 1, --pp 1 and --zero below 3.")
-    if cfg.model.name == CLASSIFIER:
-        for flag, used in (("--recompute", cfg.train.recompute != "none"), ("--compile", cfg.train.compile)):
-            if used:
-                raise UserError(f"{flag} applies to a decoder's blocks; drop it for the mlp.")
-        if cfg.train.head_loss is not None:
-            raise UserError("--head-loss applies to a language model's head; drop it for the mlp.")
-        dims.validate_for_model(n_heads=None, n_layers=None, seq_len=None)
-    else:
-        family = spec_for(cfg.model.name)
-        g = family.configure(cfg.model, 1, cfg.data.seq_len)
-        family.check(g, dims.tp)
-        shape = family.shape(g)
-        dims.validate_for_model(n_heads=shape.n_heads, n_layers=shape.n_layers, seq_len=cfg.data.seq_len,
-                                n_experts=shape.moe_experts or None)
-        if shape.moe_experts and shape.moe_every > shape.n_layers:
-            raise UserError(f"--moe-every {shape.moe_every} skips every one of the model's {shape.n_layers} "
-                            f"blocks; choose at most {shape.n_layers}.")
-        _, virtual = cfg.parallel.pipeline_sizes()
-        if dims.pp * virtual > shape.n_layers:
-            raise UserError(f"--pp {dims.pp} with --virtual-stages {virtual} cuts the model into "
-                            f"{dims.pp * virtual} stages, but it has {shape.n_layers} layers; lower one of the two "
-                            f"or raise --n-layers.")
-    return cfg.replace(dp=dims.dp), dims
 
 
 def default_out(cfg: Config) -> str:

@@ -214,7 +214,7 @@ def _trial(config: dict[str, Any], base: Config, cwd: str, variables: dict[str, 
     with the sweep's variables (MLFLOW_TRACKING_URI, ...)."""
     from ray import tune
 
-    from scaletrain.train.run import launch
+    from scaletrain.commands.train import launch
 
     os.environ.update(variables)
     os.chdir(cwd)  # Tune starts a trial in a folder of its own; the run's relative paths are the sweep's

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object (CLI.md's shape)")
     plan.add_argument("--png", metavar="FILE", help="also plot memory per rank against tokens/s into this PNG")
 
-    from scaletrain.export import DTYPES
+    from scaletrain.train.export import DTYPES
 
     export = commands.add_parser(
         "export", help="write a checkpoint's model as one safetensors file or a Hugging Face folder",
@@ -211,9 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cast floating tensors to this dtype [as saved: fp32]")
     export.add_argument("--force", action="store_true", help="replace --to if it exists")
 
-    from scaletrain.prepare_command import add_prepare_parser
-    from scaletrain.run_command import add_run_parser
-    from scaletrain.sweep import add_sweep_parser
+    from scaletrain.commands.prepare import add_prepare_parser
+    from scaletrain.commands.run import add_run_parser
+    from scaletrain.commands.sweep import add_sweep_parser
 
     add_prepare_parser(commands)
     add_run_parser(commands)
@@ -244,19 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from scaletrain.run_command import run_command
+    from scaletrain.commands.run import run_command
 
     return run_command(args)
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from scaletrain.sweep import sweep_command
+    from scaletrain.commands.sweep import sweep_command
 
     return sweep_command(resolve(args), args)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from scaletrain.prepare_command import run_prepare
+    from scaletrain.commands.prepare import run_prepare
 
     return run_prepare(args)
 
@@ -270,7 +270,7 @@ def _finetune(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from scaletrain.runtime.launch import detect_environment
-    from scaletrain.train.run import launch, print_summary
+    from scaletrain.commands.train import launch, print_summary
 
     base = None
     if args.resume:
@@ -291,7 +291,7 @@ PARITY_DEFAULTS = Config().replace(name=TINY_PRESET, steps=10, seq_len=64, micro
 
 
 def _parity(args: argparse.Namespace) -> int:
-    from scaletrain.parity import format_table, run_parity
+    from scaletrain.commands.parity import format_table, run_parity
 
     report = run_parity(resolve(args, PARITY_DEFAULTS), tolerance=args.tolerance)
     if args.json:
@@ -381,16 +381,16 @@ def _schedule(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        from scaletrain.export_hf import export_hf as export
+        from scaletrain.finetune.export_hf import export_hf as export
     else:
-        from scaletrain.export import export
+        from scaletrain.train.export import export
 
     print(export(Path(args.source), Path(args.target), args.dtype, args.force).describe())
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from scaletrain.generate import generate
+    from scaletrain.commands.generate import generate
 
     print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.chat))
     return 0

@@ -2,10 +2,10 @@
 that a long run holds still: flat memory, steady throughput, a bounded
 communication ledger.
 
-    python -m scaletrain.train.soak [--steps 3000] [--checkpoint-every 250] [--nproc 1|2]
+    python -m scaletrain.commands.soak [--steps 3000] [--checkpoint-every 250] [--nproc 1|2]
                                     [--out DIR] [--data PATH] [--json]
 
-The run goes through ``scaletrain.train.run.launch``, the path ``scaletrain
+The run goes through ``scaletrain.commands.train.launch``, the path ``scaletrain
 train`` takes, with short sequences and micro-batches (milliseconds a step on
 a CPU); the figures come from what that run leaves behind: its
 ``metrics.jsonl``, its ``comm.json`` (``--report-comm``) and its checkpoints.
@@ -96,7 +96,7 @@ from scaletrain.errors import UserError
 from scaletrain.models import TINY_PRESET
 from scaletrain.train.checkpoint import complete_checkpoints
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.run import launch
+from scaletrain.commands.train import launch
 
 WARMUP_SHARE = 0.2
 FLAT_SLOPE_BYTES = 2**20  # per 1000 steps
@@ -381,7 +381,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scaletrain.train.soak",
+    parser = argparse.ArgumentParser(prog="python -m scaletrain.commands.soak",
                                      description=f"Soak test: a long {TINY_PRESET} run with periodic checkpoints; "
                                                  "memory, throughput and the communication ledger over time.")
     parser.add_argument("--steps", type=int, default=3000)

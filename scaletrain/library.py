@@ -65,7 +65,7 @@ from scaletrain.runtime.launch import (
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import engine as core
 from scaletrain.train.sampling import generate
-from scaletrain.train.step_window import StepWindow
+from scaletrain.train.step_window import PendingStep, StepWindow
 
 
 def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | None = None,
@@ -109,8 +109,7 @@ class Engine(core.Engine):
         self.steps_done = 0  # optimizer steps taken, the checkpoint's step
         self._backwards = 0  # backward calls in the step under way
         self._loss_sum = torch.zeros((), device=self.device)
-        self._step_open = False
-        self._window = StepWindow(1, 0)  # the step's clock, from its first forward to its numbers read
+        self._step_open = False  # a forward of the manual loop began the step
 
     # -- where this process stands -------------------------------------------------
     @property
@@ -205,26 +204,21 @@ class Engine(core.Engine):
         if len(micro_batches) != wanted or self._backwards:
             raise UserError(f"train_step() takes the step's {wanted} micro-batches (grad_accum x microbatches), with "
                             f"no backward() before it, not {len(micro_batches)}; give exactly {wanted}.")
-        self._open_step()
         batches = [self.local(*batch) for batch in micro_batches]
-        if self.layout.pipeline:
-            loss_sum = self.pipeline_accumulate(batches, loss_fn, float(len(batches)))
-        else:
-            def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                with self.forward_context():
-                    outputs = self.layout.model(x)
-                return loss_fn(outputs, y)
-            loss_sum, _ = self.accumulate(batches, loss_of, float(len(batches)))
-        return self._finish(loss_sum)
+        return self._read(self.run_step(self.steps_done, batches, loss_fn, float(len(batches))))
 
     def _open_step(self) -> None:
         self.start_step(self.steps_done)
         self._step_open = True
-        self._window = StepWindow(1, 0)
 
     def _finish(self, loss_sum: torch.Tensor) -> dict[str, float]:
-        self._window.add(self.update(self.steps_done, loss_sum))
-        (read,) = self._window.read()
+        return self._read(self.update(self.steps_done, loss_sum))
+
+    def _read(self, pending: PendingStep) -> dict[str, float]:
+        """The step's numbers, read at once: a step of the library is over when it returns."""
+        window = StepWindow(1, 0)
+        window.add(pending)
+        (read,) = window.read()
         self.steps_done += 1
         self._backwards, self._step_open = 0, False
         self._loss_sum = torch.zeros((), device=self.device)

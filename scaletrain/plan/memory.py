@@ -39,8 +39,9 @@ and the two largest layer units, the one computing and the one prefetched;
 ZeRO-2 and 3's unsharded gradients of the two units whose reduce-scatter is
 in flight), and the loss's temporaries on the last stage (fp32 logits and
 their gradient, ``8*b*s*V/t``; chunked, one chunk's logits, the hidden
-states' gradient and the head's fp32 gradient: kernels/head_loss.py). ``allowance`` is 10% of all the rest, for the
-caching allocator's fragmentation (memory reserved between blocks); the
+states' gradient and the head's fp32 gradient: kernels/head_loss.py).
+``allowance`` is 10% of all the rest, for the caching allocator's
+fragmentation (memory reserved between blocks); the
 CUDA context itself (about 0.5 GB) is outside ``torch.cuda.max_memory_allocated``
 and outside the figures here.
 """

@@ -1,7 +1,10 @@
 """The engine: one optimizer step of any model under any layout, for the command and the library.
 
 ``scaletrain train`` (train/trainer.py: its models, its data, its loss) and a
-user's own script (library.py: their model, their loop) run the same engine.
+user's own script (library.py: their model, their loop) run the same engine:
+`Engine.run_step` is the whole step in reading order, given the micro-batches
+and a loss function (the library's own loop, ``backward()`` then ``step()``,
+calls its parts one by one).
 One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
 samples (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
 ``--microbatches`` micro-batches each take the place of the loop below:
@@ -87,6 +90,7 @@ from scaletrain.train.step_memory import StepMemory
 from scaletrain.train.step_window import PendingStep
 
 Batch = tuple[torch.Tensor, ...]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> one micro-batch's loss
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -125,6 +129,43 @@ class Engine:
     def model(self) -> nn.Module:
         """This rank's part of the model (split, cut, wrapped as the layout says)."""
         return self.layout.model
+
+    # -- one whole step -----------------------------------------------------------
+    def run_step(self, step: int, batches: Sequence[Batch], loss_fn: LossFn, divisor: float | torch.Tensor,
+                 record: bool = False) -> PendingStep:
+        """One optimizer step over the step's micro-batches (inputs, targets[, documents]), in
+        reading order: the step begins (dropout reseeded), every micro-batch's forward and
+        backward, or with pp the pipeline schedule's rounds, then the update; its numbers left on
+        the device (train/step_window.py). ``loss_fn(outputs, targets)`` is one micro-batch's
+        loss, divided by ``divisor`` (module docstring); ``record`` keeps a pipeline's timeline."""
+        self.start_step(step)
+        routing = None
+        if self.layout.pipeline:
+            loss_sum = self.pipeline_accumulate(batches, loss_fn, divisor, record)
+        else:
+            loss_sum, routing = self.accumulate(batches, self.forward_loss(loss_fn), divisor)
+        pending = self.update(step, loss_sum)
+        if routing and pending.host["lr"] is not None:  # what the routers did, where the step updated
+            pending.host.update(routing.summed(self.comm, self.layout.replicas.batch))
+        return pending
+
+    def forward_loss(self, loss_fn: LossFn) -> Callable[..., torch.Tensor]:
+        """One micro-batch's forward and ``loss_fn``: the model under autocast and compression,
+        or where the layout chunks the head and loss (kernels/head_loss.py) the final norm's
+        output into the chunked kernel, which never holds the logits whole."""
+        layout = self.layout
+
+        def forward_loss(x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+            packed = {} if documents is None else {"documents": documents}
+            with self.forward_context():
+                if layout.fused_head_loss:
+                    from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy  # Triton: a GPU's
+                    return fused_linear_cross_entropy(layout.model(x, logits=False, **packed),
+                                                      layout.model.head.weight, y)
+                outputs = layout.model(x, **packed)
+            with self.compression:  # the tensors the loss saves (the log-probabilities: b x s x V)
+                return loss_fn(outputs, y)
+        return forward_loss
 
     # -- a step's forward and backward -------------------------------------------
     @contextmanager

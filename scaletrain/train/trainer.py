@@ -149,19 +149,6 @@ class Trainer:
         # No trained token at all (every answer cut away): a zero loss, not 0 / 0.
         return batches, (trained.clamp(min=1).double() / positions).float(), trained
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """The cross-entropy of one micro-batch, summed over its trained tokens / its positions
-        (forward included); ``documents``: its rows are packed (models/decoder.py)."""
-        layout = self.layout
-        packed = {} if documents is None else {"documents": documents}
-        with self.engine.forward_context():
-            if layout.fused_head_loss:
-                from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
-                return fused_linear_cross_entropy(layout.model(x, logits=False, **packed), layout.model.head.weight, y)
-            logits = layout.model(x, **packed)
-        with self.engine.compression:  # the tensors the loss saves (the log-probabilities: b x s x V)
-            return layout.loss_fn(logits, y)
-
     def train_step(self, step: int, record: bool = False) -> dict[str, float]:
         """One optimizer step, its numbers read at once (``fit`` reads them a window at a time)."""
         window = StepWindow(1, self.tokens_per_step)
@@ -173,17 +160,8 @@ class Trainer:
 
     def queue_step(self, step: int, record: bool) -> PendingStep:
         """One optimizer step on the engine; its numbers left on the device (train/step_window.py)."""
-        engine, layout = self.engine, self.layout
-        engine.start_step(step)
         batches, divisor, trained = self._step_batches(step)
-        routing = None
-        if layout.pipeline:
-            loss_sum = engine.pipeline_accumulate(batches, layout.loss_fn, divisor, record)
-        else:
-            loss_sum, routing = engine.accumulate(batches, self._loss, divisor)
-        pending = engine.update(step, loss_sum)
-        if routing and pending.host["lr"] is not None:
-            pending.host.update(routing.summed(self.comm, layout.replicas.batch))
+        pending = self.engine.run_step(step, batches, self.layout.loss_fn, divisor, record)
         if trained is not None:  # masked or packed data: how many tokens the step trained on
             pending.device["trained_tokens"] = trained
         return pending
@@ -212,7 +190,8 @@ class Trainer:
             summed = layout.pipeline.evaluate(batches, lambda logits, y: layout.loss_fn(logits, y) * y.numel(),
                                               lambda: autocast(self.cfg.train.precision, self.device)) * len(batches)
         else:
-            summed = sum(self._loss(*batch).item() * batch[1].numel() for batch in batches)
+            loss_of = self.engine.forward_loss(layout.loss_fn)
+            summed = sum(loss_of(*batch).item() * batch[1].numel() for batch in batches)
         totals = torch.tensor([summed, sum((batch[1] != IGNORE_INDEX).sum().item() for batch in batches)],
                               dtype=torch.float64, device=self.device)
         if layout.context_parallel:  # each cp rank has its positions' share

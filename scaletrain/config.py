@@ -376,8 +376,10 @@ def coerce(key: str, fld: dataclasses.Field, value: Any, named: str = "config ke
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, grouped by section. Defaults are None so that only
-    the flags a user typed override the TOML file."""
+    """``--config FILE``, then one flag per field, grouped by section. Defaults are None so
+    that only the flags a user typed override the TOML file."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the fields below "
+                                                          "(flags override it)")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} options")
         for fld in dataclasses.fields(cls):

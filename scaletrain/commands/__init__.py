@@ -1,3 +1,4 @@
-"""The command line: ``cli.py`` parses every verb's flags and resolves the configuration once;
-a verb's own work is the module of its name (train, parity, generate, prepare, run, sweep),
-and soak.py is the long-run check of the train path (``python -m scaletrain.commands.soak``)."""
+"""The command line: ``cli.py`` builds the parser from the verbs and runs the one asked for; each
+verb is the module of its name (train.py holds train and finetune), which adds its flags, resolves
+the configuration once and does the work. soak.py is the long-run check of the train path
+(``python -m scaletrain.commands.soak``)."""

@@ -1,4 +1,4 @@
-"""Text from a model: the ``generate`` command.
+"""``scaletrain generate``: text from a model.
 
 ``--from`` names a Hugging Face model folder (finetune/hf.py reads its
 weights and tokenizer; nothing is downloaded), a run folder (its latest
@@ -24,6 +24,7 @@ model code plain and is quick enough for a few hundred tokens.
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -40,6 +41,36 @@ from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
 from scaletrain.train.data_setup import AnyTokenizer, run_tokenizer
 from scaletrain.train.export import find_checkpoint, without_adapters
+
+
+def add_parser(commands) -> None:
+    generate = commands.add_parser(
+        "generate", help="continue a prompt with a trained model or released weights",
+        description="Continue --prompt with a model and print the prompt and its continuation. The model is "
+                    "a Hugging Face model folder (config.json, model.safetensors, its shards or pytorch_model.bin, and "
+                    "tokenizer.json or vocab.json with merges.txt; nothing is downloaded), or one of ours: a "
+                    "run folder for its latest complete checkpoint, or a checkpoint folder, with the run's "
+                    "tokenizer.")
+    generate.add_argument("--from", dest="source", metavar="CKPT_OR_HF_DIR", required=True,
+                          help="a Hugging Face model folder, a run folder, or RUN/checkpoints/step_NNNNNN")
+    generate.add_argument("--prompt", metavar="TEXT", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=int, default=100, metavar="N", help="tokens to add [100]")
+    generate.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                          help="divides the logits before sampling: below 1 sharper, above 1 flatter, 0 "
+                               "always the most likely token [0.8]")
+    generate.add_argument("--top-k", type=int, default=50, metavar="K",
+                          help="sample among the K most likely tokens (0: among all) [50]")
+    generate.add_argument("--chat", action="store_true",
+                          help="the prompt is a user's question in the model's chat template; print the answer "
+                               "alone, up to its end (a model fine-tuned with --sft)")
+    generate.add_argument("--seed", type=int, default=1234, metavar="N",
+                          help="seed of the sampling: the same seed gives the same text [1234]")
+    generate.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.chat))
+    return 0
 
 
 def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> None:

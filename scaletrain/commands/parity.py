@@ -34,6 +34,8 @@ gradient moves every element of its tensor by up to the learning rate per step.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -42,10 +44,11 @@ from pathlib import Path
 import torch
 
 from scaletrain.commands.train import execute, prepare_run, world_size_for
-from scaletrain.config import Config
+from scaletrain.config import Config, add_config_flags, resolve
 from scaletrain.config_checks import check_here, resolve_layout
 from scaletrain.errors import UserError
 from scaletrain.finetune.base import as_finetune
+from scaletrain.models import TINY_PRESET
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.runtime.launch import detect_environment
 from scaletrain.runtime.mesh import ParallelDims
@@ -106,6 +109,30 @@ class ParityReport:
                 "tolerance": self.tolerance, "layout": self.layout,
                 "worst_tensor": dict(zip(("name", "rel_diff"), self.worst_tensor)),
                 "reference_losses": self.reference_losses, "layout_losses": self.layout_losses}
+
+
+DEFAULTS = Config().replace(name=TINY_PRESET, steps=10, seq_len=64, micro_batch=4, warmup_steps=2, eval_every=0,
+                            eval_batches=1, sample_tokens=0, cache_dir=str(Path("runs", ".cache")))
+
+
+def add_parser(commands) -> None:
+    parity = commands.add_parser(
+        "parity", help="check a layout against single-device training",
+        description="Train the single-device reference and the requested layout with the same seed, "
+                    "data and global batch; compare per-step losses and final parameters. Exit code "
+                    "0 when they agree within --tolerance, 1 when they do not. Defaults differ from "
+                    f"train: --model {TINY_PRESET} --steps 10 --seq-len 64 --micro-batch 4 --cache-dir runs/.cache.")
+    add_config_flags(parity)
+    parity.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest relative difference allowed, per step and per tensor [1e-05]")
+    parity.add_argument("--json", action="store_true", help="print one JSON object")
+    parity.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_parity(resolve(args, DEFAULTS), tolerance=args.tolerance)
+    print(json.dumps(report.to_json()) if args.json else format_table(report))
+    return 0 if report.passed else 1
 
 
 def relative_diffs(layout: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]

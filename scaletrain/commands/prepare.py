@@ -18,7 +18,7 @@ from scaletrain.data.sources import parse_sources, record_encoder, records_token
 from scaletrain.errors import UserError
 
 
-def add_prepare_parser(commands) -> None:
+def add_parser(commands) -> None:
     prepare = commands.add_parser(
         "prepare", help="tokenize records once into shards that training memory-maps",
         description="Tokenize records (.jsonl, .json, .parquet, a datasets save_to_disk folder or a folder "
@@ -43,6 +43,7 @@ def add_prepare_parser(commands) -> None:
     prepare.add_argument("--cache-dir", default=str(Path("runs", ".cache")), metavar="DIR",
                          help="where a trained BPE is kept [runs/.cache]")
     prepare.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    prepare.set_defaults(handler=run_prepare)
 
 
 def run_prepare(args: argparse.Namespace) -> int:

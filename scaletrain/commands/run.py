@@ -42,7 +42,7 @@ SCRIPT_WANTED = "a Python script to run"
 RAY_OPTIONS = ("launcher", "ray_address", "cpus_per_worker", "gpus_per_worker")  # as scaletrain train's
 
 
-def add_run_parser(commands) -> None:
+def add_parser(commands) -> None:
     run = commands.add_parser(
         "run", help="launch your own training script on N processes",
         description="Run SCRIPT with ARGS in --nproc local worker processes, each with the variables "
@@ -57,6 +57,7 @@ def add_run_parser(commands) -> None:
         add_field_flag(run, placement[name], placement[name].default)
     run.add_argument("script", metavar="SCRIPT", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    run.set_defaults(handler=run_command)
 
 
 def export_place() -> None:

@@ -31,11 +31,18 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config, ParallelConfig, base_type, coerce, field_of
+from scaletrain.config import (
+    Config,
+    ParallelConfig,
+    add_config_flags,
+    base_type,
+    coerce,
+    field_of,
+    resolve,
+)
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.train.trackers import end_mlflow_run, open_experiment
@@ -45,14 +52,14 @@ METRICS = ("loss", "val_loss")
 REDUCTION = 2  # ASHA keeps the best 1/REDUCTION of the trials at each rung
 
 
-def add_sweep_parser(commands, add_train_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(commands) -> None:
     sweep = commands.add_parser(
         "sweep", help="search learning rate, batch size or any train field on Ray Tune",
         description="Run a trial of scaletrain train for each combination of --grid values (and --log-uniform "
                     "draws, --samples times), on a Ray cluster, stopping unpromising trials early (ASHA), each "
                     "trial tracked as its own run (--tracker mlflow). Takes every flag of train; --out is the "
                     "sweep's folder, one run folder per trial inside. Needs pip install 'scaletrain[ray]'.")
-    add_train_flags(sweep)
+    add_config_flags(sweep)
     sweep.add_argument("--grid", action="append", default=[], metavar="FIELD=A,B",
                        help="try each of these values of a train field (repeatable: every combination)")
     sweep.add_argument("--log-uniform", action="append", default=[], metavar="FIELD=LOW:HIGH",
@@ -66,9 +73,11 @@ def add_sweep_parser(commands, add_train_flags: Callable[[argparse.ArgumentParse
                        help="steps every trial runs before ASHA may stop it [a tenth of --steps, at least 1]")
     sweep.add_argument("--max-concurrent", type=int, default=0, metavar="K",
                        help="trials running at once [0: as many as the cluster holds]")
+    sweep.set_defaults(handler=sweep_command)
 
 
-def sweep_command(cfg: Config, args: argparse.Namespace) -> int:
+def sweep_command(args: argparse.Namespace) -> int:
+    cfg = resolve(args)
     if importlib.util.find_spec("ray") is None:
         raise UserError("scaletrain sweep runs its trials on Ray Tune; pip install 'scaletrain[ray]'.")
     sweep = run_sweep(cfg, args)

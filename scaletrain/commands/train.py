@@ -1,4 +1,5 @@
-"""A training run from start to end: check, prepare, launch, train, report.
+"""``scaletrain train`` and ``scaletrain finetune``: a training run from start to end: check,
+prepare, launch, train, report.
 
 Order matters for the user: every check that can fail on user input (values,
 layout against world size and model, run folder, checkpoint to resume, data)
@@ -11,20 +12,21 @@ local workers.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from scaletrain.config import AUTO, Config, load_run_config
+from scaletrain.config import AUTO, Config, add_config_flags, load_run_config, resolve
 from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.models import build_model, spec_for
-from scaletrain.paths import writable_dir
+from scaletrain.paths import readable_dir, writable_dir
 from scaletrain.plan.fit import (
     chosen_sentence,
     device_memory,
@@ -62,6 +64,46 @@ from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.step_memory import format_points
 from scaletrain.train.trainer import Trainer
+
+
+def add_parser(commands) -> None:
+    train = commands.add_parser(
+        "train", help="train a model",
+        description="Train a model. With no arguments: the small default model on the built-in corpus (the "
+                    "Python standard library's source), on CPU, in one process.")
+    add_config_flags(train)
+    train.set_defaults(handler=run)
+    finetune = commands.add_parser(
+        "finetune", help="fine-tune a trained model, with LoRA or QLoRA adapters",
+        description="Train on new data from a checkpoint or a Hugging Face model folder (--from), with its model "
+                    "and tokenizer: every weight, "
+                    "or LoRA adapters beside the frozen base (--lora-rank), the base stored in 4 bits with "
+                    "--quantize nf4. Takes every flag of train.")
+    add_config_flags(finetune)
+    finetune.set_defaults(handler=run_finetune)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    if getattr(args, "from") is None and not args.resume:
+        raise UserError("scaletrain finetune needs --from, the run folder, checkpoint or Hugging Face model folder to "
+                        "start from.")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``scaletrain train``: the flags over the TOML file (over the run's own settings with
+    ``--resume``), launched; rank 0 prints the summary."""
+    base = None
+    if args.resume:
+        if args.out is None:
+            raise UserError("--resume needs --out, the folder of the run to continue.")
+        run_dir = readable_dir("--out", args.out, "the folder of the run to continue")
+        # --stop-at limits one invocation; the resumed one sets its own, or runs to --steps.
+        base = load_run_config(run_dir).replace(stop_at=None)
+    summary = launch(resolve(args, base))
+    if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
+        print_summary(summary)
+    return 0
 
 
 def world_size_for(cfg: Config, env: ProcessEnv) -> int:

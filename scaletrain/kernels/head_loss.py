@@ -1,8 +1,8 @@
 """Where a language model's head meets its loss: the logits whole, or a chunk of rows at a time.
 
 Materialized, the head's logits [N, V] and what the loss makes of them grow
-with the vocabulary: N = 8192 tokens (micro-batch 4 at seq 2048) over Llama
-3's V = 128,256 words are 2.1 GB in bf16, and the trainer's fp32 copy, the
+with the vocabulary: N = 8192 tokens (micro-batch 4 at seq 2048) over a
+vocabulary of V = 128,256 words are 2.1 GB in bf16, and the trainer's fp32 copy, the
 log-probabilities F.cross_entropy saves and their gradient add 4.2 GB each.
 Chunked (kernels/cross_entropy.py, `fused_linear_cross_entropy`), the head
 and the loss run on ``rows`` rows at a time and only one chunk's logits

@@ -1,0 +1,149 @@
+"""``scaletrain plan``: every layout of a model on a cluster weighed, the ones that fit ranked by
+predicted tokens/s (plan/, docs/planner.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from scaletrain.config import Config, ModelConfig
+from scaletrain.errors import UserError
+from scaletrain.models import PLANNED_PRESET, PRESETS
+from scaletrain.parallel.pipeline.schedules import SCHEDULES
+from scaletrain.paths import writable_file
+from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device, parse_size
+from scaletrain.plan.search import RECOMPUTE as PLANNED_RECOMPUTE
+
+FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
+         "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights")
+PLANNED_VOCAB = 50304  # a 50257-token byte-level BPE, rounded up to a multiple of 64
+POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
+            "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
+            "moe_top_k", "shard_group")
+LAYOUT_FLAGS = (("dp", "data-parallel size"), ("tp", "tensor-parallel size (searched within a node)"),
+                ("pp", "pipeline stages"), ("cp", "context-parallel size"), ("ep", "expert-parallel size"),
+                ("micro-batch", "sequences per rank per micro-batch (searched in powers of two)"),
+                ("grad-accum", "micro-batches (pipeline rounds with --pp) accumulated per step"),
+                ("microbatches", "micro-batches per pipeline round [the whole per-rank batch]"),
+                ("virtual-stages", "stages per rank [2 for interleaved, else 1]"))
+
+
+def add_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="predict per-rank memory and step time of parallel layouts, recommend one",
+        description="Weigh every parallel layout of a model on a cluster (dp x tp x pp x cp x ep, ZeRO "
+                    "stage, sp, recompute, micro-batch, pipeline schedule) at the same global batch: "
+                    "drop those the trainer would refuse, predict memory per rank (the most loaded one) "
+                    "and step time for the others, and rank those that fit by tokens/s. A layout flag "
+                    "fixes that choice; the others are searched.")
+    _add_model_and_cluster(plan)
+    fixed = plan.add_argument_group("layout options (each one given is fixed, the others searched)")
+    for name, meaning in LAYOUT_FLAGS:
+        fixed.add_argument(f"--{name}", type=int, metavar="N", help=meaning)
+    fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage over the replicas")
+    fixed.add_argument("--shard-group", type=int, metavar="N", help="ZeRO within groups of N ranks (hybrid)")
+    fixed.add_argument("--quantize-weights", choices=("none", "int8"), help="ZeRO-3's gathers in int8")
+    fixed.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                       help="sequence parallelism inside the tp group")
+    fixed.add_argument("--recompute", choices=PLANNED_RECOMPUTE, help="activation checkpointing")
+    fixed.add_argument("--pp-schedule", choices=SCHEDULES, help="pipeline schedule")
+    model = plan.add_argument_group("model and precision options")
+    model.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="[bf16 on a GPU, fp32 on cpu]")
+    model.add_argument("--param-dtype", choices=("fp32", "bf16"), help="working weights' dtype [fp32]")
+    model.add_argument("--offload", choices=("none", "optimizer"), help="optimizer state in host memory [none]")
+    model.add_argument("--moe-experts", type=int, metavar="E", help="experts per MoE block [0: dense]")
+    model.add_argument("--moe-top-k", type=int, metavar="K", help="experts per token [2]")
+    plan.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown [5]")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (CLI.md's shape)")
+    plan.add_argument("--png", metavar="FILE", help="also plot memory per rank against tokens/s into this PNG")
+    plan.set_defaults(handler=run)
+
+
+def _add_model_and_cluster(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--model", default=PLANNED_PRESET, metavar="NAME",
+                      help=f"model preset: {', '.join(PRESETS)} [{PLANNED_PRESET}]")
+    plan.add_argument("--layers", type=int, metavar="L", help="transformer blocks [the preset's]")
+    plan.add_argument("--hidden", type=int, metavar="H", help="hidden size d_model [the preset's]")
+    plan.add_argument("--heads", type=int, metavar="A", help="attention heads [the preset's]")
+    plan.add_argument("--vocab", type=int, metavar="V",
+                      help=f"vocabulary size [the preset's, else {PLANNED_VOCAB}]")
+    plan.add_argument("--seq", type=int, default=1024, metavar="S", help="tokens per sequence [1024]")
+    plan.add_argument("--global-batch", type=int, metavar="G",
+                      help="sequences per optimizer step, the same for every layout [micro-batch x grad-accum "
+                           "x microbatches x the data-parallel size, each as given, else 8, 1, 1 and what the "
+                           "given sizes leave of --gpus]")
+    plan.add_argument("--gpus", type=int, default=8, metavar="N", help="devices in the cluster [8]")
+    plan.add_argument("--gpus-per-node", type=int, metavar="N",
+                      help="devices per node, joined by the fast link [min(8, --gpus)]")
+    plan.add_argument("--gpu", choices=(*DEVICES, "cpu"), default="H100",
+                      help="the device; cpu: this machine, its peak measured, its memory shared by the "
+                           "ranks of a node [H100]")
+    plan.add_argument("--gpu-memory", metavar="SIZE",
+                      help="memory of one device, such as 80GB, 40GiB or 512MB [the device's]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scaletrain.plan import report
+    from scaletrain.plan.predict import predict
+    from scaletrain.plan.search import derived_global_batch, search
+
+    for name in POSITIVE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
+    if args.png:
+        writable_file("--png", args.png)
+    base = _base(args, gpu=args.gpu != "cpu")
+    cluster = _cluster(args)
+    fixed = {name for name in FIXED if getattr(args, name) is not None}
+    global_batch = args.global_batch or derived_global_batch(base, cluster.gpus, fixed)
+    result = search(base, cluster, _vocab(args), global_batch, fixed, predict)
+    result.best()  # none fits: one sentence, exit code 2
+    if args.png:
+        report.plot(result, Path(args.png), cluster)
+    print(json.dumps(report.to_json(result, args.top)) if args.json
+          else report.format_table(result, args.top, cluster))
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    """The devices to plan for. A CPU "node" is this machine: its ranks share its memory."""
+    per_node = args.gpus_per_node or min(8, args.gpus)
+    if args.gpus % per_node:
+        raise UserError(f"--gpus-per-node {per_node} must divide --gpus {args.gpus}; the nodes are equal.")
+    if args.gpu == "cpu":
+        import torch
+
+        from scaletrain.train.metrics import measure_peak_tflops
+
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        device = cpu_device(measure_peak_tflops(torch.device("cpu")), host // per_node)
+    else:
+        device = DEVICES[args.gpu]
+    cluster = Cluster(device, args.gpus, per_node)
+    return cluster.with_memory(parse_size(args.gpu_memory)) if args.gpu_memory else cluster
+
+
+def _base(args: argparse.Namespace, gpu: bool) -> Config:
+    """The model, precision and fixed layout choices as one Config; the search fills in the rest."""
+    if args.model not in PRESETS:
+        raise UserError(f"--model {args.model} is not a model preset; choose one of {', '.join(PRESETS)}.")
+    family = PRESETS[args.model]
+    preset = family.shape(family.configure(ModelConfig(name=args.model), 1, args.seq))
+    heads, width = args.heads or preset.n_heads, args.hidden or preset.d_model
+    if width % heads:
+        raise UserError(f"--hidden {width} is not divisible by --heads {heads}; choose sizes where it is.")
+    if args.moe_experts is not None and args.moe_experts < 0:
+        raise UserError(f"--moe-experts must not be negative, not {args.moe_experts}.")
+    model = {"name": args.model, "n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
+             "seq_len": args.seq, "precision": args.precision or ("bf16" if gpu else "fp32"),
+             "param_dtype": args.param_dtype, "offload": args.offload, "moe_experts": args.moe_experts,
+             "moe_top_k": args.moe_top_k}
+    fixed = {name: getattr(args, name) for name in FIXED}
+    return Config().replace(**{k: v for k, v in {**model, **fixed}.items() if v is not None})
+
+
+def _vocab(args: argparse.Namespace) -> int:
+    return args.vocab or PRESETS[args.model].presets[args.model].get("n_vocab") or PLANNED_VOCAB

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scaletrain.train import soak
+from scaletrain.commands import soak
 from scaletrain.train.metrics import read_metrics
 
 MIB = 2**20

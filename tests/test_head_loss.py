@@ -4,7 +4,6 @@ interpreter), counted so by the planner, and refused in one sentence where it ca
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,8 @@ from scaletrain.config import Config
 from scaletrain.kernels.head_loss import CHUNKED, LOGITS, chunk_bytes, chunked
 from scaletrain.plan.hardware import DEVICES, Cluster
 from scaletrain.plan.predict import predict
-from scaletrain.commands.train import launch
+from scaletrain.train.metrics import read_metrics
+from tests.trainers import losses_of_run
 
 VOCAB = 50304
 
@@ -45,10 +45,9 @@ pytest.importorskip("triton", reason="the chunked head and loss are a Triton ker
 
 
 def _losses(cfg: Config, head_loss: str) -> list[float]:
+    """The run's losses, and its last validation loss (the evaluation's forward takes the same path)."""
     out = Path(f"{cfg.run.out}-{head_loss}")
-    launch(cfg.replace(head_loss=head_loss, out=str(out)))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows] + [rows[-1]["val_loss"]]
+    return losses_of_run(cfg, out, head_loss=head_loss) + [read_metrics(out / "metrics.jsonl")[-1]["val_loss"]]
 
 
 @pytest.mark.numerics

@@ -38,6 +38,21 @@ _ABOVE_ZERO = ("lr", "timeout", "bucket_mb", "norm_eps")
 
 def check_values(cfg: Config) -> None:
     """Range checks that need no model or world: one sentence per mistake."""
+    _check_ranges(cfg)
+    _check_dtypes(cfg)
+    _check_trackers(cfg)
+    _check_sharding(cfg)
+    _check_run_control(cfg)
+    _check_pipeline(cfg.parallel)
+    _check_local_sgd(cfg)
+    _check_mpi(cfg)
+    _check_two_bw(cfg)
+    _check_context(cfg)
+    _check_experts(cfg)
+    _check_peak(cfg.train.peak_tflops)
+
+
+def _check_ranges(cfg: Config) -> None:
     flat = cfg.flat()
     for name in _POSITIVE:
         if flat[name] is not None and flat[name] != AUTO and flat[name] < 1:
@@ -61,11 +76,17 @@ def check_values(cfg: Config) -> None:
                         f"(--n-positions); choose a --seq-len of at most {positions}.")
     if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
         raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
+
+
+def _check_dtypes(cfg: Config) -> None:
     if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
         raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
                         f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
     _check_pure_bf16(cfg)
-    _check_trackers(cfg)
+
+
+def _check_sharding(cfg: Config) -> None:
+    """ZeRO, hybrid sharding and tensor (and sequence) parallelism against what they cannot hold."""
     if cfg.parallel.reduce_dtype == "bf16" and cfg.train.param_dtype != "bf16":
         raise UserError("--reduce-dtype bf16 reduces bf16 gradients, which only --param-dtype bf16 "
                         "produces; add it, or keep --reduce-dtype fp32.")
@@ -88,6 +109,10 @@ def check_values(cfg: Config) -> None:
         if cfg.train.optimizer == "adafactor":
             raise UserError(f"--tp {tp} does not combine with --optimizer adafactor: Adafactor factors the "
                             f"second moment of whole weight matrices; drop one of the two.")
+
+
+def _check_run_control(cfg: Config) -> None:
+    """Non-finite handling, restarts, the launcher and the fused kernels."""
     if cfg.train.on_nan == "stop" and cfg.train.precision == "fp16":
         raise UserError("--on-nan stop contradicts --precision fp16, whose loss scaling finds its scale by "
                         "skipping the steps that overflow; use --on-nan skip or another precision.")
@@ -98,13 +123,9 @@ def check_values(cfg: Config) -> None:
     if cfg.train.fused == "triton" and cfg.train.optimizer not in ("adamw", "adamw8bit"):
         raise UserError("--fused triton fuses AdamW and 8-bit AdamW; drop it, or use --optimizer adamw "
                         "or adamw8bit.")
-    _check_pipeline(cfg.parallel)
-    _check_local_sgd(cfg)
-    _check_mpi(cfg)
-    _check_two_bw(cfg)
-    _check_context(cfg)
-    _check_experts(cfg)
-    peak = cfg.train.peak_tflops
+
+
+def _check_peak(peak: str | None) -> None:
     if peak is not None and peak != "measure":
         try:
             if float(peak) <= 0:

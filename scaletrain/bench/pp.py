@@ -246,6 +246,29 @@ class StageModule(nn.Module):
         return self.stage(x)
 
 
+def _tied_gradient_sum(model: nn.Module, stage, pp: Group, ties) -> tuple[torch.Tensor | None, list[int],
+                                                                          Callable[[], None]]:
+    """The embedding a tied head shares, held by the first and the last stage (None on the others),
+    those two ranks, and the exchange that leaves the sum of its two gradients on both."""
+    tied = (dict(model.named_parameters()).get(ties[0][1]) if ties and (stage.is_first or stage.is_last)
+            else None)
+    holders = sorted({0, pp.size - 1})
+
+    @torch.no_grad()
+    def sum_tied() -> None:
+        if tied is None or len(holders) == 1:
+            return
+        other = pp.ranks[holders[1] if pp.rank == holders[0] else holders[0]]
+        theirs = torch.empty_like(tied.grad)  # the other holder's gradient, swapped for ours
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tied.grad, other, pp.handle),
+                                        dist.P2POp(dist.irecv, theirs, other, pp.handle)])
+        for work in works:
+            work.wait()
+        tied.grad.add_(theirs)
+
+    return tied, holders, sum_tied
+
+
 def _peer(model: nn.Module, schedule: str, pp: Group, cfg: Config, ranges: list[range],
           device: torch.device) -> Contender:
     n, t, c = pp.size, cfg.train, spec_for(cfg.model.name).shape(model.cfg)
@@ -279,23 +302,7 @@ def _peer(model: nn.Module, schedule: str, pp: Group, cfg: Config, ranges: list[
             total += loss.detach()
         return total.item()
 
-    # The embedding a tied head shares, held by the first and the last stage.
-    tied = (dict(model.named_parameters()).get(ties[0][1]) if ties and (stage.is_first or stage.is_last)
-            else None)
-    holders = sorted({0, n - 1})
-
-    @torch.no_grad()
-    def sum_tied() -> None:
-        if tied is None or len(holders) == 1:
-            return
-        other = pp.ranks[holders[1] if pp.rank == holders[0] else holders[0]]
-        theirs = torch.empty_like(tied.grad)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tied.grad, other, pp.handle),
-                                        dist.P2POp(dist.irecv, theirs, other, pp.handle)])
-        for work in works:
-            work.wait()
-        tied.grad.add_(theirs)
-
+    tied, holders, sum_tied = _tied_gradient_sum(model, stage, pp, ties)
     params = list(module.parameters())
     counted = [p for p in params if not (p is tied and pp.rank != holders[0])]  # the tied weight once
 

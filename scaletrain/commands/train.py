@@ -263,56 +263,12 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         world = mesh.group("world")
         if debug:  # every rank started alike, before rank 0 writes anything
             check_same_config(comm, world, cfg.to_dict())
-        # Rank 0 decides (prepares the run, if no launching process did) and all learn the verdict.
-        outcome: tuple[Config, DataSpec, dict | None] | str | None = None
-        if runtime.is_main:
-            try:
-                cfg = continue_after_restart(cfg)
-                spec = prepare_run(cfg) if spec is None else spec
-                cfg, predicted = choose_micro_batch(cfg, spec, runtime.device, env)
-                outcome = (cfg, spec, predicted)
-            except UserError as exc:
-                outcome = str(exc)
-        outcome = comm.all_gather_object(outcome, world)[0]
-        if isinstance(outcome, str):
-            raise UserError(outcome)
-        cfg, spec, predicted = outcome  # predicted: --micro-batch auto's memory by row, else None
+        cfg, spec, predicted = _agreed_start(cfg, spec, runtime, env, comm, world)
         if debug and rank_log is None:
             rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
         trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
-        layout = trainer.layout
-        if debug:  # the copies of each weight alike: dense ones over dense, experts over experts
-            experts = layout.expert_parallel.expert_params if layout.expert_parallel else {}
-            for group, mine in ((layout.replicas.dense, False), (layout.replicas.experts, True)):
-                check_same_parameters(comm, world, group.ranks,
-                                      [(n, p) for n, p in layout.model.named_parameters() if (p in experts) == mine])
-        if trainer.start_step and runtime.is_main:
-            print(f"resumed from checkpoint step_{trainer.start_step:06d}")
-        if layout.pipeline and runtime.is_main:
-            schedule = layout.pipeline.schedule
-            print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
-                  f"{schedule.virtual_stages} stage(s) per rank\n{layout.pipeline.layout}\n")
-        try:
-            summary = fit(trainer)
-        except torch.OutOfMemoryError:
-            if predicted is None:
-                raise
-            raise JobFailed(f"--micro-batch auto chose {cfg.train.micro_batch}, which the planner predicted to "
-                            f"fit in {predicted['total'] / 2**30:.2f} GiB, but a step ran out of memory; give "
-                            f"--micro-batch {max(cfg.train.micro_batch // 2, 1)}.") from None
-        if cfg.finetune.lora_rank and runtime.is_main:
-            save_adapters(layout.model, Path(cfg.run.out) / ADAPTER_FILE,
-                          {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),
-                           "targets": cfg.finetune.lora_targets, "base": str(cfg.finetune.base),
-                           "step": str(summary.steps_done)})
-        if cfg.run.report_comm:
-            write_comm_report(comm, world, Path(cfg.run.out), runtime.is_main)
-        if cfg.run.report_memory:
-            write_memory_report(trainer.memory_report(), comm, world, Path(cfg.run.out), runtime.is_main)
-        if predicted is not None and runtime.is_main:
-            print(measured_sentence(cfg.train.micro_batch, predicted, trainer.memory_report()))
-        if layout.pipeline:
-            write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, Path(cfg.run.out))
+        _announce(trainer, runtime.is_main, debug, comm, world)
+        summary = _train_and_report(trainer, cfg, predicted, runtime.is_main, mesh, comm)
         # Every rank done before any leaves, through the tracked door: a rank still waiting in a
         # collective of the run (one that another rank skipped) is named here, not left to time out.
         comm.barrier(world)
@@ -328,6 +284,73 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
         shutdown(runtime, barrier=False)
         if rank_log:
             rank_log.close()
+
+
+def _agreed_start(cfg: Config, spec: DataSpec | None, runtime, env: ProcessEnv, comm: Comm,
+                  world) -> tuple[Config, DataSpec, dict | None]:
+    """What rank 0 decides and every rank learns: the run's settings after a restart, its data
+    (prepared here if no launching process did), and ``--micro-batch auto``'s choice with its
+    predicted memory by row (None without auto); a refusal on rank 0 is every rank's."""
+    outcome: tuple[Config, DataSpec, dict | None] | str | None = None
+    if runtime.is_main:
+        try:
+            cfg = continue_after_restart(cfg)
+            spec = prepare_run(cfg) if spec is None else spec
+            cfg, predicted = choose_micro_batch(cfg, spec, runtime.device, env)
+            outcome = (cfg, spec, predicted)
+        except UserError as exc:
+            outcome = str(exc)
+    outcome = comm.all_gather_object(outcome, world)[0]
+    if isinstance(outcome, str):
+        raise UserError(outcome)
+    return outcome
+
+
+def _announce(trainer: Trainer, is_main: bool, debug: bool, comm: Comm, world) -> None:
+    """Before the first step: with --debug-dist, every copy of each weight checked alike (dense
+    ones over dense, experts over experts); a resume and a pipeline's schedule said."""
+    layout = trainer.layout
+    if debug:
+        experts = layout.expert_parallel.expert_params if layout.expert_parallel else {}
+        for group, mine in ((layout.replicas.dense, False), (layout.replicas.experts, True)):
+            check_same_parameters(comm, world, group.ranks,
+                                  [(n, p) for n, p in layout.model.named_parameters() if (p in experts) == mine])
+    if trainer.start_step and is_main:
+        print(f"resumed from checkpoint step_{trainer.start_step:06d}")
+    if layout.pipeline and is_main:
+        schedule = layout.pipeline.schedule
+        print(f"pipeline: {schedule.name}, {schedule.micro_batches} micro-batches per round, "
+              f"{schedule.virtual_stages} stage(s) per rank\n{layout.pipeline.layout}\n")
+
+
+def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_main: bool, mesh: Mesh,
+                      comm: Comm) -> RunSummary:
+    """The run's steps, then what it leaves beside its metrics: the LoRA adapters, the
+    communication and memory reports, --micro-batch auto's prediction against the measure, and a
+    pipeline's recorded timeline."""
+    layout, run_dir, world = trainer.layout, Path(cfg.run.out), mesh.group("world")
+    try:
+        summary = fit(trainer)
+    except torch.OutOfMemoryError:
+        if predicted is None:
+            raise
+        raise JobFailed(f"--micro-batch auto chose {cfg.train.micro_batch}, which the planner predicted to "
+                        f"fit in {predicted['total'] / 2**30:.2f} GiB, but a step ran out of memory; give "
+                        f"--micro-batch {max(cfg.train.micro_batch // 2, 1)}.") from None
+    if cfg.finetune.lora_rank and is_main:
+        save_adapters(layout.model, run_dir / ADAPTER_FILE,
+                      {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),
+                       "targets": cfg.finetune.lora_targets, "base": str(cfg.finetune.base),
+                       "step": str(summary.steps_done)})
+    if cfg.run.report_comm:
+        write_comm_report(comm, world, run_dir, is_main)
+    if cfg.run.report_memory:
+        write_memory_report(trainer.memory_report(), comm, world, run_dir, is_main)
+    if predicted is not None and is_main:
+        print(measured_sentence(cfg.train.micro_batch, predicted, trainer.memory_report()))
+    if layout.pipeline:
+        write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, run_dir)
+    return summary
 
 
 def choose_micro_batch(cfg: Config, spec: DataSpec, device: torch.device,

@@ -95,37 +95,66 @@ class Layout:
         self.cp_group, self.ep_group = mesh.group("cp"), mesh.group("ep")
         self.replicas = Replicas.of(mesh)  # who reads which samples, who holds which copies
         self.folder = source
-        t, p = train, parallel
         if not self.folder:
             self.model.to(device)
+        self._split_over_the_mesh(seq_len)
+        self._choose_the_loss(fused_head)
+        self._cut_into_stages_and_read(sample)
+        self._transform_blocks()
+        if not self.folder:  # every rank read the same file: equal already
+            self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
+        self.host_peak = peak_resident_bytes()  # the weights built or read, nothing of the optimizer's yet
+        self._hold_optimizer_tensors()
+        if self.folder and parallel.zero == 3:  # its units read their shards: their gradient shards came with them
+            self.host_peak = peak_resident_bytes()
+        if self.folder and self.tensor_parallel:  # the weights have their storage now, for good
+            self.tensor_parallel.hook_replicated_gradients(self.model)
+        # PipeDream-2BW's 1-stale update: the pipeline's weight versions, or a delayed gradient
+        self.delayed = delayed_update(parallel.pp_schedule, self.model,
+                                      self.pipeline.versions if self.pipeline else None)
+        self.norm_counted = self._counted_for_norm()
+        # Over these groups the counted gradients add up to the whole model's, each element once.
+        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
+
+    def _split_over_the_mesh(self, seq_len: int | None) -> None:
+        """tp, cp and ep, in that order, each on its own group of the mesh."""
+        comm = self.comm
         # Megatron tensor (and sequence) parallelism: the full weights were
         # built alike on every rank, each tp rank keeps its slices of them.
         self.tensor_parallel: TensorParallel | None = None
         if self.tp_group.size > 1:
             self.tensor_parallel = parallelize(self.model, self.plan.tensor, comm, self.tp_group,
-                                               sequence_parallel=p.sp, dropout=model_dropout(self.model),
+                                               sequence_parallel=self.parallel.sp, dropout=model_dropout(self.model),
                                                hook_gradients=not self.folder)
-        self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
         # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
         self.context_parallel: ContextParallel | None = None
         if self.cp_group.size > 1:
             self.context_parallel = parallelize_context(self.model, comm, self.cp_group, seq_len=seq_len,
                                                         position_modules=self.plan.position_modules,
-                                                        device=device)
+                                                        device=self.device)
         # Expert parallelism: each ep rank keeps its share of every mixture-of-experts block's experts.
         self.expert_parallel: ExpertParallel | None = None
         if self.ep_group.size > 1:
             self.expert_parallel = parallelize_experts(self.model, comm, self.ep_group)
         self.moe_layers = moe_layers(self.model)
-        # The head and the loss chunked (kernels/head_loss.py), where the head's weight is whole on
-        # this rank after the forward (not split by tp, not freed by ZeRO-3, not behind a pipeline's
-        # last stage, which gets --fused triton's kernel on its logits instead).
-        whole_head = fused_head and self.tp_group.size == 1 and self.pp_group.size == 1 and p.zero < 3
-        on_gpu = device.type == "cuda" and unavailable(device) is None  # Triton there to run the kernel
+
+    def _choose_the_loss(self, fused_head: bool) -> None:
+        """The loss on the logits (tp's vocabulary-parallel one where tp splits them), or the head and
+        the loss chunked (kernels/head_loss.py) where the head's weight is whole on this rank after the
+        forward (not split by tp, not freed by ZeRO-3, not behind a pipeline's last stage, which gets
+        --fused triton's kernel on its logits instead)."""
+        t = self.train
+        self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
+        whole_head = fused_head and self.tp_group.size == 1 and self.pp_group.size == 1 and self.parallel.zero < 3
+        on_gpu = self.device.type == "cuda" and unavailable(self.device) is None  # Triton there to run the kernel
         self.fused_head_loss = whole_head and head_loss.chunked(t.head_loss, t.fused, on_gpu)
         if t.fused == "triton" and fused_head and self.tp_group.size == 1 and not whole_head:
             self.loss_fn = fused_loss_fn
-        # Pipeline parallelism: each pp rank keeps its stages of the model.
+
+    def _cut_into_stages_and_read(self, sample: torch.Tensor | None) -> None:
+        """Pipeline parallelism: each pp rank keeps its stages of the model; then, from a folder, the
+        weights this rank keeps are read (finetune/sliced.py)."""
+        p = self.parallel
         self.micro_batches, _ = p.pipeline_sizes()
         self.pipeline: PipelineParallel | None = None
         if self.folder and (p.pp_balance == "time" or p.pp_schedule == PIPEDREAM_2BW):
@@ -134,26 +163,15 @@ class Layout:
             self.pipeline = self._cut_into_stages(None if sample is None else self.local(sample)[0])
         if self.folder:
             self._read_folder()
-        # Per-block transforms, per pipeline stage (a sqrt segment must not cross a cut).
+
+    def _transform_blocks(self) -> None:
+        """Recompute and compile, block by block, per pipeline stage (a sqrt segment must not cross a cut)."""
         stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [self.blocks()]
         for blocks in stage_blocks:
-            if t.recompute != "none":
-                apply_recompute(self.model, t.recompute, blocks)
-            if t.compile:
+            if self.train.recompute != "none":
+                apply_recompute(self.model, self.train.recompute, blocks)
+            if self.train.compile:
                 compile_blocks(self.model, blocks)
-        if not self.folder:  # every rank read the same file: equal already
-            self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
-        self.host_peak = peak_resident_bytes()  # the weights built or read, nothing of the optimizer's yet
-        self._hold_optimizer_tensors()
-        if self.folder and p.zero == 3:  # its units read their shards: their gradient shards came with them
-            self.host_peak = peak_resident_bytes()
-        if self.folder and self.tensor_parallel:  # the weights have their storage now, for good
-            self.tensor_parallel.hook_replicated_gradients(self.model)
-        # PipeDream-2BW's 1-stale update: the pipeline's weight versions, or a delayed gradient
-        self.delayed = delayed_update(p.pp_schedule, self.model, self.pipeline.versions if self.pipeline else None)
-        self.norm_counted = self._counted_for_norm()
-        # Over these groups the counted gradients add up to the whole model's, each element once.
-        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
 
     def blocks(self) -> list[nn.Module]:
         """The model's repeated blocks: the plan's stack, or every layer of its module lists."""

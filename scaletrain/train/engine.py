@@ -38,7 +38,7 @@ over dp and cp (the ep ranks hold different experts):
     shards summed, replicated norms and the tied embedding's copies not; optim/clip.py), set the
     learning rate, take the optimizer step (unless skipped; fp16 then halves its loss scale)
     with master weights: round the masters back into the model's weights (ZeRO-1/2: and
-    all-gather the updated shards)
+    all-gather the updated shards); these copies are train/stepped.py's hooks, whatever the layout
 
 Dividing each micro-batch's loss so and averaging over ranks once per step
 makes the update equal to one step on the whole global batch: the
@@ -272,14 +272,10 @@ class Engine:
         t = self.train
         self._take_memory("after_backward")
         layout.data_parallel.finish_gradient_sync()
-        if layout.delayed and not layout.delayed.exchange(layout.data_parallel.gradient):
+        if not layout.exchange_delayed_gradients():  # PipeDream-2BW's first step: nothing to apply yet
             return self._before_first_update(step, loss_sum)
-        if layout.pipeline:
-            layout.pipeline.sum_shared_gradients(layout.data_parallel.gradient)
-        if layout.masters:
-            layout.masters.copy_grads_to_master(layout.data_parallel.gradient)
-        if layout.zero:
-            layout.zero.copy_grads_to_master()
+        layout.sum_shared_gradients()  # a weight two pipeline stages hold: its two gradients summed
+        layout.step_weights.take_gradients()
         for name in self.faults.poisoned(step + 1):
             poison(layout.named_step_tensors(), name)
         if not self.faults.skips(step + 1):  # a desync on purpose (runtime/faults.py)
@@ -302,21 +298,15 @@ class Engine:
         for group in layout.optimizer.param_groups:
             group["lr"] = lr
         self.faults.strike("optimizer", step + 1)
-        self.scaler.step(layout.optimizer if layout.rounding is None else layout.rounding.at(step + 1), skip)
+        self.scaler.step(layout.stepping_optimizer(step + 1), skip)
         self.scaler.update(skip)
-        averaged = layout.local_sgd is not None and layout.local_sgd.average_if_due(step + 1)
-        if layout.masters and (averaged or not layout.fused_working_copy):
-            layout.masters.copy_master_to_model()
-        if layout.zero:
-            layout.zero.publish()
+        layout.step_weights.give_weights(step + 1)
         if self.step_memory is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
             self._take_memory("after_step")
             self.memory = memory_ledger(layout.bytes_ledger(), self.activation_meter, layout.host_peak)
             self.memory.update(step=step + 1, points=self.step_memory.points)
-        if layout.masters:
-            layout.optimizer.zero_grad(set_to_none=True)  # the masters' gradients
-        layout.data_parallel.zero_grad()  # the model's
+        layout.step_weights.zero_grad()
         host = {"lr": lr, "skipped_steps": self.scaler.skipped_steps}
         if t.precision == "fp16":
             host.update(loss_scale=self.scaler.scale_value)

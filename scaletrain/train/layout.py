@@ -52,6 +52,7 @@ from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state
 from scaletrain.train.metrics import peak_resident_bytes
 from scaletrain.train.replicas import Replicas
+from scaletrain.train.stepped import MasterCopies, ModelWeights, Stepped, ZeroShards
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -230,6 +231,29 @@ class Layout:
         if self.fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]
+        # The update's three hooks over what the optimizer steps (train/stepped.py).
+        if self.zero:
+            self.step_weights: Stepped = ZeroShards(self.zero)
+        elif self.masters:
+            self.step_weights = MasterCopies(self.data_parallel, self.masters, self.optimizer, self.fused_working_copy)
+        else:
+            self.step_weights = ModelWeights(self.data_parallel)
+
+    def exchange_delayed_gradients(self) -> bool:
+        """Under PipeDream-2BW, this step's gradients swapped for the previous step's, which the
+        update applies (parallel/pipeline/two_bw.py); whether there is a gradient to apply (not on
+        the first step). Elsewhere always."""
+        return self.delayed is None or self.delayed.exchange(self.data_parallel.gradient)
+
+    def sum_shared_gradients(self) -> None:
+        """A weight held by two pipeline stages (a tied embedding): each holder's gradient becomes the sum."""
+        if self.pipeline:
+            self.pipeline.sum_shared_gradients(self.data_parallel.gradient)
+
+    def stepping_optimizer(self, step: int):
+        """The optimizer, or with --stochastic-rounding the same whose updates step ``step`` (from 1)
+        rounds at random (optim/stochastic_rounding.py)."""
+        return self.optimizer if self.rounding is None else self.rounding.at(step)
 
     def _embedding_steps(self) -> list[torch.Tensor]:
         """The tensors the optimizer steps for the embedding tables (their masters, or under ZeRO

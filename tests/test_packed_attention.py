@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from scaletrain.models.decoder import causal_attention, document_mask
-from scaletrain.models.packed_attention import TILE, document_block_mask, flex_document_attention, uses_flex
+from scaletrain.models.decoder import causal_attention, document_mask, uses_flex
+from scaletrain.models.packed_attention import TILE, document_block_mask, flex_document_attention
 
 
 def _documents(lengths: list[list[int]], seq: int) -> torch.Tensor:

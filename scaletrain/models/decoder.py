@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.packed_attention import flex_document_attention, uses_flex
-
 
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v for q, k, v [batch, heads, seq, head_dim].
@@ -55,9 +53,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
     if uses_flex(q, dropout):
+        # Imported on a GPU's first packed row: FlexAttention brings the compiler stack (seconds of
+        # import), which no other run needs at start.
+        from scaletrain.models.packed_attention import flex_document_attention
+
         return flex_document_attention(q, k, v, documents)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, documents, causal=True),
                                           dropout_p=dropout)
+
+
+def uses_flex(q: torch.Tensor, dropout: float) -> bool:
+    """Whether packed rows go through FlexAttention (models/packed_attention.py): on a GPU, without
+    attention dropout (FlexAttention has none, and no backward on a CPU)."""
+    return q.is_cuda and dropout == 0.0
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:

@@ -38,11 +38,6 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 TILE = 128  # positions per side of a FlexAttention tile (its default)
 
 
-def uses_flex(q: torch.Tensor, dropout: float) -> bool:
-    """Whether packed rows go through FlexAttention: on a GPU, without attention dropout."""
-    return q.is_cuda and dropout == 0.0
-
-
 def document_block_mask(documents: torch.Tensor) -> BlockMask:
     """The causal, document-local block mask of packed rows, from documents [batch, s]
     (non-decreasing along each row): tiles skipped, full or partial (module docstring)."""

@@ -93,6 +93,7 @@ class DispatchedExperts(nn.ModuleList):
     def forward(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         ep, per_rank = self.group.size, len(self.mine)
         table = rows.new_empty((ep, len(self)), dtype=torch.int64)  # [i, e]: rows rank i routes to expert e
+        # every rank's row count per expert (ep x experts integers), so each knows what it will receive
         self.comm.all_gather(table, torch.tensor(counts, dtype=torch.int64, device=rows.device), self.group)
         to_mine = table[:, self.mine.start:self.mine.stop]  # [source, local expert]
         send = table[self.group.rank].view(ep, per_rank).sum(1).tolist()

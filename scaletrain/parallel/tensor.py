@@ -214,6 +214,8 @@ class _SequenceGatheredLinear(Function):
         mine, weight = ctx.saved_tensors
         comm, group = ctx.comm, ctx.group
         parts = mine.new_empty((group.size, *mine.shape))
+        # every tp rank's chunk of the input, b x s/t x h each, gathered again for the weight's
+        # gradient (forward kept only its own chunk); it crosses while the input's gradient computes
         pending = comm.all_gather(parts, mine, group, async_op=True)
         grad = grad.to(ctx.dtype)
         grad_x = grad @ weight.to(ctx.dtype)
@@ -305,13 +307,15 @@ class _VocabParallelCrossEntropy(Function):
     def forward(ctx, logits, targets, start, comm, group):
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit logits: in fp32
         top = z.max(dim=-1).values
-        comm.all_reduce(top, group, op="max")
+        comm.all_reduce(top, group, op="max")  # each row's largest logit over the vocabulary slices: N floats
         z = z - top.unsqueeze(-1)
         local = targets - start
         inside = (local >= 0) & (local < z.shape[-1])
         local = local.masked_fill(~inside, 0)
         exp = z.exp()
         sums = torch.stack([exp.sum(dim=-1), z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside])
+        # each row's sum of exponentials and its target's logit (on the one rank holding it): 2N
+        # floats cross, never the logits
         comm.all_reduce(sums, group)
         exp.div_(sums[0].unsqueeze(-1))  # now the softmax
         trained = targets != IGNORE_INDEX  # a masked target adds nothing, to the loss or the gradient

@@ -159,7 +159,8 @@ class Engine:
             packed = {} if documents is None else {"documents": documents}
             with self.forward_context():
                 if layout.fused_head_loss:
-                    from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy  # Triton: a GPU's
+                    # imported here: it imports Triton, which only a layout with the kernel needs
+                    from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
                     return fused_linear_cross_entropy(layout.model(x, logits=False, **packed),
                                                       layout.model.head.weight, y)
                 outputs = layout.model(x, **packed)

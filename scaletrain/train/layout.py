@@ -146,7 +146,10 @@ class Layout:
         --fused triton's kernel on its logits instead)."""
         t = self.train
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
-        whole_head = fused_head and self.tp_group.size == 1 and self.pp_group.size == 1 and self.parallel.zero < 3
+        # a plain linear head: one with adapters or 4-bit weights (finetune/) keeps its own forward
+        plain_head = isinstance(getattr(self.model, "head", None), nn.Linear)
+        whole_head = (fused_head and plain_head and self.tp_group.size == 1 and self.pp_group.size == 1
+                      and self.parallel.zero < 3)
         on_gpu = self.device.type == "cuda" and unavailable(self.device) is None  # Triton there to run the kernel
         self.fused_head_loss = whole_head and head_loss.chunked(t.head_loss, t.fused, on_gpu)
         if t.fused == "triton" and fused_head and self.tp_group.size == 1 and not whole_head:

@@ -32,7 +32,6 @@ runs compiled (eager FlexAttention is a reference that materializes scores).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 TILE = 128  # positions per side of a FlexAttention tile (its default)
@@ -43,8 +42,9 @@ def document_block_mask(documents: torch.Tensor) -> BlockMask:
     (non-decreasing along each row): tiles skipped, full or partial (module docstring)."""
     batch, seq = documents.shape
     tiles = -(-seq // TILE)
-    # A last, shorter tile repeats its last document: no new document enters its range.
-    padded = F.pad(documents, (0, tiles * TILE - seq), mode="replicate") if seq % TILE else documents
+    # A last, shorter tile repeats its last document: no new document enters its range. (torch.cat,
+    # not F.pad's replicate mode, which CUDA implements for floating types only.)
+    padded = torch.cat([documents, documents[:, -1:].expand(batch, tiles * TILE - seq)], dim=1)
     ends = padded.view(batch, tiles, TILE)
     lo, hi = ends[..., 0], ends[..., -1]  # [batch, tiles]: each tile's first and last document
     query_lo, query_hi = lo[:, :, None], hi[:, :, None]

@@ -69,7 +69,9 @@ def _tile_lists(visited: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     counts [batch, 1, tiles] and the chosen tiles' indices first [batch, 1, tiles, tiles]
     (one head: the mask is every head's)."""
     counts = visited.sum(-1, dtype=torch.int32)
-    indices = torch.argsort(~visited, dim=-1, stable=True).to(torch.int32)
+    # visited tiles first, in order (a stable sort of 0 = visited, 1 = not; as integers, which every
+    # device sorts)
+    indices = torch.argsort((~visited).to(torch.int32), dim=-1, stable=True).to(torch.int32)
     return counts[:, None], indices[:, None]
 
 

@@ -26,7 +26,7 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Group, Mesh, ParallelDims
 from scaletrain.runtime.spawn import spawn_local
-from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
+from scaletrain.train.data_setup import PreparedData, open_data, prepare_data
 from scaletrain.train.trainer import first_sample
 
 
@@ -89,7 +89,7 @@ class RaceRank:
 
 
 @contextmanager
-def race_rank(cfg: Config, spec: DataSpec, dim: str) -> Iterator[RaceRank]:
+def race_rank(cfg: Config, spec: PreparedData, dim: str) -> Iterator[RaceRank]:
     """Join the race's process group as one rank along ``dim``; leave it on exit."""
     env = detect_environment()
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores

@@ -43,7 +43,7 @@ from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh
-from scaletrain.train.data_setup import DataSpec
+from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"
@@ -66,7 +66,7 @@ def run(cfg: Config, warmup: int) -> dict:
     return spawn_race(cfg, warmup, _worker, "dp", "data parallelism")
 
 
-def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, mesh: Mesh) -> list[Contender]:
+def _contenders(cfg: Config, spec: PreparedData, data, comm: Comm, mesh: Mesh) -> list[Contender]:
     dp_group = mesh.group("dp")
     contenders = []
     for name in (OURS, PEER, PEER_DEFAULT):
@@ -105,7 +105,7 @@ def _step(c: Contender, batches: Batches, cfg: Config) -> float:
     return loss_sum
 
 
-def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
     with race_rank(cfg, spec, "dp") as rank:
         comm, data, dp = rank.comm, rank.data, rank.mesh.group("dp")
         contenders = _contenders(cfg, spec, data, comm, rank.mesh)

@@ -55,7 +55,7 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.runtime.spawn import spawn_local
-from scaletrain.train.data_setup import DataSpec, prepare_data
+from scaletrain.train.data_setup import PreparedData, prepare_data
 from scaletrain.train.step_memory import POINTS, total
 from scaletrain.train.trainer import Trainer
 
@@ -215,7 +215,7 @@ def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) ->
     return rows, device_name
 
 
-def _write_base(cfg: Config, spec: DataSpec, folder: Path) -> Path:
+def _write_base(cfg: Config, spec: PreparedData, folder: Path) -> Path:
     """The adapter rungs' base: the preset's initial weights, saved as a run folder (by a process of its own)."""
     run_dir = folder / "base"
     run_dir.mkdir()
@@ -224,7 +224,7 @@ def _write_base(cfg: Config, spec: DataSpec, folder: Path) -> Path:
     return run_dir
 
 
-def _rung_worker(cfg: Config, spec: DataSpec, warmup: int | None) -> dict | None:
+def _rung_worker(cfg: Config, spec: PreparedData, warmup: int | None) -> dict | None:
     """One rank of a rung: its steps measured (`_train`); with ``warmup`` None, the model's
     initial weights saved as the run's step 0 instead."""
     env = detect_environment()
@@ -239,7 +239,7 @@ def _rung_worker(cfg: Config, spec: DataSpec, warmup: int | None) -> dict | None
         shutdown(runtime)
 
 
-def _train(cfg: Config, spec: DataSpec, runtime, mesh: Mesh, warmup: int) -> dict:
+def _train(cfg: Config, spec: PreparedData, runtime, mesh: Mesh, warmup: int) -> dict:
     """One rung's steps on this rank: its four points, peak, step times and losses."""
     trainer = Trainer(cfg, spec, runtime, mesh, Comm(), Path(cfg.run.out))
     cuda = runtime.device.type == "cuda"

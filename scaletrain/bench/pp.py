@@ -143,7 +143,7 @@ from scaletrain.parallel.pipeline.partition import (
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group, Mesh
-from scaletrain.train.data_setup import DataSpec
+from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain PipelineParallel", "torch.distributed.pipelining"
@@ -318,7 +318,7 @@ def _peer(model: nn.Module, schedule: str, pp: Group, cfg: Config, ranges: list[
     return Contender(f"{PEER} ({schedule})", PEER, schedule, module, optimizer, round_, sum_tied, clip)
 
 
-def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
     with race_rank(cfg, spec, "pp") as rank:
         mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
         pp, dp = mesh.group("pp"), mesh.group("dp")

@@ -51,7 +51,7 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh, ParallelDims
 from scaletrain.techniques.precision import autocast
-from scaletrain.train.data_setup import DataSpec, open_data, prepare_data
+from scaletrain.train.data_setup import PreparedData, open_data, prepare_data
 from scaletrain.train.metrics import mfu, peak_resident_bytes, peak_tflops
 from scaletrain.train.trainer import Trainer, build_run_model, first_sample
 
@@ -106,7 +106,7 @@ def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
 # -- one contender, in its own process ---------------------------------------------------------------
 
 
-def measure(name: str, cfg: Config, spec: DataSpec, warmup: int) -> dict:
+def measure(name: str, cfg: Config, spec: PreparedData, warmup: int) -> dict:
     """``name``'s steps timed: its row of the report (``skipped``: why it could not run)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = cfg.train
@@ -177,7 +177,7 @@ class _Logits(nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
-def _plain_loop(model: nn.Module, cfg: Config, spec: DataSpec, device: torch.device) -> Callable[[int], float]:
+def _plain_loop(model: nn.Module, cfg: Config, spec: PreparedData, device: torch.device) -> Callable[[int], float]:
     """One step of a plain PyTorch loop over ``model``: the run's batches, loss, clipping and
     schedule; torch's AdamW, fused on CUDA; the whole model compiled with --compile."""
     t = cfg.train

@@ -115,7 +115,7 @@ from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.tensor import parallelize
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
-from scaletrain.train.data_setup import DataSpec
+from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain tensor parallel", "torch DTensor TP (parallelize_module)"
@@ -242,7 +242,7 @@ def _peer(model: nn.Module, plan: TensorPlan, group: Group, device: torch.device
                      lambda: _clip_mixed(kinds, _max_norm(cfg)), loss_parallel)
 
 
-def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
     with race_rank(cfg, spec, "tp") as rank:
         mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
         tp, dp = mesh.group("tp"), mesh.group("dp")

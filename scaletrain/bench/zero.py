@@ -83,7 +83,7 @@ from scaletrain.parallel.data import replicate
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
-from scaletrain.train.data_setup import DataSpec
+from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 from scaletrain.train.memory import bytes_by_entry, optimizer_state
 
@@ -257,7 +257,7 @@ def run(cfg: Config, warmup: int) -> dict:
     return spawn_race(cfg, warmup, _worker, "zero", "sharded data parallelism")
 
 
-def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, group: Group,
+def _contenders(cfg: Config, spec: PreparedData, data, comm: Comm, group: Group,
                 device: torch.device) -> tuple[list[Contender], str | None]:
     """Ours, FSDP2 and, when it imports on every rank, DeepSpeed; and why DeepSpeed is left out, if it is."""
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
@@ -277,7 +277,7 @@ def _contenders(cfg: Config, spec: DataSpec, data, comm: Comm, group: Group,
     return contenders, skipped
 
 
-def _worker(cfg: Config, spec: DataSpec, warmup: int) -> dict:
+def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
     with race_rank(cfg, spec, "dp") as rank:
         comm, dp, device, data = rank.comm, rank.mesh.group("dp"), rank.device, rank.data
         contenders, skipped = _contenders(cfg, spec, data, comm, dp, device)

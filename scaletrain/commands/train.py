@@ -58,7 +58,7 @@ from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
 from scaletrain.runtime.spawn import WorkerKilled, spawn_local
 from scaletrain.techniques.compile import COMPILE_NOTE
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.data_setup import DataSpec, prepare_data, save_run_tokenizer
+from scaletrain.train.data_setup import PreparedData, prepare_data, save_run_tokenizer
 from scaletrain.train.loop import RunSummary, fit
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
@@ -139,7 +139,7 @@ def check_run_folder(cfg: Config) -> None:
         raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
 
 
-def check_resumable(cfg: Config, spec: DataSpec) -> None:
+def check_resumable(cfg: Config, spec: PreparedData) -> None:
     """Before a resume: the newest checkpoint is whole (its manifest's sizes and
     hashes) and of this model (the shapes in its metadata, the vocabulary's too)."""
     latest = ckpt.latest_checkpoint(Path(cfg.run.out)) if cfg.run.resume else None
@@ -186,7 +186,7 @@ def continue_after_restart(cfg: Config) -> Config:
     return cfg.replace(resume=True) if begun.to_dict() == cfg.to_dict() else cfg
 
 
-def prepare_run(cfg: Config) -> DataSpec:
+def prepare_run(cfg: Config) -> PreparedData:
     """Everything before training that can fail on user input, then the folder."""
     check_values(cfg)
     check_run_folder(cfg)
@@ -225,7 +225,7 @@ def launch(cfg: Config) -> RunSummary:
     return execute(cfg, prepare_run(cfg) if cfg.parallel.nproc > 1 else None)
 
 
-def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
+def execute(cfg: Config, spec: PreparedData | None) -> RunSummary:
     """Run the worker here, or start ``--nproc`` ones, on this machine or Ray's cluster (the run prepared)."""
     p, out = cfg.parallel, Path(cfg.run.out)
     try:
@@ -239,7 +239,7 @@ def execute(cfg: Config, spec: DataSpec | None) -> RunSummary:
     return run_worker(cfg, spec)
 
 
-def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
+def run_worker(cfg: Config, spec: PreparedData | None) -> RunSummary:
     """One worker: join the group, (prepare if nobody did), train, report."""
     env = detect_environment()
     debug = cfg.parallel.debug_dist
@@ -286,12 +286,12 @@ def run_worker(cfg: Config, spec: DataSpec | None) -> RunSummary:
             rank_log.close()
 
 
-def _agreed_start(cfg: Config, spec: DataSpec | None, runtime, env: ProcessEnv, comm: Comm,
-                  world) -> tuple[Config, DataSpec, dict | None]:
+def _agreed_start(cfg: Config, spec: PreparedData | None, runtime, env: ProcessEnv, comm: Comm,
+                  world) -> tuple[Config, PreparedData, dict | None]:
     """What rank 0 decides and every rank learns: the run's settings after a restart, its data
     (prepared here if no launching process did), and ``--micro-batch auto``'s choice with its
     predicted memory by row (None without auto); a refusal on rank 0 is every rank's."""
-    outcome: tuple[Config, DataSpec, dict | None] | str | None = None
+    outcome: tuple[Config, PreparedData, dict | None] | str | None = None
     if runtime.is_main:
         try:
             cfg = continue_after_restart(cfg)
@@ -353,7 +353,7 @@ def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_
     return summary
 
 
-def choose_micro_batch(cfg: Config, spec: DataSpec, device: torch.device,
+def choose_micro_batch(cfg: Config, spec: PreparedData, device: torch.device,
                        env: ProcessEnv) -> tuple[Config, dict | None]:
     """``--micro-batch auto`` made a number (plan/fit.py), with the memory ledger on so that the
     first step measures it, and its predicted bytes by row; any other micro-batch as it is (None)."""

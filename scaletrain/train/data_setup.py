@@ -33,17 +33,40 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import Config, load_run_config
-from scaletrain.data import (ArrayBatches, ByteTokenizer, BPETokenizer, TokenBatches, build_token_cache,
-                             check_corpus_length, corpus_files, corpus_too_short, count_tokens,
-                             files_fingerprint, load_digits, load_tokenizer, load_tokens, split_tokens,
-                             token_lower_bound, unigram_entropy_nats)
+from scaletrain.data import (
+    ArrayBatches,
+    BPETokenizer,
+    ByteTokenizer,
+    TokenBatches,
+    build_token_cache,
+    check_corpus_length,
+    corpus_files,
+    corpus_too_short,
+    count_tokens,
+    files_fingerprint,
+    load_digits,
+    load_tokenizer,
+    load_tokens,
+    split_tokens,
+    token_lower_bound,
+    unigram_entropy_nats,
+)
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.data.mixture import Mixture
 from scaletrain.data.packing import SequenceBatches
 from scaletrain.data.shards import is_prepared, open_prepared
-from scaletrain.data.sources import (cached_folder, check_prepared, is_text_source, mixed, parse_sources,
-                                     prepared_tokenizer, records_tokenizer, example_batches, text_batches,
-                                     tokenizer_identity)
+from scaletrain.data.sources import (
+    cached_folder,
+    check_prepared,
+    example_batches,
+    is_text_source,
+    mixed,
+    parse_sources,
+    prepared_tokenizer,
+    records_tokenizer,
+    text_batches,
+    tokenizer_identity,
+)
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.paths import readable_dir, writable_dir
@@ -53,7 +76,7 @@ RUN_TOKENIZER = "tokenizer.json"  # in the run folder: the tokenizer its data wa
 
 
 @dataclass(frozen=True)
-class DataSpec:
+class PreparedData:
     kind: str  # "text" or "digits"
     tokens_path: str | None = None  # the plain-text cache (corpus.py); None for prepared folders
     tokenizer_path: str | None = None
@@ -106,7 +129,7 @@ def run_tokenizer(run_dir: Path) -> AnyTokenizer:
     return load_tokenizer(saved) if saved.is_file() else _legacy_run_tokenizer(load_run_config(run_dir), run_dir)
 
 
-def save_run_tokenizer(spec: DataSpec, run_dir: Path) -> None:
+def save_run_tokenizer(spec: PreparedData, run_dir: Path) -> None:
     """``RUN/tokenizer.json``: a copy of the tokenizer the run's data was tokenized with."""
     if spec.tokenizer_path is not None:
         load_tokenizer(spec.tokenizer_path).save(run_dir / RUN_TOKENIZER)
@@ -150,12 +173,12 @@ def _reads_records(cfg: Config) -> bool:
     return not plain or cfg.data.sft or bool(cfg.data.pack) or cfg.data.val_data is not None
 
 
-def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
+def prepare_data(cfg: Config, cache_dir: Path) -> PreparedData:
     if cfg.model.name == "mlp":
         if cfg.data.data is not None:
             raise UserError("--data applies to the language models; the mlp trains on scikit-learn's "
                             "bundled digits, so drop --data.")
-        return DataSpec(kind="digits")
+        return PreparedData(kind="digits")
     if _reads_records(cfg):
         return prepare_records(cfg, cache_dir)
     files = corpus_files(_single_text_path(cfg))
@@ -181,7 +204,7 @@ def prepare_data(cfg: Config, cache_dir: Path) -> DataSpec:
         tokenizer.save(tokenizer_path)
     tokens = load_tokens(tokens_path)
     train, _ = split_tokens(tokens, cfg.data.val_fraction, cfg.data.seq_len)
-    return DataSpec(kind="text", tokens_path=str(tokens_path), tokenizer_path=str(tokenizer_path),
+    return PreparedData(kind="text", tokens_path=str(tokens_path), tokenizer_path=str(tokenizer_path),
                     vocab_size=tokenizer.vocab_size, n_tokens=len(tokens),
                     unigram_entropy=unigram_entropy_nats(train, tokenizer.vocab_size))
 
@@ -197,7 +220,7 @@ def _run_tokenizer_choice(cfg: Config, record_paths: list[Path], folders: list[P
                              cfg.data.text_field, cache_dir)
 
 
-def prepare_records(cfg: Config, cache_dir: Path) -> DataSpec:
+def prepare_records(cfg: Config, cache_dir: Path) -> PreparedData:
     """Records and prepared folders (data/sources.py): each source prepared once into the cache, every
     check (sizes, long examples, tokenizers, kinds) made before training."""
     d = cfg.data
@@ -225,7 +248,7 @@ def prepare_records(cfg: Config, cache_dir: Path) -> DataSpec:
         raise
 
 
-def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: Path) -> DataSpec:
+def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: Path) -> PreparedData:
     d = cfg.data
     folders = [p for p in paths if is_prepared(p)]
     record_paths = [p for p in paths if not is_prepared(p)]
@@ -241,7 +264,7 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
     if not tokenizer_path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(tokenizer_path)
-    spec = DataSpec(kind="text", tokenizer_path=str(tokenizer_path), vocab_size=tokenizer.vocab_size,
+    spec = PreparedData(kind="text", tokenizer_path=str(tokenizer_path), vocab_size=tokenizer.vocab_size,
                     n_tokens=sum(len(p.tokens) for p in opened[:len(sources)]),
                     prepared=tuple(str(p) for p in prepared[:len(sources)]),
                     weights=tuple(s.weight for s in sources),
@@ -253,7 +276,7 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
     return spec
 
 
-def _open_prepared_batches(spec: DataSpec, cfg: Config):
+def _open_prepared_batches(spec: PreparedData, cfg: Config):
     d, seed = cfg.data, cfg.train.seed
     val = open_prepared(spec.val_prepared) if spec.val_prepared else None
     pairs = []
@@ -266,7 +289,7 @@ def _open_prepared_batches(spec: DataSpec, cfg: Config):
     return mixed(pairs, list(spec.weights), seed)
 
 
-def open_data(spec: DataSpec, cfg: Config) -> OpenedData:
+def open_data(spec: PreparedData, cfg: Config) -> OpenedData:
     seed = cfg.train.seed
     if spec.prepared:
         train, val = _open_prepared_batches(spec, cfg)

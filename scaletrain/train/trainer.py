@@ -36,7 +36,7 @@ from scaletrain.runtime.launch import DistRuntime
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.data_setup import DataSpec, open_data
+from scaletrain.train.data_setup import PreparedData, open_data
 from scaletrain.train.engine import Engine
 from scaletrain.train.layout import Layout
 from scaletrain.train.metrics import peak_tflops
@@ -61,7 +61,7 @@ class RunModel:
     flops_per_token: float
 
 
-def build_run_model(cfg: Config, spec: DataSpec, device: torch.device, n_features: int = 0,
+def build_run_model(cfg: Config, spec: PreparedData, device: torch.device, n_features: int = 0,
                     n_classes: int = 0) -> RunModel:
     """The command's model: the preset built from the seed (the same initial weights on every
     rank and layout), a base's weights loaded, or a full fine-tune's folder to read from."""
@@ -86,7 +86,7 @@ class Trainer:
     """The steps of a run: its model and data on an `Engine` (train/engine.py), with its
     checkpoints and the state a resume brings back."""
 
-    def __init__(self, cfg: Config, spec: DataSpec, runtime: DistRuntime, mesh: Mesh, comm: Comm,
+    def __init__(self, cfg: Config, spec: PreparedData, runtime: DistRuntime, mesh: Mesh, comm: Comm,
                  run_dir: Path):
         self.cfg, self.spec, self.runtime, self.mesh, self.comm = cfg, spec, runtime, mesh, comm
         self.run_dir = run_dir

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from scaletrain.commands.parity import run_parity
+from scaletrain.commands.train import execute, launch
 from scaletrain.config import ModelConfig
 from scaletrain.finetune.lora import (
     ADAPTER_FILE,
@@ -21,7 +22,6 @@ from scaletrain.finetune.lora import (
 )
 from scaletrain.models import build_model
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.commands.train import execute, launch
 
 TARGETS = ["qkv", "proj", "fc"]
 
@@ -185,9 +185,9 @@ def test_the_planner_predicts_an_adapter_fine_tunes_ledger(base_run, prose, tmp_
     weight that never steps), the adapters' gradients and state: within 5% of the real ledger."""
     import json
 
-    from scaletrain.finetune.base import as_finetune
     from scaletrain.plan.hardware import Cluster, cpu_device
     from scaletrain.plan.predict import predict
+    from scaletrain.train.base_model import as_finetune
 
     cfg = _finetune_cfg(base_run, prose, tmp_path, report_memory=True, **changes)
     summary = launch(cfg)

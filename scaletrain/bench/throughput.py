@@ -44,7 +44,6 @@ from torch import nn
 from scaletrain.bench import machine, median
 from scaletrain.config import Config
 from scaletrain.errors import UserError
-from scaletrain.finetune.export_hf import hf_tensors
 from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.optim import decay_groups, lr_at
 from scaletrain.runtime.comm import Comm
@@ -52,6 +51,7 @@ from scaletrain.runtime.launch import detect_environment, init_distributed, shut
 from scaletrain.runtime.mesh import Mesh, ParallelDims
 from scaletrain.techniques.precision import autocast
 from scaletrain.train.data_setup import PreparedData, open_data, prepare_data
+from scaletrain.train.export_hf import hf_tensors
 from scaletrain.train.metrics import mfu, peak_resident_bytes, peak_tflops
 from scaletrain.train.trainer import Trainer, build_run_model, first_sample
 

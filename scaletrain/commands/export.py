@@ -1,5 +1,5 @@
 """``scaletrain export``: a checkpoint of any layout as one safetensors file (train/export.py) or a
-Hugging Face folder (finetune/export_hf.py)."""
+Hugging Face folder (train/export_hf.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        from scaletrain.finetune.export_hf import export_hf as export
+        from scaletrain.train.export_hf import export_hf as export
     else:
         from scaletrain.train.export import export
 

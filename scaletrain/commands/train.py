@@ -23,7 +23,6 @@ from scaletrain.config import AUTO, Config, add_config_flags, load_run_config, r
 from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
-from scaletrain.finetune.base import add_adapters, as_finetune
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
@@ -58,6 +57,7 @@ from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
 from scaletrain.runtime.spawn import WorkerKilled, spawn_local
 from scaletrain.techniques.compile import COMPILE_NOTE
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.base_model import add_adapters, as_finetune
 from scaletrain.train.data_setup import PreparedData, prepare_data, save_run_tokenizer
 from scaletrain.train.loop import RunSummary, fit
 from scaletrain.train.manifest import verify_checkpoint

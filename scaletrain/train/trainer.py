@@ -27,7 +27,6 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.data.batches import IGNORE_INDEX
-from scaletrain.finetune.base import start_from_base
 from scaletrain.finetune.sliced import FolderSource, folder_source
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import ModelPlan
@@ -36,6 +35,7 @@ from scaletrain.runtime.launch import DistRuntime
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.base_model import start_from_base
 from scaletrain.train.data_setup import PreparedData, open_data
 from scaletrain.train.engine import Engine
 from scaletrain.train.layout import Layout

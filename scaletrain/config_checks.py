@@ -16,7 +16,7 @@ import torch
 from scaletrain.config import AUTO, Config, ParallelConfig
 from scaletrain.errors import UserError
 from scaletrain.kernels import unavailable
-from scaletrain.kernels.head_loss import CHUNKED
+from scaletrain.kernels.head_loss import CHUNKED, head_is_whole
 from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.runtime.mesh import ParallelDims
@@ -353,7 +353,7 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:
         reason = unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu"), flag) if used else None
         if reason:
             raise UserError(f"{flag}: {reason}")
-    if cfg.train.head_loss == CHUNKED and (dims.tp > 1 or dims.pp > 1 or p.zero == 3):
+    if cfg.train.head_loss == CHUNKED and not head_is_whole(dims.tp, dims.pp, p.zero):
         raise UserError(f"--head-loss chunked needs the head's weight whole on the rank that computes the loss, "
                         f"and --tp {dims.tp}, --pp {dims.pp}, --zero {p.zero} leave it split, on another stage "
                         f"or freed; drop --head-loss, or use --tp 1, --pp 1 and --zero below 3.")

@@ -37,6 +37,12 @@ def chunk_rows(n: int, d: int, vocab: int) -> int:
     return min(n, 1 << (rows - 1).bit_length())
 
 
+def head_is_whole(tp: int, pp: int, zero: int) -> bool:
+    """Whether the head's weight is whole on the rank that computes the loss: tensor parallelism
+    splits it, a pipeline computes the logits inside its last stage, ZeRO-3 frees it after use."""
+    return tp == 1 and pp == 1 and zero < 3
+
+
 def chunked(head_loss: str | None, fused: str, on_gpu: bool) -> bool:
     """Whether the head and the loss run chunked where the head's weight is whole: as
     ``--head-loss`` says, else with ``--fused triton``, else on a GPU."""

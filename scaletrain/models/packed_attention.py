@@ -22,9 +22,10 @@ With documents numbered in order along a row, a tile holds the documents
 lo..hi (its first and last position's), two tiles share one exactly when
 their ranges overlap, and both lie in one document when all four ends are
 equal: the block mask comes from [batch, s/128] numbers, never from the
-[s, s] grid, and costs nothing beside the attention. The kernel skips the
-work of skipped tiles, so a row of short documents costs less than a causal
-one. FlexAttention has no backward on a CPU (PyTorch 2.13) and no dropout, so
+[s, s] grid. Each attention layer builds it again from the same documents (a
+few small kernels, fused into the block's graph under --compile): cheap
+beside the attention, but not yet measured on a GPU, nor is what skipping
+tiles buys against a causal row. FlexAttention has no backward on a CPU (PyTorch 2.13) and no dropout, so
 a CPU, or a model with attention dropout, keeps SDPA with the dense mask; it
 runs compiled (eager FlexAttention is a reference that materializes scores).
 """

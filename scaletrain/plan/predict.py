@@ -29,7 +29,7 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     shards = groups.sizes[groups.zero_shard]
     host_is_device = cluster.device.name == "cpu"
     # The trainer's rule (train/layout.py): chunked where the head's weight is whole on its rank.
-    chunked = (model.shape.vocab > 0 and p.tp == 1 and p.pp == 1 and p.zero < 3
+    chunked = (model.shape.vocab > 0 and head_loss.head_is_whole(p.tp, p.pp, p.zero)
                and head_loss.chunked(t.head_loss, t.fused, on_gpu=not host_is_device))
     stages, traffics = [], []
     for pp_rank in range(p.pp):

@@ -160,7 +160,9 @@ class Engine:
             with self.forward_context():
                 if layout.fused_head_loss:
                     # imported here: it imports Triton, which only a layout with the kernel needs
-                    from scaletrain.kernels.cross_entropy import fused_linear_cross_entropy
+                    from scaletrain.kernels.cross_entropy import (
+                        fused_linear_cross_entropy,
+                    )
                     return fused_linear_cross_entropy(layout.model(x, logits=False, **packed),
                                                       layout.model.head.weight, y)
                 outputs = layout.model(x, **packed)
@@ -351,7 +353,7 @@ class Engine:
         saved = {**(state or {}), "step": step, "world_size": self.mesh.dims.world_size,
                  "layout": self.mesh.dims.describe(),
                  "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
-        if layout.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (run.py checks a resume)
+        if layout.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (commands/train.py checks a resume)
             saved["optimizer_per_rank"] = layout.replicas.dense.size
         return ckpt.save_checkpoint(self.run_dir, step, layout.model, layout.optimizer, layout.masters, saved, team,
                                     zero=layout.zero, tensor_parallel=layout.tensor_parallel,

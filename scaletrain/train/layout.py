@@ -148,8 +148,8 @@ class Layout:
         self.loss_fn = self.tensor_parallel.loss if self.tensor_parallel else loss_fn
         # a plain linear head: one with adapters or 4-bit weights (finetune/) keeps its own forward
         plain_head = isinstance(getattr(self.model, "head", None), nn.Linear)
-        whole_head = (fused_head and plain_head and self.tp_group.size == 1 and self.pp_group.size == 1
-                      and self.parallel.zero < 3)
+        whole_head = fused_head and plain_head and head_loss.head_is_whole(self.tp_group.size, self.pp_group.size,
+                                                                            self.parallel.zero)
         on_gpu = self.device.type == "cuda" and unavailable(self.device) is None  # Triton there to run the kernel
         self.fused_head_loss = whole_head and head_loss.chunked(t.head_loss, t.fused, on_gpu)
         if t.fused == "triton" and fused_head and self.tp_group.size == 1 and not whole_head:
@@ -229,18 +229,19 @@ class Layout:
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters
         # (not from host masters: the kernel reads and writes one device; not the 8-bit
         # AdamW's kernel, which leaves them to copy_master_to_model).
-        self.fused_working_copy = (self.masters is not None and master_device is None and t.fused == "triton"
-                                   and t.optimizer == "adamw")
-        if self.fused_working_copy:
+        fused_working_copy = (self.masters is not None and master_device is None and t.fused == "triton"
+                              and t.optimizer == "adamw")
+        if fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]
         # The update's three hooks over what the optimizer steps (train/stepped.py).
         if self.zero:
             self.step_weights: Stepped = ZeroShards(self.zero)
         elif self.masters:
-            self.step_weights = MasterCopies(self.data_parallel, self.masters, self.optimizer, self.fused_working_copy)
+            self.step_weights = MasterCopies(self.data_parallel, self.local_sgd, self.masters, self.optimizer,
+                                             fused_working_copy)
         else:
-            self.step_weights = ModelWeights(self.data_parallel)
+            self.step_weights = ModelWeights(self.data_parallel, self.local_sgd)
 
     def exchange_delayed_gradients(self) -> bool:
         """Under PipeDream-2BW, this step's gradients swapped for the previous step's, which the

@@ -22,25 +22,31 @@ same three hooks whatever the layout chose, and tests nothing:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
-from torch import nn
 
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.zero import ZeroDataParallel
 
-Gradients = Callable[[nn.Parameter], torch.Tensor | None]  # a parameter's averaged gradient
+
+class Stepped(Protocol):
+    """The three hooks of the update (module docstring)."""
+
+    def take_gradients(self) -> None: ...
+
+    def give_weights(self, step: int) -> bool: ...
+
+    def zero_grad(self) -> None: ...
 
 
 class ModelWeights:
     """The optimizer steps the model's own weights, their gradients those the data-parallel
-    wrapper averaged (with local SGD, the stepped tensors averaged every N steps instead)."""
+    wrapper averaged (with ``local_sgd``, the stepped tensors averaged every N steps instead)."""
 
-    def __init__(self, data_parallel):
-        self.data_parallel = data_parallel
-        self.local_sgd = data_parallel if isinstance(data_parallel, LocalSGD) else None
+    def __init__(self, data_parallel, local_sgd: LocalSGD | None):
+        self.data_parallel, self.local_sgd = data_parallel, local_sgd
 
     def take_gradients(self) -> None:
         pass  # the gradients are already where the optimizer reads them
@@ -56,9 +62,9 @@ class ModelWeights:
 class MasterCopies(ModelWeights):
     """fp32 masters beside the model's working weights: the optimizer steps the masters."""
 
-    def __init__(self, data_parallel, masters: MasterWeights, optimizer: torch.optim.Optimizer,
-                 fused_working_copy: bool):
-        super().__init__(data_parallel)
+    def __init__(self, data_parallel, local_sgd: LocalSGD | None, masters: MasterWeights,
+                 optimizer: torch.optim.Optimizer, fused_working_copy: bool):
+        super().__init__(data_parallel, local_sgd)
         self.masters, self.optimizer, self.fused_working_copy = masters, optimizer, fused_working_copy
 
     def take_gradients(self) -> None:
@@ -92,6 +98,3 @@ class ZeroShards:
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
-
-
-Stepped = ModelWeights | MasterCopies | ZeroShards

@@ -109,7 +109,7 @@ class Trainer:
             * positions
         self.start_step = 0
         latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
-        if latest:  # (none: a job restarted before its first checkpoint, run.py)
+        if latest:  # (none: a job restarted before its first checkpoint, commands/train.py)
             self.start_step = self.engine.load_checkpoint(latest)["step"]
         self.peak = peak_tflops(t.peak_tflops, self.device)
 

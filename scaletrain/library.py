@@ -16,7 +16,7 @@
 `setup` joins the job (whatever launched it: ``scaletrain run --nproc N``,
 torchrun, SLURM, mpirun, or plain ``python``), builds the mesh the options
 ask for, starts every rank from rank 0's weights, and hands the model to the
-same `Engine` (train/engine.py) that ``scaletrain train`` runs on: every
+same `Stepper` (train/stepper.py) that ``scaletrain train`` runs on: every
 option is a field of that command (``zero=3`` is ``--zero 3``), so every
 technique the command has, the library has, by one code path. A model needs
 nothing for dp, ZeRO-1/2/3 (its repeated blocks are ZeRO-3's units), hybrid
@@ -63,9 +63,10 @@ from scaletrain.runtime.launch import (
     shutdown,
 )
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train import engine as core
 from scaletrain.train.sampling import generate
+from scaletrain.train.layout import Layout
 from scaletrain.train.step_window import PendingStep, StepWindow
+from scaletrain.train.stepper import Stepper
 
 
 def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | None = None,
@@ -89,43 +90,58 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
         # Every rank starts from rank 0's weights, whatever seed each built its model with.
         model.to(runtime.device)
         replicate([*model.parameters(), *model.buffers()], comm, mesh.group("world"))
-        return Engine(runtime, model, cfg.train, cfg.parallel, mesh, comm, runtime.device, plan=plan,
-                      seq_len=seq_len, sample=sample)
+        return Engine(runtime, Stepper(model, cfg.train, cfg.parallel, mesh, comm, runtime.device, plan=plan,
+                                       seq_len=seq_len, sample=sample))
     except BaseException:
         shutdown(runtime, barrier=False)
         raise
 
 
-class Engine(core.Engine):
-    """A user's model on the engine (train/engine.py), with the protocol of a training loop:
-    ``engine(*inputs)`` runs the forward, ``backward(loss)`` each micro-batch's backward,
-    ``step()`` the update once ``grad_accum`` backward calls are in; ``train_step`` runs a
-    whole step (the way pipelines run); ``evaluate`` and ``generate`` under any layout, on every
-    rank; ``save``, ``load``, ``sampler``, ``close``. Made by `setup`."""
+class Engine:
+    """The library's face of the engine: a user's model on a `Stepper` (train/stepper.py), with
+    the protocol of a training loop: ``engine(*inputs)`` runs the forward, ``backward(loss)``
+    each micro-batch's backward, ``step()`` the update once ``grad_accum`` backward calls are
+    in; ``train_step`` runs a whole step (the way pipelines run); ``evaluate`` and ``generate``
+    under any layout, on every rank; ``save``, ``load``, ``sampler``, ``close``. Made by `setup`;
+    it keeps only where the user's loop stands, the stepper everything else."""
 
-    def __init__(self, runtime: DistRuntime, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.runtime = runtime
+    def __init__(self, runtime: DistRuntime, stepper: Stepper):
+        self.runtime, self.stepper = runtime, stepper
         self.steps_done = 0  # optimizer steps taken, the checkpoint's step
         self._backwards = 0  # backward calls in the step under way
         self._loss_sum = torch.zeros((), device=self.device)
         self._step_open = False  # a forward of the manual loop began the step
 
+    @property
+    def model(self) -> nn.Module:
+        """This rank's part of the model (split, cut, wrapped as the layout says)."""
+        return self.stepper.model
+
+    @property
+    def layout(self) -> Layout:
+        """Where each part of the model lives over the mesh, and what steps it (train/layout.py)."""
+        return self.stepper.layout
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: where inputs go."""
+        return self.stepper.device
+
     # -- where this process stands -------------------------------------------------
     @property
     def rank(self) -> int:
         """This process's rank in the job."""
-        return self.mesh.rank
+        return self.stepper.mesh.rank
 
     @property
     def world_size(self) -> int:
         """How many processes the job has."""
-        return self.mesh.dims.world_size
+        return self.stepper.mesh.dims.world_size
 
     @property
     def is_main(self) -> bool:
         """Whether this is the job's rank 0, the one that prints and writes."""
-        return self.mesh.rank == 0
+        return self.stepper.mesh.rank == 0
 
     @property
     def data_ranks(self) -> int:
@@ -135,12 +151,12 @@ class Engine(core.Engine):
     @property
     def micro_batches_per_step(self) -> int:
         """Micro-batches per optimizer step on each rank: ``grad_accum``, times the pipeline's per round."""
-        return self.train.grad_accum * self.layout.micro_batches
+        return self.stepper.train.grad_accum * self.layout.micro_batches
 
     @property
     def ready(self) -> bool:
         """Whether the step's ``grad_accum`` backward calls are in, so ``step()`` may run."""
-        return self._backwards == self.train.grad_accum
+        return self._backwards == self.stepper.train.grad_accum
 
     def sampler(self, size: int, batch_size: int | None = None, *, shuffle: bool = True,
                 seed: int | None = None) -> ShardedSampler:
@@ -149,8 +165,8 @@ class Engine(core.Engine):
         disjoint slices of each global batch, the others (tp, pp, cp) the same; from the
         micro-batch where the engine stands, so a resumed run reads on (data/sampler.py)."""
         batch = self.layout.replicas.batch
-        return ShardedSampler(size, batch_size or self.train.micro_batch, rank=batch.rank, replicas=batch.size,
-                              seed=self.train.seed if seed is None else seed, shuffle=shuffle,
+        return ShardedSampler(size, batch_size or self.stepper.train.micro_batch, rank=batch.rank, replicas=batch.size,
+                              seed=self.stepper.train.seed if seed is None else seed, shuffle=shuffle,
                               start=self.steps_done * self.micro_batches_per_step)
 
     def local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -165,33 +181,33 @@ class Engine(core.Engine):
                             "loss_fn) instead of engine(inputs).")
         if self.layout.model.training and not self._step_open:
             self._open_step()
-        with self.forward_context():
+        with self.stepper.forward_context():
             return self.layout.model(*args, **kwargs)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy over targets other than -100, also of logits a tp plan's
         ``VocabHead`` left split over the vocabulary."""
         trained = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        with self.compression:
+        with self.stepper.compression:
             return self.layout.loss_fn(logits, targets) * targets.numel() / trained
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss; the ``grad_accum``-th starts the gradients'
         average over the ranks."""
-        if self._backwards == self.train.grad_accum:
-            accum = self.train.grad_accum
+        if self._backwards == self.stepper.train.grad_accum:
+            accum = self.stepper.train.grad_accum
             raise UserError(f"backward() was called {accum + 1} times with grad_accum={accum}; call engine.step() "
                             f"after every {accum}.")
         self._backwards += 1
-        divided = loss / self.train.grad_accum
-        self.backward_micro_batch(divided, final=self.ready)
+        divided = loss / self.stepper.train.grad_accum
+        self.stepper.backward_micro_batch(divided, final=self.ready)
         self._loss_sum += divided.detach()
 
     def step(self) -> dict[str, float]:
         """The optimizer step on the accumulated gradients; its loss (the global batch's mean),
         gradient norm, learning rate and skipped steps."""
-        if self._backwards < self.train.grad_accum:
-            raise UserError(f"step() was called after {self._backwards} of the step's {self.train.grad_accum} "
+        if self._backwards < self.stepper.train.grad_accum:
+            raise UserError(f"step() was called after {self._backwards} of the step's {self.stepper.train.grad_accum} "
                             f"backward() calls (grad_accum); call engine.backward(loss) first.")
         return self._finish(self._loss_sum)
 
@@ -205,14 +221,14 @@ class Engine(core.Engine):
             raise UserError(f"train_step() takes the step's {wanted} micro-batches (grad_accum x microbatches), with "
                             f"no backward() before it, not {len(micro_batches)}; give exactly {wanted}.")
         batches = [self.local(*batch) for batch in micro_batches]
-        return self._read(self.run_step(self.steps_done, batches, loss_fn, float(len(batches))))
+        return self._read(self.stepper.step(self.steps_done, batches, loss_fn, float(len(batches))))
 
     def _open_step(self) -> None:
-        self.start_step(self.steps_done)
+        self.stepper.start_step(self.steps_done)
         self._step_open = True
 
     def _finish(self, loss_sum: torch.Tensor) -> dict[str, float]:
-        return self._read(self.update(self.steps_done, loss_sum))
+        return self._read(self.stepper.update(self.steps_done, loss_sum))
 
     def _read(self, pending: PendingStep) -> dict[str, float]:
         """The step's numbers, read at once: a step of the library is over when it returns."""
@@ -239,18 +255,18 @@ class Engine(core.Engine):
         batches = [self.local(*batch) for batch in micro_batches]
         try:
             if layout.pipeline:  # the mean over the micro-batches, from the last stage to every stage
-                mean = layout.pipeline.evaluate(batches, loss_fn, self.forward_context)
+                mean = layout.pipeline.evaluate(batches, loss_fn, self.stepper.forward_context)
             else:  # summed on the device: one read, after the all-reduce
                 mean = torch.zeros((), dtype=torch.float64, device=self.device)
                 for x, y in batches:
-                    with self.forward_context():
+                    with self.stepper.forward_context():
                         outputs = model(x)
                     mean += loss_fn(outputs, y).double() / len(batches)
         finally:
             model.train(training)
         total = torch.stack([torch.as_tensor(mean, dtype=torch.float64, device=self.device),
                              torch.ones((), dtype=torch.float64, device=self.device)])
-        self.comm.all_reduce(total, layout.replicas.dense)  # the ranks reading other samples or positions
+        self.stepper.comm.all_reduce(total, layout.replicas.dense)  # the ranks reading other samples or positions
         return (total[0] / total[1]).item()
 
     def generate(self, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8,
@@ -260,26 +276,26 @@ class Engine(core.Engine):
         ``context`` ids as input (default: ``seq_len`` of `setup`, else the whole sequence).
         Under any layout, on every rank: each holds a part of the model that every token's
         forward needs, and all draw the same ids, the ones one process draws (train/sampling.py)."""
-        context = context or self.seq_len or prompt.shape[1] + new_tokens
+        context = context or self.stepper.seq_len or prompt.shape[1] + new_tokens
         return generate(self.layout, prompt, new_tokens, context=context, vocab=None,
-                        precision=self.train.precision, seed=self.train.seed if seed is None else seed,
+                        precision=self.stepper.train.precision, seed=self.stepper.train.seed if seed is None else seed,
                         temperature=temperature, top_k=top_k)
 
     # -- checkpoints -------------------------------------------------------------------
     def save(self, folder: str | Path, **state: Any) -> Path:
         """A checkpoint of the model and optimizer as they stand in ``folder/checkpoints/step_N``
         (every rank writes its part; any layout can load it), with ``state`` (JSON values)."""
-        self.run_dir = Path(folder)
-        return self.save_checkpoint(self.steps_done, {"user": state})
+        self.stepper.run_dir = Path(folder)
+        return self.stepper.save_checkpoint(self.steps_done, {"user": state})
 
     def load(self, folder: str | Path) -> dict[str, Any] | None:
         """Resume from the newest complete checkpoint in ``folder``, whatever layout saved it: the
         model, the optimizer and the step; the ``state`` saved with it (None: nothing to resume)."""
-        self.run_dir = Path(folder)
-        latest = ckpt.latest_checkpoint(self.run_dir)
+        self.stepper.run_dir = Path(folder)
+        latest = ckpt.latest_checkpoint(self.stepper.run_dir)
         if latest is None:
             return None
-        saved = self.load_checkpoint(latest)
+        saved = self.stepper.load_checkpoint(latest)
         self.steps_done = saved["step"]
         return saved.get("user", {})
 

@@ -52,7 +52,7 @@ def _run(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tupl
     engine = setup(make_model(), **setup_args, **options)
     loss_fn = loss_fn or engine.cross_entropy
     try:
-        per_step = engine.train.grad_accum * engine.layout.micro_batches
+        per_step = engine.micro_batches_per_step
         readers = engine.layout.replicas.batch
         losses, norms = [], []
         for step in range(steps):

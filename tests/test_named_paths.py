@@ -39,6 +39,6 @@ def test_every_file_path_named_in_the_code_and_docs_exists():
 
 
 def test_the_pattern_finds_paths_as_the_docs_write_them():
-    text = "the step (train/engine.py) and docs/zero.md; `scaletrain/parallel/pipeline/runtime.py`, not x.py"
-    assert [m.group(1) for m in NAMED.finditer(text)] == ["train/engine.py", "docs/zero.md",
+    text = "the step (train/stepper.py) and docs/zero.md; `scaletrain/parallel/pipeline/runtime.py`, not x.py"
+    assert [m.group(1) for m in NAMED.finditer(text)] == ["train/stepper.py", "docs/zero.md",
                                                            "scaletrain/parallel/pipeline/runtime.py"]

@@ -18,7 +18,7 @@ from tests.trainers import build_trainer
 def _train_with_fault(rank: int, n: int, cfg, spec, fault: str) -> dict:
     """Steps until the end or a stop; the records, the stop's sentence, the weights before each step."""
     trainer = build_trainer(rank, n, cfg, spec)
-    trainer.engine.faults = Faults(parse(fault), rank, attempt=0)
+    trainer.stepper.faults = Faults(parse(fault), rank, attempt=0)
     records, weights, stopped = [], [], None
 
     def snapshot() -> torch.Tensor:
@@ -75,5 +75,5 @@ def test_skip_leaves_the_step_out_on_every_rank_as_one_device_does(tiny_cfg):
 def test_fp16_defaults_to_skip_and_every_other_precision_to_stop(tiny_cfg):
     spec = prepare_data(tiny_cfg, Path(tiny_cfg.data.cache_dir))
     for precision, policy in (("fp32", "stop"), ("bf16", "stop"), ("fp16", "skip")):
-        assert build_trainer(0, 1, tiny_cfg.replace(precision=precision), spec).engine.on_nan == policy
-    assert build_trainer(0, 1, tiny_cfg.replace(on_nan="skip"), spec).engine.on_nan == "skip"
+        assert build_trainer(0, 1, tiny_cfg.replace(precision=precision), spec).stepper.on_nan == policy
+    assert build_trainer(0, 1, tiny_cfg.replace(on_nan="skip"), spec).stepper.on_nan == "skip"

@@ -71,7 +71,7 @@ def _measure(rank: int, n: int, configs: dict, spec) -> dict:
         trainer.train_step(0)
         before = trainer.comm.ledger.snapshot()
         trainer.train_step(1)
-        measured[name] = (trainer.engine.memory, trainer.comm.ledger.since(before))
+        measured[name] = (trainer.stepper.memory, trainer.comm.ledger.since(before))
     return measured
 
 

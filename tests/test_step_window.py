@@ -76,7 +76,7 @@ def test_a_deferred_step_reads_nothing_and_an_immediate_one_only_its_verdict(tin
 def test_a_non_finite_step_stops_the_run_at_its_window_before_any_checkpoint(tiny_cfg):
     cfg = tiny_cfg.replace(steps=6, log_every=4, checkpoint_every=2)
     trainer = _trainer(cfg)
-    trainer.engine.faults = Faults(parse("nan rank=0 step=3"), 0, attempt=0)
+    trainer.stepper.faults = Faults(parse("nan rank=0 step=3"), 0, attempt=0)
     with pytest.raises(JobFailed) as stop:
         fit(trainer)
     assert "step 3 is not finite" in str(stop.value)

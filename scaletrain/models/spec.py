@@ -104,7 +104,7 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """How the engine (train/engine.py) may split one model, in the plan vocabulary above. A
+    """How the engine (train/stepper.py) may split one model, in the plan vocabulary above. A
     family's spec makes one from its config (`ModelSpec.plan`); a user writes one for their own
     module (docs/library.md). Every part is optional: data parallelism, ZeRO, precision,
     accumulation, offload and local SGD need none.

@@ -12,7 +12,7 @@ parallel wrapper. The optimizer and the bookkeeping the step needs (which
 tensors it steps, which gradients count towards the norm, over which groups)
 close it.
 
-The step (train/engine.py) runs over a layout and never builds one; a
+The step (train/stepper.py) runs over a layout and never builds one; a
 layout never runs a step, nor builds a model: the command builds its models
 from the seed (train/trainer.py: `build_run_model`), a user brings theirs (library.py). Nothing
 here names a model: it reads the plan, so every layout of the same model

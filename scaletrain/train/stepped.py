@@ -1,6 +1,6 @@
 """What the optimizer steps, and how gradients reach it and updated values leave it.
 
-Three answers, one interface. The engine's update (train/engine.py) calls the
+Three answers, one interface. The engine's update (train/stepper.py) calls the
 same three hooks whatever the layout chose, and tests nothing:
 
     take_gradients()    the averaged gradients onto the tensors the optimizer steps

@@ -1,4 +1,4 @@
-"""The command's training: its models, its data and its loss on the engine (train/engine.py).
+"""The command's training: its models, its data and its loss on the engine (train/stepper.py).
 
 ``scaletrain train`` is configuration + a model spec + data + the engine:
 this module builds the run's model from its preset (or a Hugging Face folder,
@@ -37,7 +37,7 @@ from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.base_model import start_from_base
 from scaletrain.train.data_setup import PreparedData, open_data
-from scaletrain.train.engine import Engine
+from scaletrain.train.stepper import Stepper
 from scaletrain.train.layout import Layout
 from scaletrain.train.metrics import peak_tflops
 from scaletrain.train.sampling import generate, line_prompt
@@ -83,7 +83,7 @@ def build_run_model(cfg: Config, spec: PreparedData, device: torch.device, n_fea
 
 
 class Trainer:
-    """The steps of a run: its model and data on an `Engine` (train/engine.py), with its
+    """The steps of a run: its model and data on the `Stepper` (train/stepper.py), with its
     checkpoints and the state a resume brings back."""
 
     def __init__(self, cfg: Config, spec: PreparedData, runtime: DistRuntime, mesh: Mesh, comm: Comm,
@@ -99,10 +99,10 @@ class Trainer:
         t = cfg.train
         built = build_run_model(cfg, spec, self.device, self.data.n_features, self.data.n_classes)
         self.flops_per_token = built.flops_per_token
-        self.engine = Engine(built.model, t, cfg.parallel, mesh, comm, self.device, plan=built.plan,
-                             seq_len=cfg.data.seq_len, sample=self.data.train.get(0, t.micro_batch)[0],
-                             source=built.source, fused_head=spec.kind == "text", run_dir=run_dir,
-                             log_every=self.log_every, report_memory=cfg.run.report_memory)
+        self.stepper = Stepper(built.model, t, cfg.parallel, mesh, comm, self.device, plan=built.plan,
+                               seq_len=cfg.data.seq_len, sample=self.data.train.get(0, t.micro_batch)[0],
+                               source=built.source, fused_head=spec.kind == "text", run_dir=run_dir,
+                               log_every=self.log_every, report_memory=cfg.run.report_memory)
         layout = self.layout
         positions = cfg.data.seq_len if spec.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * layout.micro_batches * layout.replicas.batch.size \
@@ -110,12 +110,12 @@ class Trainer:
         self.start_step = 0
         latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
         if latest:  # (none: a job restarted before its first checkpoint, commands/train.py)
-            self.start_step = self.engine.load_checkpoint(latest)["step"]
+            self.start_step = self.stepper.load_checkpoint(latest)["step"]
         self.peak = peak_tflops(t.peak_tflops, self.device)
 
     @property
     def layout(self) -> Layout:
-        return self.engine.layout
+        return self.stepper.layout
 
     # -- one optimizer step --------------------------------------------------
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
@@ -123,7 +123,7 @@ class Trainer:
         t = self.cfg.train
         per_step = t.grad_accum * layout.micro_batches
         if micro == min(1, per_step - 1):
-            self.engine.faults.strike("micro-batch", step + 1)
+            self.stepper.faults.strike("micro-batch", step + 1)
         first = first_sample(step, micro, per_step, layout.replicas.batch.size,
                              layout.replicas.batch.rank, t.micro_batch)
         return layout.local(*self.data.train.get(first, t.micro_batch))
@@ -161,23 +161,23 @@ class Trainer:
     def queue_step(self, step: int, record: bool) -> PendingStep:
         """One optimizer step on the engine; its numbers left on the device (train/step_window.py)."""
         batches, divisor, trained = self._step_batches(step)
-        pending = self.engine.run_step(step, batches, self.layout.loss_fn, divisor, record)
+        pending = self.stepper.step(step, batches, self.layout.loss_fn, divisor, record)
         if trained is not None:  # masked or packed data: how many tokens the step trained on
             pending.device["trained_tokens"] = trained
         return pending
 
     def late_stop(self, record: dict) -> Exception:
-        return self.engine.late_stop(record, self.step)
+        return self.stepper.late_stop(record, self.step)
 
     def memory_report(self) -> dict:
         """This rank's memory ledger (params, grads, optimizer, activations peak)
         as measured on the first step of this run."""
-        return self.engine.memory
+        return self.stepper.memory
 
     @property
     def timeline(self):
         """The pipeline's recorded round on the run's last step."""
-        return self.engine.timeline
+        return self.stepper.timeline
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -190,7 +190,7 @@ class Trainer:
             summed = layout.pipeline.evaluate(batches, lambda logits, y: layout.loss_fn(logits, y) * y.numel(),
                                               lambda: autocast(self.cfg.train.precision, self.device)) * len(batches)
         else:
-            loss_of = self.engine.forward_loss(layout.loss_fn)
+            loss_of = self.stepper.forward_loss(layout.loss_fn)
             summed = sum(loss_of(*batch).item() * batch[1].numel() for batch in batches)
         totals = torch.tensor([summed, sum((batch[1] != IGNORE_INDEX).sum().item() for batch in batches)],
                               dtype=torch.float64, device=self.device)
@@ -211,4 +211,4 @@ class Trainer:
         return tokenizer.decode(continuation[0].tolist())
 
     def save(self, step: int) -> Path:
-        return self.engine.save_checkpoint(step, keep_last=self.cfg.run.keep_last)
+        return self.stepper.save_checkpoint(step, keep_last=self.cfg.run.keep_last)

@@ -1,10 +1,10 @@
 """The engine: one optimizer step of any model under any layout, for the command and the library.
 
 ``scaletrain train`` (train/trainer.py: its models, its data, its loss) and a
-user's own script (library.py: their model, their loop) run the same engine:
-`Engine.run_step` is the whole step in reading order, given the micro-batches
-and a loss function (the library's own loop, ``backward()`` then ``step()``,
-calls its parts one by one).
+user's own script (library.py: their model, their loop) run the same
+`Stepper`: `Stepper.step` is the whole step in reading order, given the
+micro-batches and a loss function (the library's own loop, ``backward()``
+then ``step()``, calls its parts one by one).
 One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
 samples (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
 ``--microbatches`` micro-batches each take the place of the loop below:
@@ -98,7 +98,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63)
 
 
-class Engine:
+class Stepper:
     """The steps of one model under one layout (module docstring); the layout is built here
     from the model and its plan (train/layout.py). ``run_dir`` holds the checkpoints;
     ``log_every`` > 1 lets ``--on-nan stop`` read its flag with the window
@@ -131,7 +131,7 @@ class Engine:
         return self.layout.model
 
     # -- one whole step -----------------------------------------------------------
-    def run_step(self, step: int, batches: Sequence[Batch], loss_fn: LossFn, divisor: float | torch.Tensor,
+    def step(self, step: int, batches: Sequence[Batch], loss_fn: LossFn, divisor: float | torch.Tensor,
                  record: bool = False) -> PendingStep:
         """One optimizer step over the step's micro-batches (inputs, targets[, documents]), in
         reading order: the step begins (dropout reseeded), every micro-batch's forward and

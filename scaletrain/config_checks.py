@@ -15,6 +15,8 @@ import torch
 
 from scaletrain.config import AUTO, Config, ParallelConfig
 from scaletrain.errors import UserError
+from scaletrain.job.trackers import TRACKERS
+from scaletrain.job.trackers import names as tracker_names
 from scaletrain.kernels import unavailable
 from scaletrain.kernels.head_loss import CHUNKED, head_is_whole
 from scaletrain.models import CLASSIFIER, spec_for
@@ -22,8 +24,6 @@ from scaletrain.parallel.pipeline import schedules
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.runtime.ray_launch import check_placement
 from scaletrain.techniques.recompute import parse_policy
-from scaletrain.train.trackers import TRACKERS
-from scaletrain.train.trackers import names as tracker_names
 
 _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "nproc", "tp", "pp",
              "microbatches", "virtual_stages", "vocab_multiple", "cp", "ep", "shard_group", "vocab_size",
@@ -163,7 +163,7 @@ def check_launcher(p: ParallelConfig) -> None:
 
 
 def _check_trackers(cfg: Config) -> None:
-    """--tracker (train/trackers.py): known names, their packages installed."""
+    """--tracker (job/trackers.py): known names, their packages installed."""
     for name in tracker_names(cfg.run.tracker):
         if name not in TRACKERS:
             raise UserError(f"--tracker {name} is not a tracker; choose among {', '.join(TRACKERS)}, "

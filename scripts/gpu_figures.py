@@ -188,11 +188,11 @@ def profile(size: str, work: Path) -> dict:
     from torch.profiler import profile as profiler
 
     from scaletrain.config import Config
+    from scaletrain.job.data_setup import prepare_data
+    from scaletrain.job.trainer import Trainer
     from scaletrain.runtime import Comm, Mesh
     from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
     from scaletrain.runtime.mesh import ParallelDims
-    from scaletrain.train.data_setup import prepare_data
-    from scaletrain.train.trainer import Trainer
 
     start = time.perf_counter()
     gpu = size == "gpu"

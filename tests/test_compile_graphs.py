@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config import Config
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.runtime.spawn import spawn_local
-from scaletrain.train.data_setup import prepare_data
 from tests.trainers import build_trainer
 
 

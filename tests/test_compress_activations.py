@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.commands.train import execute, prepare_run
+from scaletrain.job.metrics import read_metrics
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.techniques.compress_activations import (
     BLOCK,
@@ -20,8 +22,6 @@ from scaletrain.techniques.compress_activations import (
 )
 from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import ActivationMeter
-from scaletrain.train.metrics import read_metrics
-from scaletrain.commands.train import execute, prepare_run
 
 B, S, D, L, V = 4, 32, 64, 2, 64
 # Largest relative L2 error of any parameter's gradient, fp32 on CPU, the model below

@@ -19,7 +19,7 @@ from scaletrain.commands.cli import main
 from scaletrain.commands.parity import run_parity
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
-from scaletrain.train.data_setup import prepare_data
+from scaletrain.job.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import train_and_save
 

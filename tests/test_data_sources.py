@@ -19,7 +19,7 @@ from scaletrain.data.batches import TokenBatches
 from scaletrain.data.mixture import BLOCK, Mixture, block_counts
 from scaletrain.data.sources import is_text_source, parse_sources
 from scaletrain.errors import UserError
-from scaletrain.train.data_setup import open_data, prepare_data
+from scaletrain.job.data_setup import open_data, prepare_data
 
 TEXTS = [f"record {i}: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 4) for i in range(80)]
 TINY = ["--model", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "2", "--warmup-steps", "1",

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from scaletrain.commands.parity import run_parity
+from scaletrain.job.data_setup import prepare_data
+from scaletrain.job.trainer import Trainer
 from scaletrain.runtime import Comm, Mesh, ParallelDims, ProcessEnv
 from scaletrain.runtime.launch import DistRuntime
-from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed
 
 

@@ -10,11 +10,11 @@ tokenizers library, as a user's downloaded folder holds them.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -23,13 +23,13 @@ from tokenizers import ByteLevelBPETokenizer
 from scaletrain.commands.cli import main
 from scaletrain.commands.generate import load_run_model
 from scaletrain.commands.parity import run_parity
+from scaletrain.commands.train import execute, launch
 from scaletrain.config import Config, load_run_config
 from scaletrain.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 from scaletrain.finetune.lora import adapters, apply_lora
+from scaletrain.job.metrics import read_metrics
 from scaletrain.models import build_model
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.metrics import read_metrics
-from scaletrain.commands.train import execute, launch
 
 PROSE = "".join(f"The fox number {i} jumps over the lazy dog, and the dog sleeps.\n" for i in range(600))
 EXTRA_ROWS = 7  # config.json's vocab_size above the tokenizer's, as padded releases have: the model's wins

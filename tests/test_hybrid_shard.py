@@ -13,6 +13,7 @@ import torch
 
 from scaletrain.commands.parity import run_parity
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.parallel.hybrid import (
     BLOCK,
     dequantize_int8,
@@ -22,7 +23,6 @@ from scaletrain.parallel.hybrid import (
 from scaletrain.plan.hardware import Cluster, cpu_device
 from scaletrain.plan.predict import predict
 from scaletrain.runtime.mesh import ParallelDims
-from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 

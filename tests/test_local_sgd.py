@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.commands.train import check_optimizer_layout
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import prepare_data
+from scaletrain.job.trainer import Trainer
 from scaletrain.parallel.data import DataParallel
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.runtime import Comm, Mesh, ParallelDims, ProcessEnv
 from scaletrain.runtime.launch import DistRuntime
-from scaletrain.train.data_setup import prepare_data
-from scaletrain.commands.train import check_optimizer_layout
-from scaletrain.train.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer
 

@@ -157,7 +157,7 @@ def test_qlora_keeps_the_base_in_4_bits_and_exports_the_merged_model(base_run, p
     from safetensors.torch import load_file as load_safetensors
 
     from scaletrain.finetune.nf4 import NF4Linear
-    from scaletrain.train.export import export
+    from scaletrain.job.export import export
 
     summary = launch(_finetune_cfg(base_run, prose, tmp_path, quantize="nf4"))
     tuned = ckpt.read_model_tensors(summary.checkpoint)
@@ -185,9 +185,9 @@ def test_the_planner_predicts_an_adapter_fine_tunes_ledger(base_run, prose, tmp_
     weight that never steps), the adapters' gradients and state: within 5% of the real ledger."""
     import json
 
+    from scaletrain.job.base_model import as_finetune
     from scaletrain.plan.hardware import Cluster, cpu_device
     from scaletrain.plan.predict import predict
-    from scaletrain.train.base_model import as_finetune
 
     cfg = _finetune_cfg(base_run, prose, tmp_path, report_memory=True, **changes)
     summary = launch(cfg)

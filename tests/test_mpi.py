@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from scaletrain.commands.parity import relative_diffs
+from scaletrain.job.metrics import read_metrics
 from scaletrain.runtime import Comm, Mesh, ParallelDims
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.metrics import read_metrics
 from tests.conftest import run_cli
 from tests.distributed import run_distributed
 from tests.mpi_ops import exercise

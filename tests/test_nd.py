@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from scaletrain.commands.cli import main
 from scaletrain.commands.parity import run_parity
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.models import build_model
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 

@@ -9,8 +9,8 @@ import torch
 
 from scaletrain.commands.parity import relative_diffs
 from scaletrain.errors import JobFailed
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.runtime.faults import Faults, parse
-from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer
 

@@ -216,7 +216,7 @@ def test_path_fault_is_refused(row, corpus, tmp_path, monkeypatch, capsys):
 PRELOADED = ("re", "shutil", "scaletrain.commands.train", "scaletrain.commands.parity", "scaletrain.bench.adam",
              "scaletrain.bench.allreduce", "scaletrain.bench.dp", "scaletrain.bench.pp",
              "scaletrain.bench.techniques", "scaletrain.bench.tp", "scaletrain.bench.zero",
-             "scaletrain.parallel.pipeline.timeline", "scaletrain.train.export", "scaletrain.commands.generate",
+             "scaletrain.parallel.pipeline.timeline", "scaletrain.job.export", "scaletrain.commands.generate",
              "scaletrain.plan.report", "scaletrain.plan.predict", "scaletrain.plan.search")
 CANNOT_DROP = 77  # the child's exit code when it may not become nobody
 

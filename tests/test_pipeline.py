@@ -13,7 +13,9 @@ import torch
 
 from scaletrain.commands.cli import main
 from scaletrain.commands.parity import run_parity
+from scaletrain.commands.train import launch
 from scaletrain.config import Config
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.gpt_spec import STAGES as GPT_STAGES
 from scaletrain.parallel.pipeline.partition import (
@@ -24,8 +26,6 @@ from scaletrain.parallel.pipeline.partition import (
     shared_parameters,
 )
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, make_deferrable
-from scaletrain.train.data_setup import prepare_data
-from scaletrain.commands.train import launch
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 

@@ -12,9 +12,9 @@ import torch
 
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.models import build_model
 from scaletrain.optim.stochastic_rounding import StochasticRounding, round_stochastically
-from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, losses_of_run
 

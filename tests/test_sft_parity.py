@@ -7,7 +7,7 @@ reference train with the same seed, data and global batch, and agree within
 relative 1e-5 in fp32 (scaletrain/commands/parity.py's whole-model rule). Masking and
 packing spread the trained tokens unevenly over micro-batches and ranks, so
 these rows fail unless the loss is the mean over the global batch's trained
-tokens (train/trainer.py): a per-micro-batch or per-rank mean weighs them
+tokens (job/trainer.py): a per-micro-batch or per-rank mean weighs them
 differently.
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
-from scaletrain.train.data_setup import open_data, prepare_data
+from scaletrain.job.data_setup import open_data, prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import train_and_save
 

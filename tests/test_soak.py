@@ -8,7 +8,7 @@ import json
 import pytest
 
 from scaletrain.commands import soak
-from scaletrain.train.metrics import read_metrics
+from scaletrain.job.metrics import read_metrics
 
 MIB = 2**20
 STEPS = 1000

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from scaletrain.errors import JobFailed
+from scaletrain.job.data_setup import prepare_data
+from scaletrain.job.loop import fit
 from scaletrain.runtime.faults import Faults, parse
-from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.loop import fit
 from tests.trainers import build_trainer
 
 # The ways Python code reads a tensor's value on the host (on a GPU, each waits for the device).

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.commands.parity import run_parity
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.models.gpt import GPT, GPTConfig
 from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel.tensor import (
@@ -20,7 +21,6 @@ from scaletrain.parallel.tensor import (
     split_sizes,
 )
 from scaletrain.runtime import Comm, Mesh, ParallelDims
-from scaletrain.train.data_setup import prepare_data
 from scaletrain.train.layout import loss_fn
 from scaletrain.train.memory import ActivationMeter
 from tests.distributed import run_distributed

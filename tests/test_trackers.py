@@ -1,4 +1,4 @@
-"""--tracker (train/trackers.py) against a real MLflow store and a real ``mlflow server`` started
+"""--tracker (job/trackers.py) against a real MLflow store and a real ``mlflow server`` started
 here: every record of metrics.jsonl read back through MLflow's client, the configuration and
 files, a resumed run continuing its MLflow run, and a tracker that cannot be reached costing one
 warning, not the run."""
@@ -16,10 +16,10 @@ import urllib.request
 
 import pytest
 
+from scaletrain.commands.train import launch
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
-from scaletrain.train.metrics import read_metrics
-from scaletrain.commands.train import launch
+from scaletrain.job.metrics import read_metrics
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -33,7 +33,7 @@ def _runs(folder):
 
 
 def test_mlflow_holds_what_metrics_jsonl_holds(tiny_cfg, tmp_path, monkeypatch):
-    from scaletrain.train import trackers
+    from scaletrain.job import trackers
 
     monkeypatch.chdir(tmp_path)  # the default store: ./mlruns
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -144,7 +144,7 @@ def test_an_unknown_tracker_is_refused_in_one_sentence(tiny_cfg):
 
 
 def test_a_records_metrics_are_its_numbers_but_the_step():
-    from scaletrain.train.trackers import _numbers
+    from scaletrain.job.trackers import _numbers
 
     assert _numbers({"step": 3, "loss": 1.5, "skipped_steps": 0, "mfu": None, "note": "x", "flag": True}) == \
         {"loss": 1.5, "skipped_steps": 0.0}

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from scaletrain.commands.parity import relative_diffs, run_parity
+from scaletrain.commands.train import execute, prepare_run
 from scaletrain.errors import UserError
+from scaletrain.job.metrics import read_metrics
 from scaletrain.models import build_model
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.metrics import read_metrics
-from scaletrain.commands.train import execute, prepare_run
 from scaletrain.train.step_memory import POINTS
 
 

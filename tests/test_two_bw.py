@@ -11,6 +11,7 @@ import torch
 
 from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.parallel.pipeline.schedules import (
     bubble,
     bubble_formula,
@@ -20,7 +21,6 @@ from scaletrain.parallel.pipeline.schedules import (
     two_bw_step,
 )
 from scaletrain.parallel.pipeline.two_bw import DelayedGradient
-from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.test_pipeline import _tied_weight_after_training
 from tests.test_schedules import assert_receives_match_sends

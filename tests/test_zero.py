@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from scaletrain.commands.parity import run_parity
+from scaletrain.job.data_setup import prepare_data
 from scaletrain.train.checkpoint import flat_chunks
-from scaletrain.train.data_setup import prepare_data
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.job.trainer import Trainer
 from scaletrain.runtime import Comm, Mesh, ProcessEnv
 from scaletrain.runtime.launch import DistRuntime
-from scaletrain.train.trainer import Trainer
 
 
 def build_trainer(rank: int, n: int, cfg, spec, device: str = "cpu") -> Trainer:

@@ -22,12 +22,12 @@ import torch
 
 from scaletrain.config import Config, TrainConfig
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import PreparedData, open_data, prepare_data
+from scaletrain.job.trainer import first_sample
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Group, Mesh, ParallelDims
 from scaletrain.runtime.spawn import spawn_local
-from scaletrain.train.data_setup import PreparedData, open_data, prepare_data
-from scaletrain.train.trainer import first_sample
 
 
 def machine() -> str:

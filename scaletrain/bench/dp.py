@@ -38,12 +38,12 @@ from scaletrain.bench import (
     step_batches,
 )
 from scaletrain.config import Config
+from scaletrain.job.data_setup import PreparedData
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import DataParallel, replicate
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh
-from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER, PEER_DEFAULT = "scaletrain DataParallel", "torch DDP (gradient_as_bucket_view)", "torch DDP (defaults)"

@@ -47,6 +47,9 @@ from scaletrain.bench.techniques import flags_of
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
+from scaletrain.job.base_model import as_finetune
+from scaletrain.job.data_setup import PreparedData, prepare_data
+from scaletrain.job.trainer import Trainer
 from scaletrain.models import LADDER_PRESET
 from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
 from scaletrain.plan.predict import predict
@@ -54,10 +57,7 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.runtime.spawn import spawn_local
-from scaletrain.train.base_model import as_finetune
-from scaletrain.train.data_setup import PreparedData, prepare_data
 from scaletrain.train.step_memory import POINTS, total
-from scaletrain.train.trainer import Trainer
 
 SINGLE = ("full", "smaller-batch", "accumulation", "bf16-mixed", "pure-bf16", "pure-bf16-sr", "sgd", "adamw8bit",
           "recompute", "offload", "lora", "qlora")

@@ -41,8 +41,8 @@ from scaletrain.bench import machine
 from scaletrain.config import Config, ModelConfig
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, read_hf_model
+from scaletrain.job.export_hf import byte_tokenizer
 from scaletrain.models import CLASSIFIER, family_config, spec_for
-from scaletrain.train.export_hf import byte_tokenizer
 
 SHARD_BYTES = 10**9
 LAYOUT_FLAGS = ("tp", "pp", "zero", "dp")

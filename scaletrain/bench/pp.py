@@ -129,6 +129,7 @@ from scaletrain.bench import (
 )
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import PreparedData
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import tied_parameters
 from scaletrain.optim import build_optimizer, decay_groups
@@ -143,7 +144,6 @@ from scaletrain.parallel.pipeline.partition import (
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group, Mesh
-from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain PipelineParallel", "torch.distributed.pipelining"

@@ -28,11 +28,11 @@ from pathlib import Path
 from scaletrain.bench import machine, median
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import prepare_data
+from scaletrain.job.trainer import Trainer
 from scaletrain.runtime.comm import Comm, Ledger
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh, ParallelDims
-from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.trainer import Trainer
 
 # name -> the configuration fields that switch the technique on
 TECHNIQUES: dict[str, dict] = {

@@ -4,7 +4,7 @@ Three contenders train the same model (family, size and initial weights) on the 
 with the same optimizer settings and learning-rate schedule, each in a process of its own, so
 that compilation, the allocator and CUDA's peak memory are each one's alone:
 
-    scaletrain     the command's trainer (train/trainer.py) with every default of the run
+    scaletrain     the command's trainer (job/trainer.py) with every default of the run
     plain          a plain PyTorch loop over our own model: its SDPA attention, autocast at
                    --precision, torch.compile of the whole model with --compile, and
                    torch.optim.AdamW (fused on CUDA, foreach on the CPU): our overhead's floor
@@ -44,16 +44,17 @@ from torch import nn
 from scaletrain.bench import machine, median
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import PreparedData, open_data, prepare_data
+from scaletrain.job.export_hf import hf_tensors
+from scaletrain.job.metrics import mfu, peak_tflops
+from scaletrain.job.trainer import Trainer, build_run_model, first_sample
 from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.optim import decay_groups, lr_at
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh, ParallelDims
 from scaletrain.techniques.precision import autocast
-from scaletrain.train.data_setup import PreparedData, open_data, prepare_data
-from scaletrain.train.export_hf import hf_tensors
-from scaletrain.train.metrics import mfu, peak_resident_bytes, peak_tflops
-from scaletrain.train.trainer import Trainer, build_run_model, first_sample
+from scaletrain.train.memory import peak_resident_bytes
 
 CONTENDERS = ("scaletrain", "plain", "transformers")
 OURS, PLAIN, HF = CONTENDERS

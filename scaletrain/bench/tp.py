@@ -102,6 +102,7 @@ from scaletrain.bench import (
 )
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.job.data_setup import PreparedData
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import (
     Column,
@@ -115,7 +116,6 @@ from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.tensor import parallelize
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
-from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 
 OURS, PEER = "scaletrain tensor parallel", "torch DTensor TP (parallelize_module)"

@@ -77,13 +77,13 @@ from scaletrain.bench import (
     step_batches,
 )
 from scaletrain.config import Config
+from scaletrain.job.data_setup import PreparedData
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
 from scaletrain.parallel.data import replicate
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
-from scaletrain.train.data_setup import PreparedData
 from scaletrain.train.layout import loss_fn
 from scaletrain.train.memory import bytes_by_entry, optimizer_state
 

@@ -1,12 +1,12 @@
-"""``scaletrain export``: a checkpoint of any layout as one safetensors file (train/export.py) or a
-Hugging Face folder (train/export_hf.py)."""
+"""``scaletrain export``: a checkpoint of any layout as one safetensors file (job/export.py) or a
+Hugging Face folder (job/export_hf.py)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from scaletrain.train.export import DTYPES
+from scaletrain.job.export import DTYPES
 
 
 def add_parser(commands) -> None:
@@ -34,9 +34,9 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        from scaletrain.train.export_hf import export_hf as export
+        from scaletrain.job.export_hf import export_hf as export
     else:
-        from scaletrain.train.export import export
+        from scaletrain.job.export import export
 
     print(export(Path(args.source), Path(args.target), args.dtype, args.force).describe())
     return 0

@@ -6,7 +6,7 @@ complete checkpoint) or one of its ``checkpoints/step_NNNNNN`` folders. A
 checkpoint holds weights only, so the model is rebuilt from the run's
 ``config.toml`` (a fine-tuned folder's architecture, positions and
 vocabulary included) and the text goes through the run's tokenizer: the
-``tokenizer.json`` training saved in the run folder (train/data_setup.py;
+``tokenizer.json`` training saved in the run folder (job/data_setup.py;
 for runs older than that file, bytes or the BPE training cached beside the
 run folders, found by its corpus's fingerprint).
 
@@ -36,11 +36,11 @@ from scaletrain.data.chat import BUILTIN_TEMPLATE, END_OF_TURN, ChatTemplate
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.finetune.sliced import load_hf_model
+from scaletrain.job.data_setup import AnyTokenizer, run_tokenizer
+from scaletrain.job.export import find_checkpoint, without_adapters
 from scaletrain.models import CLASSIFIER, build_model
 from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
-from scaletrain.train.data_setup import AnyTokenizer, run_tokenizer
-from scaletrain.train.export import find_checkpoint, without_adapters
 
 
 def add_parser(commands) -> None:

@@ -47,13 +47,13 @@ from scaletrain.commands.train import execute, prepare_run, world_size_for
 from scaletrain.config import Config, add_config_flags, resolve
 from scaletrain.config_checks import check_here, resolve_layout
 from scaletrain.errors import UserError
+from scaletrain.job.base_model import as_finetune
+from scaletrain.job.metrics import read_metrics
 from scaletrain.models import TINY_PRESET
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.runtime.launch import detect_environment
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.base_model import as_finetune
-from scaletrain.train.metrics import read_metrics
 
 
 @dataclass

@@ -116,7 +116,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     if args.gpu == "cpu":
         import torch
 
-        from scaletrain.train.metrics import measure_peak_tflops
+        from scaletrain.job.metrics import measure_peak_tflops
 
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         device = cpu_device(measure_peak_tflops(torch.device("cpu")), host // per_node)

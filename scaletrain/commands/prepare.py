@@ -48,7 +48,7 @@ def add_parser(commands) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     from scaletrain.data.prepare import prepare
-    from scaletrain.train.data_setup import tokenizer_from
+    from scaletrain.job.data_setup import tokenizer_from
 
     sources = parse_sources(args.data)
     if any(source.weight != 1.0 for source in sources):

@@ -94,9 +94,9 @@ from scaletrain.bench import machine
 from scaletrain.commands.train import launch
 from scaletrain.config import Config
 from scaletrain.errors import UserError
+from scaletrain.job.metrics import read_metrics
 from scaletrain.models import TINY_PRESET
 from scaletrain.train.checkpoint import complete_checkpoints
-from scaletrain.train.metrics import read_metrics
 
 WARMUP_SHARE = 0.2
 FLAT_SLOPE_BYTES = 2**20  # per 1000 steps

@@ -45,8 +45,8 @@ from scaletrain.config import (
 )
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
-from scaletrain.train.trackers import end_mlflow_run, open_experiment
-from scaletrain.train.trackers import names as tracker_names
+from scaletrain.job.trackers import end_mlflow_run, open_experiment
+from scaletrain.job.trackers import names as tracker_names
 
 METRICS = ("loss", "val_loss")
 REDUCTION = 2  # ASHA keeps the best 1/REDUCTION of the trials at each rung
@@ -161,12 +161,12 @@ def run_sweep(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    from scaletrain.job.data_setup import prepare_data
     from scaletrain.runtime.ray_launch import (
         check_placement,
         forwarded_variables,
         ray_cluster,
     )
-    from scaletrain.train.data_setup import prepare_data
 
     space = search_space(args)
     out = Path(cfg.run.out or Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}").resolve()

@@ -23,7 +23,12 @@ from scaletrain.config import AUTO, Config, add_config_flags, load_run_config, r
 from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.finetune.adapters import add_adapters
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
+from scaletrain.job.base_model import as_finetune
+from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_tokenizer
+from scaletrain.job.loop import RunSummary, fit
+from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
 from scaletrain.plan.fit import (
@@ -57,13 +62,9 @@ from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
 from scaletrain.runtime.spawn import WorkerKilled, spawn_local
 from scaletrain.techniques.compile import COMPILE_NOTE
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.base_model import add_adapters, as_finetune
-from scaletrain.train.data_setup import PreparedData, prepare_data, save_run_tokenizer
-from scaletrain.train.loop import RunSummary, fit
 from scaletrain.train.manifest import verify_checkpoint
 from scaletrain.train.memory import format_table as format_memory_table
 from scaletrain.train.step_memory import format_points
-from scaletrain.train.trainer import Trainer
 
 
 def add_parser(commands) -> None:

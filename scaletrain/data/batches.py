@@ -35,7 +35,7 @@ class _Batches:
     """Ordering over `n` items; subclasses gather the items themselves."""
 
     # Whether every target counts in the loss (none is IGNORE_INDEX): the trainer then knows
-    # the number of trained tokens without counting them (train/trainer.py).
+    # the number of trained tokens without counting them (job/trainer.py).
     every_target_trained = True
 
     def __init__(self, n: int, seed: int, shuffle: bool):

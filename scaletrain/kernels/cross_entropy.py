@@ -7,7 +7,7 @@ The mean cross-entropy of logits z [N, V] against targets t [N] is
 
 where a row whose target is negative (IGNORE_INDEX: a prompt token, padding)
 adds nothing, to the sum or the gradient, and still counts in N: the trainer
-rescales by the positions over the trained tokens (train/trainer.py).
+rescales by the positions over the trained tokens (job/trainer.py).
 
 A Triton program per row makes one read of the row for its maximum and sum of
 exponentials together (online softmax, Milakov & Gimelshein 2018; the helper

@@ -15,7 +15,7 @@ Figures are the vendors' datasheets, per device, dense (no sparsity):
     H200       989         495   141 GB  4.8 TB/s   450 GB/s    50 GB/s (400 Gb/s)
 
 (* tf32 tensor cores, as torch uses them for fp32 matmuls when allowed; the
-MFU peaks of train/metrics.py.) Latencies: about 5 us within a node, 10 us
+MFU peaks of job/metrics.py.) Latencies: about 5 us within a node, 10 us
 across. ``cpu`` is the machine the command runs on: its peak is measured
 (a large fp32 matmul, as ``--peak-tflops measure`` does) and its "links" are
 gloo over loopback TCP, whose figures were measured on this project's

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import FinetuneConfig, ModelConfig
+from scaletrain.finetune.adapters import add_adapters
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelShape, ModelSpec, TensorPlan
 from scaletrain.parallel.experts import parallelize_experts
@@ -42,7 +43,6 @@ from scaletrain.parallel.pipeline.partition import (
 from scaletrain.parallel.tensor import parallelize
 from scaletrain.parallel.zero import layer_modules
 from scaletrain.runtime.mesh import Group
-from scaletrain.train.base_model import add_adapters
 
 
 @dataclass(frozen=True)

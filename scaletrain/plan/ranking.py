@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import Config
+from scaletrain.job.data_setup import prepare_data
+from scaletrain.job.metrics import measure_peak_tflops
 from scaletrain.models import DEFAULT_PRESET
 from scaletrain.plan.hardware import Cluster, cpu_device
 from scaletrain.plan.predict import predict
-from scaletrain.train.data_setup import prepare_data
-from scaletrain.train.metrics import measure_peak_tflops
 
 # The default preset, 128 positions, 16 sequences per step on two ranks.
 BASE = {"model": DEFAULT_PRESET, "seq-len": "128", "eval-every": "0", "eval-batches": "1", "sample-tokens": "0"}

@@ -1,6 +1,6 @@
 """Seconds per optimizer step: compute, recomputation, exposed communication, pipeline bubble.
 
-Compute. The step's FLOPs are the trainer's MFU numerator (train/metrics.py,
+Compute. The step's FLOPs are the trainer's MFU numerator (job/metrics.py,
 the model's ``flops_per_token``: ``6N + 12*L*a*d*s`` per token, N the linear
 layers' weights, grouped-query attention's narrower k and v as they are,
 experts at top_k/E; models/spec.py) times the global batch's tokens, spread evenly over the

@@ -53,7 +53,7 @@ cover part of a storage (q, k and v, slices of one qkv product) are
 compressed each on its own, which together is the storage once.
 
 How it is applied: ``torch.autograd.graph.saved_tensors_hooks`` around the
-forward (train/trainer.py enters it with autocast, for every micro-batch and
+forward (job/trainer.py enters it with autocast, for every micro-batch and
 pipeline stage). Hooks entered before it (the memory meter's,
 train/memory.py) are composed, not shadowed: what this module keeps, it
 hands on to them, so the meter counts the int8 blocks and their scales,

@@ -14,7 +14,7 @@ close it.
 
 The step (train/stepper.py) runs over a layout and never builds one; a
 layout never runs a step, nor builds a model: the command builds its models
-from the seed (train/trainer.py: `build_run_model`), a user brings theirs (library.py). Nothing
+from the seed (job/trainer.py: `build_run_model`), a user brings theirs (library.py). Nothing
 here names a model: it reads the plan, so every layout of the same model
 starts from the same weights, which is what makes parity checkable.
 """
@@ -49,8 +49,7 @@ from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.compile import compile_blocks
 from scaletrain.techniques.precision import compute_dtype
 from scaletrain.techniques.recompute import apply_recompute
-from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state
-from scaletrain.train.metrics import peak_resident_bytes
+from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state, peak_resident_bytes
 from scaletrain.train.replicas import Replicas
 from scaletrain.train.stepped import MasterCopies, ModelWeights, Stepped, ZeroShards
 
@@ -58,7 +57,7 @@ from scaletrain.train.stepped import MasterCopies, ModelWeights, Stepped, ZeroSh
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The cross-entropy summed over the trained positions (token or sample; a target of
     IGNORE_INDEX is left out) and divided by the number of positions, trained or not: the
-    trainer turns it into the mean over the global batch's trained tokens (train/trainer.py)."""
+    trainer turns it into the mean over the global batch's trained tokens (job/trainer.py)."""
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum") / targets.numel()
 

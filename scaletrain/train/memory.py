@@ -77,6 +77,7 @@ are left out on purpose; ``cuda_peak`` includes them.
 
 from __future__ import annotations
 
+import resource
 import weakref
 from collections.abc import Iterable
 from typing import Any, Self
@@ -153,6 +154,11 @@ def model_bytes(model: nn.Module, optimizer: Any = None, masters: MasterWeights 
                   *held.get("grads", ())],
         "optimizer": [*master_params, *optimizer_state(optimizer)],
     })
+
+
+def peak_resident_bytes() -> int:
+    """The largest resident set size this process has had (getrusage; Linux counts KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_ledger(ledger: dict, meter: ActivationMeter | None = None, host_peak: int | None = None) -> dict:

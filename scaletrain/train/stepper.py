@@ -1,6 +1,6 @@
 """The engine: one optimizer step of any model under any layout, for the command and the library.
 
-``scaletrain train`` (train/trainer.py: its models, its data, its loss) and a
+``scaletrain train`` (job/trainer.py: its models, its data, its loss) and a
 user's own script (library.py: their model, their loop) run the same
 `Stepper`: `Stepper.step` is the whole step in reading order, given the
 micro-batches and a loss function (the library's own loop, ``backward()``
@@ -23,7 +23,7 @@ over dp and cp (the ep ranks hold different experts):
         loss = the micro-batch's loss / divisor
                                            (the divisor makes the sum over micro-batches and ranks
                                             the mean over the global batch: grad_accum for a mean
-                                            loss, train/trainer.py's count for masked tokens; with
+                                            loss, job/trainer.py's count for masked tokens; with
                                             experts: plus their auxiliary loss)
         loss.backward()                    (gradients add up across micro-batches; on the last
                                             one, gradient buckets start their all-reduce as

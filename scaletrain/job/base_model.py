@@ -27,6 +27,7 @@ from torch import nn
 
 from scaletrain.config import Config, FinetuneConfig, load_run_config
 from scaletrain.errors import UserError
+from scaletrain.finetune.adapters import add_adapters
 from scaletrain.finetune.hf import (
     folder_tensors,
     is_hf_folder,
@@ -34,12 +35,11 @@ from scaletrain.finetune.hf import (
     read_hf_model,
     read_hf_weights,
 )
-from scaletrain.finetune.lora import apply_lora
+from scaletrain.job.export import find_checkpoint, without_adapters
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelSpec
 from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import read_model_tensors
-from scaletrain.train.export import find_checkpoint, without_adapters
 
 # What a fine-tune inherits from its base run: the model's shape and how text becomes tokens.
 INHERITED = ("name", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta", "rope_scaling",
@@ -130,15 +130,3 @@ def start_from_base(model: nn.Module, finetune: FinetuneConfig, family: ModelSpe
         tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
     model.load_state_dict(tensors)
     add_adapters(model, finetune, family)
-
-
-def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
-    """With ``--lora-rank``: freeze ``model`` (in 4 bits with ``--quantize nf4``) and put the adapters
-    beside its target layers; the model a fine-tune trains and checkpoints."""
-    if not finetune.lora_rank:
-        return
-    targets = family.lora_layers(finetune.lora_targets.split(","))
-    if finetune.quantize == "nf4":
-        from scaletrain.finetune.nf4 import quantize_linears
-        quantize_linears(model, targets)
-    apply_lora(model, targets, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout)

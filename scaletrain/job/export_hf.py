@@ -41,10 +41,8 @@ from scaletrain.data.chat import ChatTemplate
 from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder
-from scaletrain.models import CLASSIFIER, spec_for
-from scaletrain.paths import writable_dir
-from scaletrain.train.data_setup import run_tokenizer
-from scaletrain.train.export import (
+from scaletrain.job.data_setup import run_tokenizer
+from scaletrain.job.export import (
     DTYPES,
     Exported,
     _prepared,
@@ -52,6 +50,8 @@ from scaletrain.train.export import (
     find_checkpoint,
     without_adapters,
 )
+from scaletrain.models import CLASSIFIER, spec_for
+from scaletrain.paths import writable_dir
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

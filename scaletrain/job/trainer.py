@@ -28,6 +28,9 @@ from torch import nn
 from scaletrain.config import Config
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.finetune.sliced import FolderSource, folder_source
+from scaletrain.job.base_model import start_from_base
+from scaletrain.job.data_setup import PreparedData, open_data
+from scaletrain.job.metrics import peak_tflops
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import ModelPlan
 from scaletrain.runtime.comm import Comm
@@ -35,13 +38,10 @@ from scaletrain.runtime.launch import DistRuntime
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.base_model import start_from_base
-from scaletrain.train.data_setup import PreparedData, open_data
-from scaletrain.train.stepper import Stepper
 from scaletrain.train.layout import Layout
-from scaletrain.train.metrics import peak_tflops
 from scaletrain.train.sampling import generate, line_prompt
 from scaletrain.train.step_window import PendingStep, StepWindow, default_log_every
+from scaletrain.train.stepper import Stepper
 
 
 def first_sample(step: int, micro: int, grad_accum: int, dp_size: int, dp_rank: int, micro_batch: int) -> int:
@@ -94,7 +94,7 @@ class Trainer:
         self.device = runtime.device
         self.log_every = cfg.run.log_every or default_log_every(self.device)
         self.step: int | None = None  # the step under way, counted from 1, for failure reports
-        self.where = "before training"  # where the run stands, for failure reports (train/loop.py)
+        self.where = "before training"  # where the run stands, for failure reports (job/loop.py)
         self.data = open_data(spec, cfg)
         t = cfg.train
         built = build_run_model(cfg, spec, self.device, self.data.n_features, self.data.n_classes)

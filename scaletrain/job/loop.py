@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from scaletrain.train.metrics import MetricsWriter, drop_records_after, mfu, step_memory_bytes
+from scaletrain.job.metrics import MetricsWriter, drop_records_after, mfu, step_memory_bytes
+from scaletrain.job.trainer import Trainer
 from scaletrain.train.step_window import StepWindow
-from scaletrain.train.trainer import Trainer
 
 
 @dataclass

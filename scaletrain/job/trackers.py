@@ -3,7 +3,7 @@
 metrics.jsonl is the record of truth, written first, whatever the trackers do. Each tracker
 takes the same records: the resolved configuration once, every step's record (each numeric
 field a metric at that step), and at the end the run folder's files worth keeping. Only the
-main rank tracks (train/loop.py). A tracker that fails, to start or later, is one warning on
+main rank tracks (job/loop.py). A tracker that fails, to start or later, is one warning on
 stderr and then dropped: the run goes on, its metrics.jsonl whole.
 
 TensorBoard (the default) writes events into RUN/tensorboard.
@@ -130,7 +130,7 @@ class MLflow:
     def _log_model(self, checkpoint: Path) -> None:
         """The final checkpoint exported (``scaletrain export``) as the artifact ``model``, and with
         ``--register NAME`` a new version of the registered model NAME made from it."""
-        from scaletrain.train.export import export
+        from scaletrain.job.export import export
 
         with tempfile.TemporaryDirectory() as folder:
             export(checkpoint, Path(folder) / "model.safetensors")

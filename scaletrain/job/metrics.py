@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from scaletrain.config import Config
-from scaletrain.train.trackers import Trackers
+from scaletrain.job.trackers import Trackers
 
 # Dense bf16 and tf32 tensor-core peaks from the vendor datasheets, TFLOP/s.
 GPU_PEAK_TFLOPS = {
@@ -84,11 +84,6 @@ def resident_bytes() -> int:
     return pages * resource.getpagesize()
 
 
-def peak_resident_bytes() -> int:
-    """The largest resident set size this process has had (getrusage; Linux counts KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def step_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
@@ -98,7 +93,7 @@ def step_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object per optimizer step), then the run's trackers (train/trackers.py).
+    """metrics.jsonl (one object per optimizer step), then the run's trackers (job/trackers.py).
 
     Only one rank writes, so the files are the run's, not a rank's.
     """
@@ -114,7 +109,7 @@ class MetricsWriter:
 
     def close(self, outcome: str, final: Path | None = None) -> None:
         """``outcome``: finished, failed or stopped; ``final``: the run's last checkpoint, when it
-        reached its last step (train/trackers.py)."""
+        reached its last step (job/trackers.py)."""
         self._jsonl.close()
         self._trackers.finish(outcome, final)
 

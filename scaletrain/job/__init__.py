@@ -1,0 +1,1 @@
+"""A run of the whole configuration: the command's model, data, steps, metrics, trackers, fine-tune bases and exports."""

@@ -30,7 +30,7 @@ from scaletrain.runtime.ray_launch import RayPlacement
 def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
          auto: bool = False) -> Any:
     """A dataclass field that carries its flag's help text and choices; ``auto``: it also takes
-    the word ``auto``, resolved before training (``--micro-batch auto``: plan/fit.py)."""
+    the word ``auto``, resolved before training (``--micro-batch auto``: planner/fit.py)."""
     meta = {"help": help, "flag": flag, "choices": choices, "auto": auto}
     return field(default=default, metadata=meta)
 
@@ -118,7 +118,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = _opt(300, "optimizer steps")
     micro_batch: int | str = _opt(16, "sequences per rank per micro-batch, or 'auto': the largest power of two "
-                                      "the planner predicts to fit this device's memory (plan/fit.py)", auto=True)
+                                      "the planner predicts to fit this device's memory (planner/fit.py)", auto=True)
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
     lr: float = _opt(1e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (cosine floor)")

@@ -144,7 +144,7 @@ def check_here(cfg: Config, command: str) -> None:
 
 
 def refuse_auto(cfg: Config, command: str) -> None:
-    """``--micro-batch auto`` is chosen where a training run starts (plan/fit.py); what compares
+    """``--micro-batch auto`` is chosen where a training run starts (planner/fit.py); what compares
     or times runs of a set size needs the number."""
     if cfg.train.micro_batch == AUTO:
         raise UserError(f"--micro-batch auto is chosen by a training run (scaletrain train or finetune); {command} "

@@ -63,8 +63,8 @@ from scaletrain.runtime.launch import (
     shutdown,
 )
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.sampling import generate
 from scaletrain.train.layout import Layout
+from scaletrain.train.sampling import generate
 from scaletrain.train.step_window import PendingStep, StepWindow
 from scaletrain.train.stepper import Stepper
 

@@ -15,7 +15,7 @@ from scaletrain.optim.adamw8bit import (
     dynamic_map,
     quantize,
 )
-from scaletrain.plan.memory import optimizer_bytes
+from scaletrain.planner.memory import optimizer_bytes
 from scaletrain.train.memory import optimizer_state, tensor_bytes
 from tests.trainers import losses_of_run
 
@@ -102,8 +102,8 @@ def test_checkpoints_hold_fp32_moments_and_pack_back_exactly():
 
 
 def _final_weights(cfg, out, **changes) -> dict[str, torch.Tensor]:
-    from scaletrain.train import checkpoint as ckpt
     from scaletrain.commands.train import launch
+    from scaletrain.train import checkpoint as ckpt
 
     return ckpt.read_model_tensors(launch(cfg.replace(out=str(out), **changes)).checkpoint)
 

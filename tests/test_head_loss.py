@@ -12,8 +12,8 @@ from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.job.metrics import read_metrics
 from scaletrain.kernels.head_loss import CHUNKED, LOGITS, chunk_bytes, chunked
-from scaletrain.plan.hardware import DEVICES, Cluster
-from scaletrain.plan.predict import predict
+from scaletrain.planner.hardware import DEVICES, Cluster
+from scaletrain.planner.predict import predict
 from tests.trainers import losses_of_run
 
 VOCAB = 50304

@@ -20,8 +20,8 @@ from scaletrain.parallel.hybrid import (
     int8_shard_bytes,
     quantize_int8,
 )
-from scaletrain.plan.hardware import Cluster, cpu_device
-from scaletrain.plan.predict import predict
+from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.predict import predict
 from scaletrain.runtime.mesh import ParallelDims
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer, train_and_save

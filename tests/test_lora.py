@@ -186,8 +186,8 @@ def test_the_planner_predicts_an_adapter_fine_tunes_ledger(base_run, prose, tmp_
     import json
 
     from scaletrain.job.base_model import as_finetune
-    from scaletrain.plan.hardware import Cluster, cpu_device
-    from scaletrain.plan.predict import predict
+    from scaletrain.planner.hardware import Cluster, cpu_device
+    from scaletrain.planner.predict import predict
 
     cfg = _finetune_cfg(base_run, prose, tmp_path, report_memory=True, **changes)
     summary = launch(cfg)

@@ -1,4 +1,4 @@
-"""``--micro-batch auto`` (plan/fit.py): the largest power of two the planner predicts to fit,
+"""``--micro-batch auto`` (planner/fit.py): the largest power of two the planner predicts to fit,
 taken by every rank, reported beside the run's measured peak; refused where it has no meaning."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.errors import UserError
-from scaletrain.plan.fit import LARGEST, device_memory, largest_fitting
-from scaletrain.plan.hardware import Cluster, cpu_device
-from scaletrain.plan.predict import predict
+from scaletrain.planner.fit import LARGEST, device_memory, largest_fitting
+from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.predict import predict
 from tests.conftest import run_cli
 
 VOCAB = 256  # the byte tokenizer's

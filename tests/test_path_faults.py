@@ -217,7 +217,7 @@ PRELOADED = ("re", "shutil", "scaletrain.commands.train", "scaletrain.commands.p
              "scaletrain.bench.allreduce", "scaletrain.bench.dp", "scaletrain.bench.pp",
              "scaletrain.bench.techniques", "scaletrain.bench.tp", "scaletrain.bench.zero",
              "scaletrain.parallel.pipeline.timeline", "scaletrain.job.export", "scaletrain.commands.generate",
-             "scaletrain.plan.report", "scaletrain.plan.predict", "scaletrain.plan.search")
+             "scaletrain.planner.report", "scaletrain.planner.predict", "scaletrain.planner.search")
 CANNOT_DROP = 77  # the child's exit code when it may not become nobody
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from scaletrain.job.data_setup import prepare_data
-from scaletrain.plan.hardware import Cluster, cpu_device
-from scaletrain.plan.predict import predict
+from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.predict import predict
 from tests.distributed import run_distributed
 from tests.trainers import build_trainer
 

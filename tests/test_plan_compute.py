@@ -1,4 +1,4 @@
-"""The planner's clock on a GPU (plan/compute.py): matrix products faster as they grow, the
+"""The planner's clock on a GPU (planner/compute.py): matrix products faster as they grow, the
 measured curve read back at its own points, and whole steps against what one H200 measured
 (docs/performance.md) and what llm-foundry published for MPT on H100s (docs/planner.md)."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from scaletrain.commands.cli import main
 from scaletrain.config import Config
-from scaletrain.plan import activations, compute
-from scaletrain.plan.hardware import Cluster, cpu_device
-from scaletrain.plan.inventory import Planned
+from scaletrain.planner import activations, compute
+from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.inventory import Planned
 
 
 def test_the_curve_reads_back_its_measured_points_and_grows_with_either_side():

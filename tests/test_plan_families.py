@@ -3,7 +3,7 @@
 The layouts of tests/test_plan.py run on llama-tiny (RMSNorm, rotary positions,
 grouped-query attention with 2 key/value heads for 4 query heads, a SwiGLU MLP,
 an untied head): memory within 5% of the ledger, collectives exactly. One
-block's saved activations equal the formula of plan/activations.py byte for
+block's saved activations equal the formula of planner/activations.py byte for
 byte, for several key/value head counts and precisions. And the planner weighs
 Llama 3 8B and 70B from meta-device builds alone: their weights are their
 parameter counts, and ``scaletrain plan`` recommends a layout for each.
@@ -19,10 +19,10 @@ import torch
 from scaletrain.commands.cli import main
 from scaletrain.config import Config, ModelConfig
 from scaletrain.models import spec_for
-from scaletrain.plan import activations
-from scaletrain.plan.hardware import DEVICES, Cluster
-from scaletrain.plan.inventory import Planned, whole_model
-from scaletrain.plan.predict import _flops, predict
+from scaletrain.planner import activations
+from scaletrain.planner.hardware import DEVICES, Cluster
+from scaletrain.planner.inventory import Planned, whole_model
+from scaletrain.planner.predict import _flops, predict
 from scaletrain.train.layout import loss_fn
 from scaletrain.train.memory import ActivationMeter
 from tests.test_plan import CASES, assert_predicted, measure_layouts

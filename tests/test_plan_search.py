@@ -20,10 +20,10 @@ from scaletrain.config import Config
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.models import family_config
-from scaletrain.plan.hardware import DEVICES, Cluster
-from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
-from scaletrain.plan.report import format_table, plot, to_json
-from scaletrain.plan.search import (
+from scaletrain.planner.hardware import DEVICES, Cluster
+from scaletrain.planner.prediction import MEMORY_ROWS, Prediction
+from scaletrain.planner.report import format_table, plot, to_json
+from scaletrain.planner.search import (
     LIGHTER_FITS,
     SMALLER_TOO_BIG,
     layout_text,
@@ -271,10 +271,10 @@ def test_plot_writes_a_png(result, tmp_path):
 # -- command line ----------------------------------------------------------------
 @pytest.fixture
 def planner(monkeypatch):
-    """`scaletrain plan` with the stand-in where plan/predict.py's predict goes."""
-    module = types.ModuleType("scaletrain.plan.predict")
+    """`scaletrain plan` with the stand-in where planner/predict.py's predict goes."""
+    module = types.ModuleType("scaletrain.planner.predict")
     module.predict = stand_in
-    monkeypatch.setitem(sys.modules, "scaletrain.plan.predict", module)
+    monkeypatch.setitem(sys.modules, "scaletrain.planner.predict", module)
 
 
 def test_plan_prints_json_best_first(planner, capsys):

@@ -10,7 +10,7 @@ from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.models import build_model
 from scaletrain.optim import build_optimizer, decay_groups
-from scaletrain.plan.memory import optimizer_bytes
+from scaletrain.planner.memory import optimizer_bytes
 from scaletrain.train.memory import optimizer_state, tensor_bytes
 from tests.trainers import losses_of_run
 

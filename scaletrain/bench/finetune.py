@@ -28,7 +28,7 @@ step, which the memory meter slows), tokens/s and the final loss. A rung the pla
 not to fit this device's memory (a GPU's, or this host's) is reported as "would run out of
 memory", with the prediction, instead of run.
 
-Predicted (``--gpu-memory SIZE``): every rung is the planner's (plan/predict.py) for an H100
+Predicted (``--gpu-memory SIZE``): every rung is the planner's (planner/predict.py) for an H100
 with SIZE of memory, with nothing run: the table of a GPU this machine does not have.
 """
 
@@ -51,8 +51,8 @@ from scaletrain.job.base_model import as_finetune
 from scaletrain.job.data_setup import PreparedData, prepare_data
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import LADDER_PRESET
-from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
-from scaletrain.plan.predict import predict
+from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device
+from scaletrain.planner.predict import predict
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh

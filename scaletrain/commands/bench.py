@@ -14,7 +14,7 @@ from scaletrain.config_checks import check_here
 from scaletrain.errors import UserError
 from scaletrain.models import LADDER_PRESET
 from scaletrain.paths import writable_file
-from scaletrain.plan.hardware import parse_size
+from scaletrain.planner.hardware import parse_size
 
 
 def add_parser(commands) -> None:

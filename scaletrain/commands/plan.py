@@ -1,5 +1,5 @@
 """``scaletrain plan``: every layout of a model on a cluster weighed, the ones that fit ranked by
-predicted tokens/s (plan/, docs/planner.md)."""
+predicted tokens/s (planner/, docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from scaletrain.errors import UserError
 from scaletrain.models import PLANNED_PRESET, PRESETS
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.paths import writable_file
-from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device, parse_size
-from scaletrain.plan.search import RECOMPUTE as PLANNED_RECOMPUTE
+from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device, parse_size
+from scaletrain.planner.search import RECOMPUTE as PLANNED_RECOMPUTE
 
 FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
          "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights")
@@ -85,9 +85,9 @@ def _add_model_and_cluster(plan: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.plan import report
-    from scaletrain.plan.predict import predict
-    from scaletrain.plan.search import derived_global_batch, search
+    from scaletrain.planner import report
+    from scaletrain.planner.predict import predict
+    from scaletrain.planner.search import derived_global_batch, search
 
     for name in POSITIVE:
         value = getattr(args, name)

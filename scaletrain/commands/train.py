@@ -31,7 +31,7 @@ from scaletrain.job.loop import RunSummary, fit
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
-from scaletrain.plan.fit import (
+from scaletrain.planner.fit import (
     chosen_sentence,
     device_memory,
     largest_fitting,
@@ -356,7 +356,7 @@ def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_
 
 def choose_micro_batch(cfg: Config, spec: PreparedData, device: torch.device,
                        env: ProcessEnv) -> tuple[Config, dict | None]:
-    """``--micro-batch auto`` made a number (plan/fit.py), with the memory ledger on so that the
+    """``--micro-batch auto`` made a number (planner/fit.py), with the memory ledger on so that the
     first step measures it, and its predicted bytes by row; any other micro-batch as it is (None)."""
     if cfg.train.micro_batch != AUTO:
         return cfg, None

@@ -9,7 +9,7 @@ and the loss run on ``rows`` rows at a time and only one chunk's logits
 exist: [rows, V] in the matmul's dtype, beside the head's fp32 gradient.
 
 A chunk holds at least 2,048 rows. Fewer lose the head's matmul rate: on the
-H200 (plan/compute.py's sweep) a product of 512 rows over k = n = 8,192 ran at
+H200 (planner/compute.py's sweep) a product of 512 rows over k = n = 8,192 ran at
 652 TFLOP/s against 777 for 2,048 rows, and 256 rows at 543, while the
 weight's gradient, ``grad^T @ h``, sums over the chunk's rows and is thinner
 still. Above that floor the chunk's logits are as large as the hidden states

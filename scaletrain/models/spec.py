@@ -133,7 +133,7 @@ class ModelPlan:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder's sizes as the planner's formulas read them (plan/activations.py, plan/traffic.py)."""
+    """A decoder's sizes as the planner's formulas read them (planner/activations.py, planner/traffic.py)."""
 
     n_layers: int
     d_model: int

@@ -1,4 +1,4 @@
-"""What the planner predicts for one layout (see plan/__init__.py)."""
+"""What the planner predicts for one layout (see planner/__init__.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the trainer's own words.
 
 The prediction is injected (``predict(cfg, world, vocab_size, cluster)``),
 which keeps the search testable with a stand-in and the model of memory and
-time in one place (plan/predict.py).
+time in one place (planner/predict.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from scaletrain.config import Config
 from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
-from scaletrain.plan.hardware import Cluster
-from scaletrain.plan.prediction import Prediction
+from scaletrain.planner.hardware import Cluster
+from scaletrain.planner.prediction import Prediction
 
 MESH = ("dp", "tp", "pp", "cp", "ep")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -348,7 +348,7 @@ def search(base: Config, cluster: Cluster, vocab_size: int, global_batch: int, f
            predict: Predict) -> SearchResult:
     """Weigh every layout of ``base`` on ``cluster``: refuse, predict, rank.
 
-    ``predict(cfg, world, vocab_size, cluster)`` is plan/predict.py's, or a stand-in.
+    ``predict(cfg, world, vocab_size, cluster)`` is planner/predict.py's, or a stand-in.
     """
     world, refusals, skipped = cluster.gpus, _Refusals(cluster.gpus), Counter()
     result = SearchResult(cluster, global_batch)

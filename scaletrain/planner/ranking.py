@@ -1,6 +1,6 @@
 """Does the planner rank layouts as this machine does?
 
-``python -m scaletrain.plan.ranking [--nproc 2] [--steps 8] [--rounds 2]``
+``python -m scaletrain.planner.ranking [--nproc 2] [--steps 8] [--rounds 2]``
 trains each layout below for a few steps (``scaletrain train`` in a fresh
 process, as a user runs it), takes the median step time after the first
 two steps, over ``--rounds`` passes through the list (alternating layouts,
@@ -28,8 +28,8 @@ from scaletrain.config import Config
 from scaletrain.job.data_setup import prepare_data
 from scaletrain.job.metrics import measure_peak_tflops
 from scaletrain.models import DEFAULT_PRESET
-from scaletrain.plan.hardware import Cluster, cpu_device
-from scaletrain.plan.predict import predict
+from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.predict import predict
 
 # The default preset, 128 positions, 16 sequences per step on two ranks.
 BASE = {"model": DEFAULT_PRESET, "seq-len": "128", "eval-every": "0", "eval-batches": "1", "sample-tokens": "0"}
@@ -94,7 +94,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scaletrain.plan.ranking", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scaletrain.planner.ranking", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)

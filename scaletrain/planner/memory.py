@@ -1,7 +1,7 @@
 """Bytes per rank, predicted in the memory ledger's categories (train/memory.py).
 
 ``params``, ``grads``, ``optimizer`` follow from the weights the rank holds
-(plan/inventory.py, ``P`` elements) and how the layout keeps them. With ``w``
+(planner/inventory.py, ``P`` elements) and how the layout keeps them. With ``w``
 the working weights' bytes (2 for ``--param-dtype bf16``, else 4), ``r`` the
 gradient buckets' (``--reduce-dtype``), AdamW:
 
@@ -31,7 +31,7 @@ buffers) counts under ``params`` whole on every rank, its adapters as above.
 ``--offload optimizer`` keeps the masters, their gradients and the
 optimizer state in host memory: ``host``, not part of what the device must fit.
 
-``activations`` is the saved-activation peak of plan/activations.py.
+``activations`` is the saved-activation peak of planner/activations.py.
 
 ``other`` is what the ledger does not count but the device must hold, all
 upper bounds: communication buffers (ZeRO-3's gathered units: the root unit
@@ -56,7 +56,7 @@ from torch import nn
 from scaletrain.config import Config
 from scaletrain.optim.adamw8bit import BLOCK, MIN_8BIT
 from scaletrain.parallel.data import plan_buckets
-from scaletrain.plan.inventory import RankWeights
+from scaletrain.planner.inventory import RankWeights
 from scaletrain.techniques.precision import compute_dtype
 
 ALLOWANCE = 0.10

@@ -29,7 +29,7 @@ a few large ones of the same FLOPs.
 
 Achievable fractions. No training step runs at the datasheet peak. On a GPU
 the share of the peak depends on the sizes of the step's matrix products and
-on its memory-bound work (plan/compute.py); on a CPU the planner multiplies
+on its memory-bound work (planner/compute.py); on a CPU the planner multiplies
 the measured peak by ``efficiency`` (0.6: its smaller layers run far from
 it). The links' bandwidths are multiplied by 0.8 (bus bandwidth that NCCL's
 all-reduce tests reach of the link's rate).
@@ -54,7 +54,7 @@ class Device:
     memory_bytes: int
     intra_node_gbps: float  # GB/s one direction, per device (NVLink)
     inter_node_gbps: float  # GB/s per device across nodes (network)
-    memory_gbps: float = 0.0  # GB/s of the device's own memory (plan/compute.py; none for the CPU)
+    memory_gbps: float = 0.0  # GB/s of the device's own memory (planner/compute.py; none for the CPU)
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
     efficiency: float = 0.6  # on a CPU: the share of the measured peak a training step reaches

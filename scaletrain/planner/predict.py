@@ -8,13 +8,13 @@ from scaletrain.config import Config
 from scaletrain.kernels import head_loss
 from scaletrain.models.spec import matmul_flops_per_token
 from scaletrain.parallel.pipeline.schedules import Action, compute_orders
-from scaletrain.plan import activations, compute
-from scaletrain.plan.hardware import Cluster
-from scaletrain.plan.inventory import Planned, RankWeights, Split, rank_weights, whole_model
-from scaletrain.plan.memory import ALLOWANCE, weight_memory
-from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
-from scaletrain.plan.step_time import collective_seconds, step_seconds
-from scaletrain.plan.traffic import Groups, step_traffic
+from scaletrain.planner import activations, compute
+from scaletrain.planner.hardware import Cluster
+from scaletrain.planner.inventory import Planned, RankWeights, Split, rank_weights, whole_model
+from scaletrain.planner.memory import ALLOWANCE, weight_memory
+from scaletrain.planner.prediction import MEMORY_ROWS, Prediction
+from scaletrain.planner.step_time import collective_seconds, step_seconds
+from scaletrain.planner.traffic import Groups, step_traffic
 
 
 def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Prediction:

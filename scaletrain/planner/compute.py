@@ -28,7 +28,7 @@ peak (cuDNN's flash kernels forward and backward on an H200 at head size 64:
 
 Memory-bound work. Norms, rotary, activations, residuals, casts and the loss
 move bytes rather than multiply: about ``ELEMENTWISE_PASSES`` times the bytes
-a block saves for backward (plan/activations.py), and the loss's over the
+a block saves for backward (planner/activations.py), and the loss's over the
 logits, per micro-batch; and the optimizer reads and writes its weights and
 state and reads the gradients once a step. Both at ``MEMORY_SHARE`` of the
 memory's datasheet bandwidth (torch's fused AdamW moved 3.28 of the H200's
@@ -50,8 +50,8 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.models.spec import ModelShape
-from scaletrain.plan import activations
-from scaletrain.plan.hardware import Cluster
+from scaletrain.planner import activations
+from scaletrain.planner.hardware import Cluster
 
 # TFLOP/s of bf16 [m, k] @ [k, k] on one H200 (rows: m; columns: k = n), each the median of 20
 # products after 3, launch and synchronization included; against its 989.4 TFLOP/s datasheet peak.
@@ -128,7 +128,7 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
           state_bytes: int, precision: str, cluster: Cluster) -> Clock:
     """The clock of the busiest rank (``blocks`` blocks, the head if ``last``, ``state_bytes``
     of weights, gradients and optimizer state it updates); on a CPU a fixed share of the
-    measured peak for every FLOP and no separate memory term (plan/hardware.py)."""
+    measured peak for every FLOP and no separate memory term (planner/hardware.py)."""
     peak = cluster.device.tflops[precision] * 1e12
     if cluster.device.name == "cpu":
         rate = peak * cluster.device.efficiency

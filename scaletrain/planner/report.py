@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.plan.hardware import Cluster
-from scaletrain.plan.prediction import MEMORY_ROWS, Prediction
-from scaletrain.plan.search import GIB, MIB, SearchResult, layout_text, size_text
+from scaletrain.planner.hardware import Cluster
+from scaletrain.planner.prediction import MEMORY_ROWS, Prediction
+from scaletrain.planner.search import GIB, MIB, SearchResult, layout_text, size_text
 
 SHORT_ROWS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
               "other": "other", "total": "total"}

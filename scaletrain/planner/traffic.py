@@ -68,9 +68,9 @@ from dataclasses import dataclass
 from scaletrain.config import Config
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import int8_shard_bytes
-from scaletrain.plan.activations import Shape
-from scaletrain.plan.inventory import RankWeights
-from scaletrain.plan.memory import dtype_bytes, zero_units
+from scaletrain.planner.activations import Shape
+from scaletrain.planner.inventory import RankWeights
+from scaletrain.planner.memory import dtype_bytes, zero_units
 from scaletrain.runtime.comm import FIELDS, wire_bytes_of
 from scaletrain.runtime.mesh import group_name, hybrid_group_name
 from scaletrain.techniques.precision import compute_dtype

@@ -1,6 +1,6 @@
 """``--micro-batch auto``: the largest micro-batch the planner predicts to fit one device.
 
-The planner's memory model (plan/memory.py, plan/activations.py: the bytes of
+The planner's memory model (planner/memory.py, planner/activations.py: the bytes of
 the busiest rank by category, checked against the trainer's memory ledger)
 is run for the run's own layout at micro-batches 1, 2, 4, ... up to
 ``LARGEST``, and the largest whose predicted total fits the device is taken:
@@ -23,8 +23,8 @@ import torch
 
 from scaletrain.config import Config
 from scaletrain.errors import UserError
-from scaletrain.plan.hardware import DEVICES, Cluster, cpu_device
-from scaletrain.plan.predict import predict
+from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device
+from scaletrain.planner.predict import predict
 
 LARGEST = 1024  # sequences: past this a step is long whatever the device holds
 

@@ -6,17 +6,17 @@ layers' weights, grouped-query attention's narrower k and v as they are,
 experts at top_k/E; models/spec.py) times the global batch's tokens, spread evenly over the
 world (tp splits every matmul, pp the layers, cp the positions, dp and ep the
 sequences), the matrix products' and the attention's each at its rate on the
-busiest rank, plus that rank's memory-bound seconds (plan/compute.py):
+busiest rank, plus that rank's memory-bound seconds (planner/compute.py):
 
     compute = F_matmul / (world * rate_matmul) + F_attention / (world * rate_attention) + memory_s
 
 plus the launch overhead of every block of every micro-batch on the busiest
-rank (plan/hardware.py). Recomputation adds the forward of what it reruns: a recomputed block's
+rank (planner/hardware.py). Recomputation adds the forward of what it reruns: a recomputed block's
 ``2*N_block + 4*a*d*s`` per token (its linear layers' weights, counted as
 ``flops_per_token`` counts them, and its attention), and under ``selective``
 only the attention's ``4*a*d*s``.
 
-Communication. Each collective of the step (plan/traffic.py) costs
+Communication. Each collective of the step (planner/traffic.py) costs
 ``steps * alpha + wire_bytes / beta`` on the slowest link its group spans
 (NVLink inside a node, the network across; which ranks a group holds
 follows the mesh order, tp innermost: runtime/mesh.py). ``steps`` is the ring
@@ -44,9 +44,9 @@ import functools
 
 from scaletrain.config import Config
 from scaletrain.parallel.pipeline.schedules import bubble, build, simulate
-from scaletrain.plan.compute import Clock
-from scaletrain.plan.hardware import Cluster
-from scaletrain.plan.traffic import Groups
+from scaletrain.planner.compute import Clock
+from scaletrain.planner.hardware import Cluster
+from scaletrain.planner.traffic import Groups
 from scaletrain.runtime.mesh import ParallelDims
 
 _MESSAGES = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
@@ -85,7 +85,7 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
                  cluster: Cluster, block_runs: int, clock: Clock) -> dict[str, float]:
     """The step's time by part (module docstring). ``flops``: ``model``, ``recompute`` and
     ``attention`` (the part of ``model`` that is attention's, which ring attention overlaps)
-    FLOPs of the whole step; ``clock``: the busiest rank's rates (plan/compute.py)."""
+    FLOPs of the whole step; ``clock``: the busiest rank's rates (planner/compute.py)."""
     p, t = cfg.parallel, cfg.train
     attention_s = flops["attention"] / (clock.attention_flops_s * world)
     compute = (flops["model"] - flops["attention"]) / (clock.matmul_flops_s * world) + attention_s \

@@ -200,10 +200,11 @@ def profile(size: str, work: Path) -> dict:
                            micro_batch=4 if gpu else 2, precision="bf16" if gpu else "fp32", steps=5, compile=gpu,
                            sample_tokens=0, eval_every=0, progress=False, cache_dir=str(work / "cache"),
                            out=str(work / "profiled-run"))
-    spec = prepare_data(cfg, Path(cfg.data.cache_dir))
+    prepared = prepare_data(cfg, Path(cfg.data.cache_dir))
     runtime = init_distributed(detect_environment(), timeout_s=None)
     try:
-        trainer = Trainer(cfg, spec, runtime, Mesh.build(ParallelDims.infer(1), 0, 1), Comm(), work / "profiled-run")
+        one_rank = Mesh.build(ParallelDims.infer(1), 0, 1)
+        trainer = Trainer(cfg, prepared, runtime, one_rank, Comm(), work / "profiled-run")
         for step in range(2):
             trainer.train_step(step)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -73,8 +73,8 @@ def spawn_race(cfg: Config, warmup: int, worker: Callable[[Config, Any, int], di
                         f"raise --steps or lower --warmup.")
     if detect_environment().world_size > 1:
         raise UserError(f"bench {what} starts its own processes; run it with --nproc N, not under a launcher.")
-    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
-    return spawn_local(n, worker, (cfg.replace(**{"dp": 1, dim: n}), spec, warmup))[0]
+    prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
+    return spawn_local(n, worker, (cfg.replace(**{"dp": 1, dim: n}), prepared, warmup))[0]
 
 
 @dataclass
@@ -89,13 +89,13 @@ class RaceRank:
 
 
 @contextmanager
-def race_rank(cfg: Config, spec: PreparedData, dim: str) -> Iterator[RaceRank]:
+def race_rank(cfg: Config, prepared: PreparedData, dim: str) -> Iterator[RaceRank]:
     """Join the race's process group as one rank along ``dim``; leave it on exit."""
     env = detect_environment()
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)  # also gives each rank its share of cores
     try:
         mesh = Mesh.build(ParallelDims(**{dim: env.world_size}), env.rank, env.world_size)
-        yield RaceRank(mesh, Comm(), runtime.device, open_data(spec, cfg))
+        yield RaceRank(mesh, Comm(), runtime.device, open_data(prepared, cfg))
     finally:
         shutdown(runtime)
 

@@ -66,12 +66,12 @@ def run(cfg: Config, warmup: int) -> dict:
     return spawn_race(cfg, warmup, _worker, "dp", "data parallelism")
 
 
-def _contenders(cfg: Config, spec: PreparedData, data, comm: Comm, mesh: Mesh) -> list[Contender]:
+def _contenders(cfg: Config, prepared: PreparedData, data, comm: Comm, mesh: Mesh) -> list[Contender]:
     dp_group = mesh.group("dp")
     contenders = []
     for name in (OURS, PEER, PEER_DEFAULT):
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+        model = build_model(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=data.n_features, n_classes=data.n_classes)
         if name == OURS:
             replicate([*model.parameters(), *model.buffers()], comm, dp_group)
@@ -105,10 +105,10 @@ def _step(c: Contender, batches: Batches, cfg: Config) -> float:
     return loss_sum
 
 
-def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
-    with race_rank(cfg, spec, "dp") as rank:
+def _worker(cfg: Config, prepared: PreparedData, warmup: int) -> dict:
+    with race_rank(cfg, prepared, "dp") as rank:
         comm, data, dp = rank.comm, rank.data, rank.mesh.group("dp")
-        contenders = _contenders(cfg, spec, data, comm, rank.mesh)
+        contenders = _contenders(cfg, prepared, data, comm, rank.mesh)
         race(contenders, cfg.train.steps, lambda step: step_batches(data, cfg.train, dp, step),
              lambda c, batches, _: _step(c, batches, cfg), comm, dp)
         medians = slowest_rank_medians(contenders, warmup, comm, dp)

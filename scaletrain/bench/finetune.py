@@ -189,7 +189,7 @@ def _this_machine(world: int) -> tuple[Cluster, str]:
 def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) -> tuple[dict, str]:
     """Every rung run here, those predicted not to fit reported instead."""
     first = next(iter(configs.values()))
-    spec = prepare_data(first, cache_dir=Path(first.data.cache_dir))
+    prepared = prepare_data(first, cache_dir=Path(first.data.cache_dir))
     rows: dict[str, dict] = {}
     device_name = ""
     with tempfile.TemporaryDirectory(prefix="scaletrain-finetune-") as tmp:
@@ -199,32 +199,32 @@ def _measure(configs: dict[str, Config], rungs: dict[str, dict], warmup: int) ->
             row = {"flags": rung_flags(rungs[name]), "ranks": cfg.parallel.nproc}
             world = cfg.parallel.nproc
             cluster, device_name = _this_machine(world)
-            prediction = _prediction(cfg, spec.vocab_size, cluster)
+            prediction = _prediction(cfg, prepared.vocab_size, cluster)
             row["predicted"] = prediction
             rows[name] = row
             if not prediction["fits"]:
                 row["would_run_out_of_memory"] = True
                 continue
             if cfg.finetune.lora_rank and not cfg.finetune.base:  # --from, or the preset's initial weights
-                base_run = base_run or _write_base(cfg.replace(lora_rank=0, quantize="none"), spec, folder)
+                base_run = base_run or _write_base(cfg.replace(lora_rank=0, quantize="none"), prepared, folder)
                 cfg = cfg.replace(base=str(base_run))
             cfg = as_finetune(cfg)
             # Each rung in processes of its own: its allocator's figures, and the memory it leaves, are its own.
-            ranks = spawn_local(world, _rung_worker, (cfg.replace(out=str(folder / name)), spec, warmup))
+            ranks = spawn_local(world, _rung_worker, (cfg.replace(out=str(folder / name)), prepared, warmup))
             row["measured"] = _merged(ranks)
     return rows, device_name
 
 
-def _write_base(cfg: Config, spec: PreparedData, folder: Path) -> Path:
+def _write_base(cfg: Config, prepared: PreparedData, folder: Path) -> Path:
     """The adapter rungs' base: the preset's initial weights, saved as a run folder (by a process of its own)."""
     run_dir = folder / "base"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    spawn_local(1, _rung_worker, (cfg.replace(out=str(run_dir)), spec, None))
+    spawn_local(1, _rung_worker, (cfg.replace(out=str(run_dir)), prepared, None))
     return run_dir
 
 
-def _rung_worker(cfg: Config, spec: PreparedData, warmup: int | None) -> dict | None:
+def _rung_worker(cfg: Config, prepared: PreparedData, warmup: int | None) -> dict | None:
     """One rank of a rung: its steps measured (`_train`); with ``warmup`` None, the model's
     initial weights saved as the run's step 0 instead."""
     env = detect_environment()
@@ -232,16 +232,16 @@ def _rung_worker(cfg: Config, spec: PreparedData, warmup: int | None) -> dict | 
     try:
         mesh = Mesh.build(cfg.parallel.mesh_dims(env.world_size), env.rank, env.world_size)
         if warmup is None:
-            Trainer(cfg, spec, runtime, mesh, Comm(), Path(cfg.run.out)).save(0)
+            Trainer(cfg, prepared, runtime, mesh, Comm(), Path(cfg.run.out)).save(0)
             return None
-        return _train(cfg, spec, runtime, mesh, warmup)
+        return _train(cfg, prepared, runtime, mesh, warmup)
     finally:
         shutdown(runtime)
 
 
-def _train(cfg: Config, spec: PreparedData, runtime, mesh: Mesh, warmup: int) -> dict:
+def _train(cfg: Config, prepared: PreparedData, runtime, mesh: Mesh, warmup: int) -> dict:
     """One rung's steps on this rank: its four points, peak, step times and losses."""
-    trainer = Trainer(cfg, spec, runtime, mesh, Comm(), Path(cfg.run.out))
+    trainer = Trainer(cfg, prepared, runtime, mesh, Comm(), Path(cfg.run.out))
     cuda = runtime.device.type == "cuda"
     times, losses = [], []
     for step in range(cfg.train.steps):

@@ -318,8 +318,8 @@ def _peer(model: nn.Module, schedule: str, pp: Group, cfg: Config, ranges: list[
     return Contender(f"{PEER} ({schedule})", PEER, schedule, module, optimizer, round_, sum_tied, clip)
 
 
-def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
-    with race_rank(cfg, spec, "pp") as rank:
+def _worker(cfg: Config, prepared: PreparedData, warmup: int) -> dict:
+    with race_rank(cfg, prepared, "pp") as rank:
         mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
         pp, dp = mesh.group("pp"), mesh.group("dp")
         micro, _ = cfg.parallel.pipeline_sizes()
@@ -331,7 +331,7 @@ def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
 
         def fresh_model() -> nn.Module:
             torch.manual_seed(cfg.train.seed)  # the same initial weights for all
-            return build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len).to(device)
+            return build_model(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len).to(device)
 
         ranges = balance(parameter_costs(fresh_model(), spec_for(cfg.model.name).stages), pp.size)
         sample = batches_at(0)[0][0]

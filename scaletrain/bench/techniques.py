@@ -98,13 +98,13 @@ def run(cfg: Config, names: list[str], warmup: int) -> dict:
     env = detect_environment()
     if env.world_size > 1 or cfg.parallel.nproc > 1:
         raise UserError("bench techniques runs in one process; launch it without --nproc or torchrun.")
-    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
+    prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout)
     try:
         mesh = Mesh.build(ParallelDims.infer(1), env.rank, 1)
         comm = Comm(Ledger())
         # train_step and evaluate write nothing, so no run folder is made.
-        variants = [Variant(name, Trainer(cfg.replace(**TECHNIQUES[name]), spec, runtime, mesh, comm,
+        variants = [Variant(name, Trainer(cfg.replace(**TECHNIQUES[name]), prepared, runtime, mesh, comm,
                                           run_dir=Path(cfg.data.cache_dir)))
                     for name in names]
         for step in range(cfg.train.steps):

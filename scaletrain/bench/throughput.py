@@ -78,11 +78,11 @@ def run(cfg: Config, warmup: int) -> dict:
     """Each contender in a process of its own, one after another; the bench JSON of all three."""
     check(cfg, warmup)
     cfg = cfg.replace(nproc=1, sample_tokens=0, eval_every=0, progress=False, checkpoint_every=0)
-    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
+    prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
     rows = {}
     for name in CONTENDERS:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-            rows[name] = process.submit(measure, name, cfg, spec, warmup).result()
+            rows[name] = process.submit(measure, name, cfg, prepared, warmup).result()
     return report(cfg, warmup, rows)
 
 
@@ -107,7 +107,7 @@ def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
 # -- one contender, in its own process ---------------------------------------------------------------
 
 
-def measure(name: str, cfg: Config, spec: PreparedData, warmup: int) -> dict:
+def measure(name: str, cfg: Config, prepared: PreparedData, warmup: int) -> dict:
     """``name``'s steps timed: its row of the report (``skipped``: why it could not run)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = cfg.train
@@ -116,20 +116,21 @@ def measure(name: str, cfg: Config, spec: PreparedData, warmup: int) -> dict:
         if name == OURS:
             runtime = init_distributed(detect_environment(), timeout_s=cfg.parallel.timeout)
             try:
-                trainer = Trainer(cfg, spec, runtime, Mesh.build(ParallelDims.infer(1), 0, 1), Comm(), Path(run_dir))
+                one_rank = Mesh.build(ParallelDims.infer(1), 0, 1)
+                trainer = Trainer(cfg, prepared, runtime, one_rank, Comm(), Path(run_dir))
                 steps = _timed(lambda step: trainer.train_step(step)["loss"], t.steps, device)
                 flops = trainer.flops_per_token
             finally:
                 shutdown(runtime)
         else:
-            built = build_run_model(cfg, spec, device)
+            built = build_run_model(cfg, prepared, device)
             model, flops = built.model, built.flops_per_token
             if name == HF:
                 try:
                     model = transformers_twin(model, cfg)
                 except ImportError as missing:
                     return {"name": name, "skipped": f"transformers does not import here ({missing})"}
-            steps = _timed(_plain_loop(model, cfg, spec, device), t.steps, device)
+            steps = _timed(_plain_loop(model, cfg, prepared, device), t.steps, device)
     times, losses = zip(*steps)
     step_s = median(list(times[warmup:]))
     peak = peak_tflops(t.peak_tflops, device, t.precision)
@@ -178,11 +179,11 @@ class _Logits(nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
-def _plain_loop(model: nn.Module, cfg: Config, spec: PreparedData, device: torch.device) -> Callable[[int], float]:
+def _plain_loop(model: nn.Module, cfg: Config, prepared: PreparedData, device: torch.device) -> Callable[[int], float]:
     """One step of a plain PyTorch loop over ``model``: the run's batches, loss, clipping and
     schedule; torch's AdamW, fused on CUDA; the whole model compiled with --compile."""
     t = cfg.train
-    data = open_data(spec, cfg)
+    data = open_data(prepared, cfg)
     optimizer = torch.optim.AdamW(decay_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
                                   **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     forward = torch.compile(model) if t.compile else model

@@ -242,17 +242,17 @@ def _peer(model: nn.Module, plan: TensorPlan, group: Group, device: torch.device
                      lambda: _clip_mixed(kinds, _max_norm(cfg)), loss_parallel)
 
 
-def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
-    with race_rank(cfg, spec, "tp") as rank:
+def _worker(cfg: Config, prepared: PreparedData, warmup: int) -> dict:
+    with race_rank(cfg, prepared, "tp") as rank:
         mesh, comm, device, data = rank.mesh, rank.comm, rank.device, rank.data
         tp, dp = mesh.group("tp"), mesh.group("dp")
 
         def fresh_model() -> nn.Module:
             torch.manual_seed(cfg.train.seed)  # the same initial weights for both
-            return build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len).to(device)
+            return build_model(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len).to(device)
 
         family = spec_for(cfg.model.name)
-        plan = family.tensor_plan(family.configure(cfg.model, spec.vocab_size, cfg.data.seq_len))
+        plan = family.tensor_plan(family.configure(cfg.model, prepared.vocab_size, cfg.data.seq_len))
         contenders = [_ours(fresh_model(), plan, comm, tp, cfg), _peer(fresh_model(), plan, tp, device, cfg)]
 
         def batches_at(step: int) -> Batches:  # dp has one rank: every tp rank reads the whole batch

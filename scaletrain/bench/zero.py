@@ -257,7 +257,7 @@ def run(cfg: Config, warmup: int) -> dict:
     return spawn_race(cfg, warmup, _worker, "zero", "sharded data parallelism")
 
 
-def _contenders(cfg: Config, spec: PreparedData, data, comm: Comm, group: Group,
+def _contenders(cfg: Config, prepared: PreparedData, data, comm: Comm, group: Group,
                 device: torch.device) -> tuple[list[Contender], str | None]:
     """Ours, FSDP2 and, when it imports on every rank, DeepSpeed; and why DeepSpeed is left out, if it is."""
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
@@ -267,7 +267,7 @@ def _contenders(cfg: Config, spec: PreparedData, data, comm: Comm, group: Group,
 
     def fresh_model() -> nn.Module:
         torch.manual_seed(cfg.train.seed)  # the same initial weights for every contender
-        return build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+        return build_model(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len,
                            n_features=data.n_features, n_classes=data.n_classes).to(device)
 
     contenders: list[Contender] = [Ours(fresh_model(), comm, group, cfg, max_norm),
@@ -277,10 +277,10 @@ def _contenders(cfg: Config, spec: PreparedData, data, comm: Comm, group: Group,
     return contenders, skipped
 
 
-def _worker(cfg: Config, spec: PreparedData, warmup: int) -> dict:
-    with race_rank(cfg, spec, "dp") as rank:
+def _worker(cfg: Config, prepared: PreparedData, warmup: int) -> dict:
+    with race_rank(cfg, prepared, "dp") as rank:
         comm, dp, device, data = rank.comm, rank.mesh.group("dp"), rank.device, rank.data
-        contenders, skipped = _contenders(cfg, spec, data, comm, dp, device)
+        contenders, skipped = _contenders(cfg, prepared, data, comm, dp, device)
         cuda = device.type == "cuda"
         last = cfg.train.steps - 1
 

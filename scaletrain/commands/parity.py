@@ -181,8 +181,8 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
         reference_cfg = reference_config(layout_cfg, dims, Path(tmp, "reference"))
         runs = []
         for run_cfg in (reference_cfg, layout_cfg):
-            spec = prepare_run(run_cfg)
-            summary = execute(run_cfg, spec)
+            prepared = prepare_run(run_cfg)
+            summary = execute(run_cfg, prepared)
             records = read_metrics(summary.run_dir / "metrics.jsonl")
             runs.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],
                          ckpt.read_model_tensors(summary.checkpoint)))

@@ -140,7 +140,7 @@ def check_run_folder(cfg: Config) -> None:
         raise UserError(f"--out {out} already holds another run; choose a new folder or add --resume.")
 
 
-def check_resumable(cfg: Config, spec: PreparedData) -> None:
+def check_resumable(cfg: Config, prepared: PreparedData) -> None:
     """Before a resume: the newest checkpoint is whole (its manifest's sizes and
     hashes) and of this model (the shapes in its metadata, the vocabulary's too)."""
     latest = ckpt.latest_checkpoint(Path(cfg.run.out)) if cfg.run.resume else None
@@ -150,7 +150,7 @@ def check_resumable(cfg: Config, spec: PreparedData) -> None:
     # A fine-tune's checkpoint holds its adapters (and NF4 codes, which quantizing computes from
     # the weights' values: on the CPU, as meta tensors have none).
     with torch.device("cpu" if cfg.finetune.quantize == "nf4" else "meta"):
-        model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+        model = build_model(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
         if cfg.finetune.base:
             add_adapters(model, cfg.finetune, spec_for(cfg.model.name))
@@ -192,12 +192,12 @@ def prepare_run(cfg: Config) -> PreparedData:
     check_values(cfg)
     check_run_folder(cfg)
     out = Path(cfg.run.out)
-    spec = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else out.parent / ".cache")
-    check_resumable(cfg, spec)
+    prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else out.parent / ".cache")
+    check_resumable(cfg, prepared)
     out.mkdir(parents=True, exist_ok=True)
-    save_run_tokenizer(spec, out)  # what a fine-tune from this run, or generate, tokenizes with
+    save_run_tokenizer(prepared, out)  # what a fine-tune from this run, or generate, tokenizes with
     (out / "config.toml").write_text(cfg.to_toml())
-    return spec
+    return prepared
 
 
 def launch(cfg: Config) -> RunSummary:
@@ -226,27 +226,27 @@ def launch(cfg: Config) -> RunSummary:
     return execute(cfg, prepare_run(cfg) if cfg.parallel.nproc > 1 else None)
 
 
-def execute(cfg: Config, spec: PreparedData | None) -> RunSummary:
+def execute(cfg: Config, prepared: PreparedData | None) -> RunSummary:
     """Run the worker here, or start ``--nproc`` ones, on this machine or Ray's cluster (the run prepared)."""
     p, out = cfg.parallel, Path(cfg.run.out)
     try:
         if p.launcher == "ray":
-            return launch_ray(p.nproc, run_worker, (cfg, spec), placement=p.ray_placement(),
+            return launch_ray(p.nproc, run_worker, (cfg, prepared), placement=p.ray_placement(),
                               max_restarts=p.max_restarts, name=out.name, storage=out / "ray", timeout_s=p.timeout)
         if p.nproc > 1:
-            return spawn_local(p.nproc, run_worker, (cfg, spec), max_restarts=p.max_restarts)[0]
+            return spawn_local(p.nproc, run_worker, (cfg, prepared), max_restarts=p.max_restarts)[0]
     except WorkerKilled as exc:
         raise JobFailed(f"{exc}; {restart_hint(out)}.") from None
-    return run_worker(cfg, spec)
+    return run_worker(cfg, prepared)
 
 
-def run_worker(cfg: Config, spec: PreparedData | None) -> RunSummary:
+def run_worker(cfg: Config, prepared: PreparedData | None) -> RunSummary:
     """One worker: join the group, (prepare if nobody did), train, report."""
     env = detect_environment()
     debug = cfg.parallel.debug_dist
     # --debug-dist: a log per rank, from the start where the launching process made the run folder.
     rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0) \
-        if debug and spec is not None else None
+        if debug and prepared is not None else None
     try:
         runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
     except BaseException:
@@ -264,10 +264,10 @@ def run_worker(cfg: Config, spec: PreparedData | None) -> RunSummary:
         world = mesh.group("world")
         if debug:  # every rank started alike, before rank 0 writes anything
             check_same_config(comm, world, cfg.to_dict())
-        cfg, spec, predicted = _agreed_start(cfg, spec, runtime, env, comm, world)
+        cfg, prepared, predicted = _agreed_start(cfg, prepared, runtime, env, comm, world)
         if debug and rank_log is None:
             rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
-        trainer = Trainer(cfg, spec, runtime, mesh, comm, Path(cfg.run.out))
+        trainer = Trainer(cfg, prepared, runtime, mesh, comm, Path(cfg.run.out))
         _announce(trainer, runtime.is_main, debug, comm, world)
         summary = _train_and_report(trainer, cfg, predicted, runtime.is_main, mesh, comm)
         # Every rank done before any leaves, through the tracked door: a rank still waiting in a
@@ -287,7 +287,7 @@ def run_worker(cfg: Config, spec: PreparedData | None) -> RunSummary:
             rank_log.close()
 
 
-def _agreed_start(cfg: Config, spec: PreparedData | None, runtime, env: ProcessEnv, comm: Comm,
+def _agreed_start(cfg: Config, prepared: PreparedData | None, runtime, env: ProcessEnv, comm: Comm,
                   world) -> tuple[Config, PreparedData, dict | None]:
     """What rank 0 decides and every rank learns: the run's settings after a restart, its data
     (prepared here if no launching process did), and ``--micro-batch auto``'s choice with its
@@ -296,9 +296,9 @@ def _agreed_start(cfg: Config, spec: PreparedData | None, runtime, env: ProcessE
     if runtime.is_main:
         try:
             cfg = continue_after_restart(cfg)
-            spec = prepare_run(cfg) if spec is None else spec
-            cfg, predicted = choose_micro_batch(cfg, spec, runtime.device, env)
-            outcome = (cfg, spec, predicted)
+            prepared = prepare_run(cfg) if prepared is None else prepared
+            cfg, predicted = choose_micro_batch(cfg, prepared, runtime.device, env)
+            outcome = (cfg, prepared, predicted)
         except UserError as exc:
             outcome = str(exc)
     outcome = comm.all_gather_object(outcome, world)[0]
@@ -354,14 +354,14 @@ def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_
     return summary
 
 
-def choose_micro_batch(cfg: Config, spec: PreparedData, device: torch.device,
+def choose_micro_batch(cfg: Config, prepared: PreparedData, device: torch.device,
                        env: ProcessEnv) -> tuple[Config, dict | None]:
     """``--micro-batch auto`` made a number (planner/fit.py), with the memory ledger on so that the
     first step measures it, and its predicted bytes by row; any other micro-batch as it is (None)."""
     if cfg.train.micro_batch != AUTO:
         return cfg, None
     memory = device_memory(device, env.local_world_size)
-    micro_batch, predicted = largest_fitting(cfg, env.world_size, spec.vocab_size, memory, device.type == "cuda")
+    micro_batch, predicted = largest_fitting(cfg, env.world_size, prepared.vocab_size, memory, device.type == "cuda")
     print(chosen_sentence(micro_batch, predicted, memory))
     return cfg.replace(micro_batch=micro_batch, report_memory=True), predicted
 

@@ -129,10 +129,10 @@ def run_tokenizer(run_dir: Path) -> AnyTokenizer:
     return load_tokenizer(saved) if saved.is_file() else _legacy_run_tokenizer(load_run_config(run_dir), run_dir)
 
 
-def save_run_tokenizer(spec: PreparedData, run_dir: Path) -> None:
+def save_run_tokenizer(prepared: PreparedData, run_dir: Path) -> None:
     """``RUN/tokenizer.json``: a copy of the tokenizer the run's data was tokenized with."""
-    if spec.tokenizer_path is not None:
-        load_tokenizer(spec.tokenizer_path).save(run_dir / RUN_TOKENIZER)
+    if prepared.tokenizer_path is not None:
+        load_tokenizer(prepared.tokenizer_path).save(run_dir / RUN_TOKENIZER)
 
 
 def tokenizer_from(source: Path) -> AnyTokenizer:
@@ -256,50 +256,50 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
     if cfg.model.n_vocab is not None and cfg.model.n_vocab < tokenizer.vocab_size:
         raise UserError(f"--n-vocab {cfg.model.n_vocab} is below the {tokenizer.vocab_size} tokens of the "
                         f"tokenizer; give at least {tokenizer.vocab_size}, or leave --n-vocab out.")
-    prepared = [path if is_prepared(path) else
-                cached_folder(path, tokenizer, d.sft, d.text_field, cache_dir, d.workers, cfg.run.progress)
-                for path in paths]
-    opened = [check_prepared(folder, tokenizer, d.sft) for folder in prepared]
+    source_folders = [path if is_prepared(path) else
+                      cached_folder(path, tokenizer, d.sft, d.text_field, cache_dir, d.workers, cfg.run.progress)
+                      for path in paths]  # every source's prepared folder, then --val-data's
+    opened = [check_prepared(folder, tokenizer, d.sft) for folder in source_folders]
     tokenizer_path = cache_dir / f"tokenizer-{tokenizer_identity(tokenizer)[:16]}.json"
     if not tokenizer_path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(tokenizer_path)
-    spec = PreparedData(kind="text", tokenizer_path=str(tokenizer_path), vocab_size=tokenizer.vocab_size,
-                    n_tokens=sum(len(p.tokens) for p in opened[:len(sources)]),
-                    prepared=tuple(str(p) for p in prepared[:len(sources)]),
-                    weights=tuple(s.weight for s in sources),
-                    val_prepared=str(prepared[-1]) if d.val_data else None, sft=d.sft,
-                    pack=d.sft if d.pack is None else d.pack)
-    data = open_data(spec, cfg)  # every size and length refusal, before training
+    prepared = PreparedData(kind="text", tokenizer_path=str(tokenizer_path), vocab_size=tokenizer.vocab_size,
+                            n_tokens=sum(len(p.tokens) for p in opened[:len(sources)]),
+                            prepared=tuple(str(p) for p in source_folders[:len(sources)]),
+                            weights=tuple(s.weight for s in sources),
+                            val_prepared=str(source_folders[-1]) if d.val_data else None, sft=d.sft,
+                            pack=d.sft if d.pack is None else d.pack)
+    data = open_data(prepared, cfg)  # every size and length refusal, before training
     if isinstance(data.train, SequenceBatches) and data.train.truncated:
         print(f"{data.train.truncated} examples longer than --seq-len {d.seq_len} were cut to fit.")
-    return spec
+    return prepared
 
 
-def _open_prepared_batches(spec: PreparedData, cfg: Config):
+def _open_prepared_batches(prepared: PreparedData, cfg: Config):
     d, seed = cfg.data, cfg.train.seed
-    val = open_prepared(spec.val_prepared) if spec.val_prepared else None
+    val = open_prepared(prepared.val_prepared) if prepared.val_prepared else None
     pairs = []
-    for folder in spec.prepared:
-        prepared = open_prepared(folder)
-        if spec.sft or spec.pack:
-            pairs.append(example_batches(prepared, val, d.seq_len, d.val_fraction, seed, spec.pack, d.too_long))
+    for folder in prepared.prepared:
+        source = open_prepared(folder)
+        if prepared.sft or prepared.pack:
+            pairs.append(example_batches(source, val, d.seq_len, d.val_fraction, seed, prepared.pack, d.too_long))
         else:
-            pairs.append(text_batches(prepared, val, d.seq_len, d.val_fraction, seed))
-    return mixed(pairs, list(spec.weights), seed)
+            pairs.append(text_batches(source, val, d.seq_len, d.val_fraction, seed))
+    return mixed(pairs, list(prepared.weights), seed)
 
 
-def open_data(spec: PreparedData, cfg: Config) -> OpenedData:
+def open_data(prepared: PreparedData, cfg: Config) -> OpenedData:
     seed = cfg.train.seed
-    if spec.prepared:
-        train, val = _open_prepared_batches(spec, cfg)
-        return OpenedData(train=train, val=val, tokenizer=load_tokenizer(spec.tokenizer_path))
-    if spec.kind == "digits":
+    if prepared.prepared:
+        train, val = _open_prepared_batches(prepared, cfg)
+        return OpenedData(train=train, val=val, tokenizer=load_tokenizer(prepared.tokenizer_path))
+    if prepared.kind == "digits":
         digits = load_digits(seed=seed)
         return OpenedData(train=ArrayBatches(digits.train_x, digits.train_y, seed=seed, shuffle=True),
                           val=ArrayBatches(digits.val_x, digits.val_y, seed=seed, shuffle=False),
                           tokenizer=None, n_features=NUM_FEATURES, n_classes=NUM_CLASSES)
-    train, val = split_tokens(load_tokens(spec.tokens_path), cfg.data.val_fraction, cfg.data.seq_len)
+    train, val = split_tokens(load_tokens(prepared.tokens_path), cfg.data.val_fraction, cfg.data.seq_len)
     return OpenedData(train=TokenBatches(train, cfg.data.seq_len, seed=seed, shuffle=True),
                       val=TokenBatches(val, cfg.data.seq_len, seed=seed, shuffle=False),
-                      tokenizer=load_tokenizer(spec.tokenizer_path))
+                      tokenizer=load_tokenizer(prepared.tokenizer_path))

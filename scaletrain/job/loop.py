@@ -87,4 +87,4 @@ def fit(trainer: Trainer) -> RunSummary:
     trainer.where = "at the end of the run"
     return RunSummary(run_dir=trainer.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
                       val_loss=val_loss, checkpoint=saved, sample=sample if trainer.is_main else None,
-                      unigram_entropy=trainer.spec.unigram_entropy)
+                      unigram_entropy=trainer.prepared.unigram_entropy)

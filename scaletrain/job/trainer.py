@@ -61,18 +61,18 @@ class RunModel:
     flops_per_token: float
 
 
-def build_run_model(cfg: Config, spec: PreparedData, device: torch.device, n_features: int = 0,
+def build_run_model(cfg: Config, prepared: PreparedData, device: torch.device, n_features: int = 0,
                     n_classes: int = 0) -> RunModel:
     """The command's model: the preset built from the seed (the same initial weights on every
     rank and layout), a base's weights loaded, or a full fine-tune's folder to read from."""
     family = None if cfg.model.name == CLASSIFIER else spec_for(cfg.model.name)
-    family_cfg = family.configure(cfg.model, spec.vocab_size, cfg.data.seq_len) if family else None
+    family_cfg = family.configure(cfg.model, prepared.vocab_size, cfg.data.seq_len) if family else None
     # A full fine-tune from a Hugging Face folder: the model is built on the meta device and
     # each weight read after the splits, each rank its own slice (finetune/sliced.py).
     source = folder_source(cfg, family_cfg)
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta") if source else nullcontext():
-        model = build_model(cfg.model, vocab_size=spec.vocab_size, seq_len=cfg.data.seq_len,
+        model = build_model(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len,
                             n_features=n_features, n_classes=n_classes)
     if not source:
         model.to(device)
@@ -86,25 +86,25 @@ class Trainer:
     """The steps of a run: its model and data on the `Stepper` (train/stepper.py), with its
     checkpoints and the state a resume brings back."""
 
-    def __init__(self, cfg: Config, spec: PreparedData, runtime: DistRuntime, mesh: Mesh, comm: Comm,
+    def __init__(self, cfg: Config, prepared: PreparedData, runtime: DistRuntime, mesh: Mesh, comm: Comm,
                  run_dir: Path):
-        self.cfg, self.spec, self.runtime, self.mesh, self.comm = cfg, spec, runtime, mesh, comm
+        self.cfg, self.prepared, self.runtime, self.mesh, self.comm = cfg, prepared, runtime, mesh, comm
         self.run_dir = run_dir
         self.is_main = runtime.is_main
         self.device = runtime.device
         self.log_every = cfg.run.log_every or default_log_every(self.device)
         self.step: int | None = None  # the step under way, counted from 1, for failure reports
         self.where = "before training"  # where the run stands, for failure reports (job/loop.py)
-        self.data = open_data(spec, cfg)
+        self.data = open_data(prepared, cfg)
         t = cfg.train
-        built = build_run_model(cfg, spec, self.device, self.data.n_features, self.data.n_classes)
+        built = build_run_model(cfg, prepared, self.device, self.data.n_features, self.data.n_classes)
         self.flops_per_token = built.flops_per_token
         self.stepper = Stepper(built.model, t, cfg.parallel, mesh, comm, self.device, plan=built.plan,
                                seq_len=cfg.data.seq_len, sample=self.data.train.get(0, t.micro_batch)[0],
-                               source=built.source, fused_head=spec.kind == "text", run_dir=run_dir,
+                               source=built.source, fused_head=prepared.kind == "text", run_dir=run_dir,
                                log_every=self.log_every, report_memory=cfg.run.report_memory)
         layout = self.layout
-        positions = cfg.data.seq_len if spec.kind == "text" else 1
+        positions = cfg.data.seq_len if prepared.kind == "text" else 1
         self.tokens_per_step = t.micro_batch * t.grad_accum * layout.micro_batches * layout.replicas.batch.size \
             * positions
         self.start_step = 0
@@ -206,7 +206,7 @@ class Trainer:
         window = self.data.val.get(0, 1)[0]
         t = self.cfg.train
         continuation = generate(self.layout, line_prompt(tokenizer, window[0])[None], self.cfg.run.sample_tokens,
-                                context=self.cfg.data.seq_len, vocab=self.spec.vocab_size, precision=t.precision,
+                                context=self.cfg.data.seq_len, vocab=self.prepared.vocab_size, precision=t.precision,
                                 seed=t.seed)
         return tokenizer.decode(continuation[0].tolist())
 

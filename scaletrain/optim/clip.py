@@ -60,6 +60,7 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, counted: 
     total = _square_sum(counted, device)
     for group in groups:
         if group.size > 1:
+            # one float per rank (its counted sum of squares), summed so every rank clips by the same norm
             comm.all_reduce(total, group)
     total = total.sqrt()
     if math.isfinite(max_norm):

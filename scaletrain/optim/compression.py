@@ -131,6 +131,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _default_all_reduce(comm: Comm, group: Group) -> AllReduce:
+    # a bucket's P's (with the tensors sent whole) or its Q's, concatenated: summed, as both rounds are linear
     return lambda tensor: comm.all_reduce(tensor, group, "sum")
 
 
@@ -304,6 +305,7 @@ class SignCompressor:
 
         payload = torch.cat([scales.view(torch.uint8), pack_bits(positive)])
         gathered = torch.empty(self.group.size, payload.numel(), dtype=torch.uint8, device=flat.device)
+        # each rank's T float32 scales and ceil(N/8) sign bytes, one row each: signs do not add, so gather
         self.comm.all_gather(gathered, payload, self.group)
         scale_bytes = 4 * len(numels)
         # Copied into a buffer of their own: in place, the rows' scales are strided

@@ -81,6 +81,7 @@ def summer(comm: Comm, group: Group, allreduce: str) -> Callable[[torch.Tensor],
         raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, not {allreduce!r}")
     if allreduce == "ring":
         return RingAllReduce(comm, group)
+    # the caller's flat tensor (local SGD's weights, PowerSGD's P's or Q's), summed in place over the group
     return lambda tensor: comm.all_reduce(tensor, group, op="sum")
 
 
@@ -89,6 +90,7 @@ def replicate(tensors: Iterable[torch.Tensor], comm: Comm, group: Group) -> None
     """Broadcast every tensor (a module's parameters and buffers) from the group's first member,
     so all replicas start equal."""
     for tensor in tensors:
+        # one parameter or buffer, whole, from member 0 to every replica: all start from the same values
         comm.broadcast(tensor, group, src=0)
 
 
@@ -203,6 +205,7 @@ class DataParallel:
         final backward. Costs one small all-reduce of the counts."""
         counts = torch.tensor([float(local_samples)], device=self.buckets[0].flat.device
                               if self.buckets else "cpu")
+        # one float per rank (its sample count), summed into B, the group's total, for the weight b_r / B
         self.comm.all_reduce(counts, self.group, op="sum")
         if counts.item() <= 0:
             raise ValueError("weigh_by: the dp group holds no samples in this step")

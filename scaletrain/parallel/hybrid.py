@@ -119,14 +119,17 @@ class ShardCollectives:
     def reduce_scatter(self, out: torch.Tensor, source: torch.Tensor) -> Pending:
         """Start summing ``source`` into each rank's shard ``out``: over the shard group, then
         (when waited for) over the replica group."""
+        # the unit's full padded gradient (N*S elements) in; this rank's S elements of the group's sum out
         scattered = self.comm.reduce_scatter(out, source, self.shard, async_op=True)
         if self.replica is None or self.replica.size == 1:
             return scattered
+        # when waited for, only those S summed elements cross the replica group: the average over all D ranks
         return Pending([scattered], finish=lambda: self.comm.all_reduce(out, self.replica))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
         """Start gathering every rank's ``shard`` into ``full`` (in int8 when quantized)."""
         if not self.quantized:
+            # each rank's S-element shard of the working weights, into the full unit every rank computes with
             return self.comm.all_gather(full, shard, self.shard, async_op=True)
         numel, n_scales = shard.numel(), math.ceil(shard.numel() / BLOCK)
         width = int8_shard_bytes(numel)  # one byte buffer per rank: scales, then codes
@@ -135,6 +138,7 @@ class ShardCollectives:
         mine[:4 * n_scales].view(torch.float32).copy_(scales)
         mine[4 * n_scales:4 * n_scales + numel].view(torch.int8).copy_(codes)
         gathered = torch.empty(self.shard.size * width, dtype=torch.uint8, device=shard.device)
+        # every rank's row of about S(1 + 4/BLOCK) bytes (scales, then int8 codes), to rebuild the full unit
         pending = self.comm.all_gather(gathered, mine, self.shard, async_op=True)
 
         def unpack() -> None:

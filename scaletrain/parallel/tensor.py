@@ -370,6 +370,7 @@ class TensorParallel:
         widest = max(sizes)
         padded = F.pad(logits, (0, widest - logits.shape[-1])).contiguous()
         parts = padded.new_empty((self.group.size, *padded.shape))
+        # each rank's [b, s, V/t] slice of the logits, padded to the widest, so every rank samples from all V
         self.comm.all_gather(parts, padded, self.group)
         return torch.cat([parts[r, ..., :size] for r, size in enumerate(sizes)], dim=-1)
 

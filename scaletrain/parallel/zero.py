@@ -356,6 +356,7 @@ class ZeroDataParallel:
             if unit.master is not unit.shard:
                 unit.shard.copy_(unit.master, non_blocking=self._pinned)
         if self.stage < 3:
+            # every rank's updated shard (S elements per unit) into each unit's full weights for the next forward
             gathers = [self.collectives.all_gather(unit.full, unit.shard) for unit in self.units]
             for pending in gathers:
                 pending.wait()
@@ -418,6 +419,7 @@ class ZeroDataParallel:
         # reduction writes the shard, later micro-batches' are added to it.
         out = unit.grad if self.stage == 1 or not unit.reduced else torch.empty_like(unit.grad)
         unit.reduced = True
+        # the unit's full gradient, pre-scaled, in; out come this rank's S averaged elements, the ones it steps
         pending = self.collectives.reduce_scatter(out, source)
         self._in_flight.append((unit, pending, out, source))
         if self.gathering:

@@ -40,6 +40,7 @@ def local_flag(loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
 def agreed_flag(flag: torch.Tensor, comm: Comm, world: Group) -> torch.Tensor:
     """1.0 on every rank where any rank raised its flag (one all-reduce of four bytes); read
     at once before the update, or later with the step's other numbers (train/step_window.py)."""
+    # one float per rank, 1.0 where it saw an inf or a NaN: the max makes every rank skip or stop alike
     comm.all_reduce(flag, world, op="max")
     return flag
 

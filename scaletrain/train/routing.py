@@ -39,9 +39,10 @@ class RoutingStats:
     def summed(self, comm: Comm, group: Group) -> dict:
         """The record for metrics.jsonl, summed over ``group`` (the ranks reading different samples)."""
         counts = torch.cat([self.tokens.flatten(), self.dropped])
+        # per layer and expert the tokens taken, then per layer those dropped (ints): global-batch totals
         comm.all_reduce(counts, group)
         aux = self.aux.clone()
-        comm.all_reduce(aux, group, op="avg")
+        comm.all_reduce(aux, group, op="avg")  # one float per rank, the aux loss: averaged like the main loss
         tokens, dropped = counts[:self.tokens.numel()].view_as(self.tokens), counts[self.tokens.numel():]
         return {"moe_aux": aux.item(), "moe_tokens": tokens.tolist(),
                 "moe_dropped": dropped.sum().item() / max(1, tokens.sum().item() + dropped.sum().item())}

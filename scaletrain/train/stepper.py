@@ -4,47 +4,27 @@
 user's own script (library.py: their model, their loop) run the same
 `Stepper`: `Stepper.step` is the whole step in reading order, given the
 micro-batches and a loss function (the library's own loop, ``backward()``
-then ``step()``, calls its parts one by one).
-One optimizer step over a global batch of ``G = micro_batch * grad_accum * dp * ep``
-samples (with ``--pp``, ``grad_accum`` rounds of the pipeline schedule over
-``--microbatches`` micro-batches each take the place of the loop below:
-parallel/pipeline/parallel.py; then the tied embedding's gradient is summed
-over the stages that hold it, whole or shard by shard under ZeRO). The
-strategies compose in this order, each on its own group of the mesh
-(docs/nd-parallel.md, train/layout.py): tp splits the weights, cp sends
-attention round a ring (parallel/context.py), ep divides the experts
-(parallel/experts.py), pp cuts the split model into stages, dp (or ZeRO)
-replicates (or shards) each stage's slices. The ranks of dp and ep read
-different samples; cp's read different positions of the same ones; the
-gradients of a replicated weight are averaged over all three, an expert's
-over dp and cp (the ep ranks hold different experts):
+then ``step()``, calls its parts one by one); `Stepper.update` is the update,
+from the gradients' average to the cleared gradients, calling the hooks of
+whatever holds the optimizer's tensors (train/stepped.py).
 
-    for each of the grad_accum micro-batches:
-        loss = the micro-batch's loss / divisor
-                                           (the divisor makes the sum over micro-batches and ranks
-                                            the mean over the global batch: grad_accum for a mean
-                                            loss, job/trainer.py's count for masked tokens; with
-                                            experts: plus their auxiliary loss)
-        loss.backward()                    (gradients add up across micro-batches; on the last
-                                            one, gradient buckets start their all-reduce as
-                                            they fill, overlapping the rest of backward)
-    wait for the data-parallel average (parallel/data.py), or with --zero for this rank's
-    shard of it (parallel/zero.py); with --sync-every N > 1 keep the local gradient (local SGD
-    averages the parameters after every N-th optimizer step instead: parallel/local_sgd.py)
-    with fp32 master weights (--param-dtype bf16, --offload optimizer): gradients to the masters
-    average the loss; unscale (fp16); a loss or gradient that is inf or NaN on any rank (one
-    flag over the world, train/nonfinite.py) makes every rank skip the step, or stop (--on-nan)
-    clip the global gradient norm (each element counted once over the mesh: tp slices and ZeRO
-    shards summed, replicated norms and the tied embedding's copies not; optim/clip.py), set the
-    learning rate, take the optimizer step (unless skipped; fp16 then halves its loss scale)
-    with master weights: round the masters back into the model's weights (ZeRO-1/2: and
-    all-gather the updated shards); these copies are train/stepped.py's hooks, whatever the layout
+One step covers a global batch of ``G = micro_batch * grad_accum * dp * ep``
+samples. The strategies compose in this order, each on its own group of the
+mesh (docs/nd-parallel.md, train/layout.py): tp splits the weights, cp sends
+attention round a ring, ep divides the experts, pp cuts the split model into
+stages (its schedule's rounds take the place of the micro-batch loop), dp
+(or ZeRO) replicates (or shards) each stage's slices. The ranks of dp and ep
+read different samples, cp's different positions of the same ones; the
+gradient of a replicated weight is averaged over all three, an expert's over
+dp and cp.
 
-Dividing each micro-batch's loss so and averaging over ranks once per step
-makes the update equal to one step on the whole global batch: the
-equivalence every parallel layout is tested against. PipeDream-2BW is the
-exception by design: each step applies the previous step's gradient
-(parallel/pipeline/two_bw.py), as one device then does too.
+Each micro-batch's loss is divided by D before its backward (D =
+``grad_accum`` for a mean loss; job/trainer.py's count for masked tokens),
+so the gradients summed over micro-batches and averaged over ranks are the
+gradient of one step on the whole global batch: the equivalence every layout
+is tested against. PipeDream-2BW is the exception by design: each step
+applies the previous step's gradient (parallel/pipeline/two_bw.py), as one
+device then does too.
 
 Everything random is a pure function of the step: the learning rate is
 ``lr_at(t)``, and the RNG behind dropout is reseeded from ``(seed, t, rank)``
@@ -274,21 +254,22 @@ class Stepper:
         layout = self.layout
         t = self.train
         self._take_memory("after_backward")
+        # wait for the buckets' all-reduce (ZeRO: the reduce-scatter of this rank's shard), launched in backward
         layout.data_parallel.finish_gradient_sync()
         if not layout.exchange_delayed_gradients():  # PipeDream-2BW's first step: nothing to apply yet
             return self._before_first_update(step, loss_sum)
         layout.sum_shared_gradients()  # a weight two pipeline stages hold: its two gradients summed
-        layout.step_weights.take_gradients()
+        layout.step_weights.take_gradients()  # onto what the optimizer steps: the weights, fp32 masters or shards
         for name in self.faults.poisoned(step + 1):
             poison(layout.named_step_tensors(), name)
         if not self.faults.skips(step + 1):  # a desync on purpose (runtime/faults.py)
-            self.comm.all_reduce(loss_sum, layout.replicas.dense, op="avg")
+            self.comm.all_reduce(loss_sum, layout.replicas.dense, op="avg")  # one float: the global batch's loss
         # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
         grads = [p.grad for p in layout.step_params if p.grad is not None]
         overflow = self.scaler.unscale_(layout.step_params).to(self.device)
         flag = local_flag(loss_sum, [] if self.scaler.enabled else grads).maximum(overflow)
         late = self._reads_flag_late
-        flag = agreed_flag(flag, self.comm, self.mesh.group("world"))
+        flag = agreed_flag(flag, self.comm, self.mesh.group("world"))  # one number over the world: the max
         skip = False if late else bool(flag.item())
         if skip and self.on_nan == "stop":
             raise self._nonfinite_stop(step + 1, loss_sum.item())
@@ -303,7 +284,7 @@ class Stepper:
         self.faults.strike("optimizer", step + 1)
         self.scaler.step(layout.stepping_optimizer(step + 1), skip)
         self.scaler.update(skip)
-        layout.step_weights.give_weights(step + 1)
+        layout.step_weights.give_weights(step + 1)  # masters rounded down; ZeRO-1/2 gathers the updated shards
         if self.step_memory is not None and self.memory is None:
             # after the step (optimizer state exists), before the gradients are freed
             self._take_memory("after_step")
@@ -353,7 +334,8 @@ class Stepper:
         saved = {**(state or {}), "step": step, "world_size": self.mesh.dims.world_size,
                  "layout": self.mesh.dims.describe(),
                  "scaler": {k: float(v) if torch.is_tensor(v) else v for k, v in self.scaler.state_dict().items()}}
-        if layout.local_sgd:  # how many ranks' own optimizer states the checkpoint holds (commands/train.py checks a resume)
+        # how many ranks' own optimizer states the checkpoint holds (commands/train.py checks a resume)
+        if layout.local_sgd:
             saved["optimizer_per_rank"] = layout.replicas.dense.size
         return ckpt.save_checkpoint(self.run_dir, step, layout.model, layout.optimizer, layout.masters, saved, team,
                                     zero=layout.zero, tensor_parallel=layout.tensor_parallel,

@@ -99,6 +99,7 @@ class PipelineParallel:
         # Ranks time alike but not equally: the average makes them all cut alike.
         flat = torch.tensor([*measured.layers, measured.first, measured.last], dtype=torch.float64,
                             device=sample.device)
+        # each rank's L + 2 measured seconds (per layer, then the first and last stages' extras), averaged
         self.comm.all_reduce(flat, world, op="avg")
         values = flat.tolist()
         return Costs(tuple(values[:-2]), values[-2], values[-1])
@@ -150,6 +151,7 @@ class PipelineParallel:
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the last stage has it, on every rank of the group."""
+        # only the last stage has it (a scalar loss, or the sampled ids [b, 1]): the other stages get a copy
         self.comm.broadcast(value, self.group, src=self.last_rank)
         return value
 

@@ -1,66 +1,51 @@
-"""4-bit NormalFloat (NF4) with double quantization: QLoRA's storage for frozen
-base weights (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized
-LLMs").
+"""4-bit NormalFloat (NF4) with double quantization: QLoRA's storage for frozen base weights
+(Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs").
 
-Code book. Trained weights are close to zero-mean normal, so NF4 puts its 16
-levels at quantiles of N(0, 1), each level then covering about the same share
-of the weights, instead of spacing them evenly. With Q the normal quantile
-function (``torch.special.ndtri``) and
+Code book. Trained weights are close to zero-mean normal, so NF4's 16 levels are quantiles
+of N(0, 1), each covering about the same share of the weights, not evenly spaced. With Q the
+normal quantile function (``torch.special.ndtri``) and
 
     delta = ((1 - 1/(2*15)) + (1 - 1/(2*16))) / 2 ~= 0.9677
 
-(Q(1) is infinite, so the outermost level sits at probability delta, the mean
-of the centres of the last bin of 15 and of 16 equal-probability bins, as in
-the paper's reference implementation), the levels are
+(Q(1) is infinite, so the outermost level sits at probability delta, the mean of the
+centres of the last bin of 15 and of 16 equal-probability bins, as in the paper's
+reference implementation), the levels are
 
     positive:  Q(1/2 + i (delta - 1/2) / 8),    i = 1..8
     negative: -Q(1/2 + j (delta - 1/2) / 7),    j = 1..7
     and 0,     all divided by Q(delta),
 
-16 values in [-1, 1] with -1, 0 and 1 exact: 8 on the positive side, 7 on the
-negative side and an exact zero (a symmetric set of 16 could not contain 0,
-and zero-valued weights and padding should dequantize to exactly 0).
+16 values in [-1, 1], -1, 0 and 1 exact: a symmetric set of 16 could not contain 0, and
+zero weights and padding should dequantize to exactly 0.
 
-Block-wise quantization. The flattened weight is split into blocks of
-B = 64 consecutive values (the last block zero-padded); block b is scaled by
-its absmax c_b = max |w| and each value stored as the index of its nearest
-level:
+Block-wise quantization, in blocks of B = 64 (small, so that an outlier coarsens at most
+63 neighbours), each scaled by its absmax c_b = max |w|:
 
-    k_i = argmin_k |w_i / c_b - q_k|,      w_i ~= c_b q_{k_i}
+    k_i = argmin_k |w_i / c_b - q_k|,      w_i ~= c_b q_{k_i},      byte j: 16 k_{2j} + k_{2j+1}
 
-Small blocks keep an outlier from coarsening more than 63 neighbours. Two
-4-bit indices share a byte, the first in the high nibble: 16 k_{2j} + k_{2j+1}.
-
-Double quantization. One fp32 c_b per 64 weights would cost 32/64 = 0.5 bits
-per parameter. The c_b are therefore quantized themselves: their mean mu is
-subtracted (they are all positive; centred, they fill a symmetric code), and
-each group of G = 256 centred values d = c - mu is quantized with the same
-block-wise absmax quantizer, its code book the 255 levels k/127,
-k = -127..127 (symmetric int8), with one fp32 absmax s_g per group:
+Double quantization. One fp32 c_b per 64 weights would cost 32/64 = 0.5 bits per parameter,
+so the c_b, minus their mean mu (all positive; centred, they fill a symmetric code), are
+quantized block-wise too, in groups of G = 256 with the symmetric int8 levels k/127,
+k = -127..127, and one fp32 absmax s_g per group:
 
     c_b ~= mu + s_g l_b / 127,             l_b in {-127..127}, stored in 8 bits
 
-The paper stores the second level in FP8; centred, the scales span a narrow
-range around zero (on N(0, 1) weights mu = 2.60 and every group of 256 lies
-within +-2.5), which evenly spaced levels cover in steps under 0.8% of mu.
-Storage per 64 * 256 weights: 64*256 indices of 4 bits, 256 scale codes of
-8 bits, one fp32 s_g:
+The paper stores the second level in FP8; centred, the scales span a narrow range around
+zero (on N(0, 1) weights mu = 2.60 and every group of 256 lies within +-2.5), which evenly
+spaced levels cover in steps under 0.8% of mu. Per 64 * 256 weights, 64*256 4-bit indices,
+256 8-bit scale codes and one fp32 s_g:
 
     (16384 * 4 + 256 * 8 + 32) / 16384 = 4 + 0.125 + 0.00195 = 4.127 bits per parameter
 
-plus one fp32 mu per tensor (4.5 bits with fp32 scales, 16 in bf16).
-``NF4Tensor.bits_per_parameter`` counts the stored buffers themselves, padding
-included, so a small tensor shows its padding's cost.
+plus one fp32 mu per tensor (4.5 bits with fp32 scales, 16 in bf16), and a small tensor's
+padding (``NF4Tensor.bits_per_parameter`` counts it).
 
-Dequantization reverses both levels, W = c(l) q_k, in fp32, rounded once to
-the compute dtype. ``NF4Linear`` does it in every forward and, instead of
-keeping that full-precision weight for backward (which would hold every frozen
-matrix in 16 bits from forward to backward, the memory QLoRA saves), again in
-backward: y = x W^T + b, dL/dx = dL/dy W; the base gets no gradient.
-
-Comparison. ``uniform_code(16)``, 16 evenly spaced levels in [-1, 1], is the
-plain int4 absmax quantizer at the same block size; on normal weights NF4's
-round-trip mean squared error is lower (docs/finetuning.md gives figures).
+Dequantization, W = c(l) q_k, runs in fp32 and rounds once to the compute dtype.
+``NF4Linear`` does it in forward and again in backward (y = x W^T + b, dL/dx = dL/dy W;
+the base gets no gradient): a full-precision W kept for backward would hold every frozen
+matrix in 16 bits from forward to backward, the memory QLoRA saves. ``uniform_code(16)``,
+16 evenly spaced levels in [-1, 1], is plain int4 absmax at the same block size; on normal
+weights NF4's round-trip mean squared error is lower (figures: docs/finetuning.md).
 """
 
 from __future__ import annotations
@@ -170,7 +155,7 @@ def quantize_nf4(weight: torch.Tensor) -> NF4Tensor:
     if weight.device.type != "meta" and not torch.isfinite(weight).all():  # the planner's have no values
         raise ValueError("NF4 cannot store a tensor holding inf or nan values.")
     indices, absmax = quantize_blocks(weight, _code_on(nf4_code, weight.device), BLOCK_SIZE)
-    mean = absmax.mean()
+    mean = absmax.mean()  # mu: the c_b are all positive; minus mu, they fill the symmetric int8 code
     scale_indices, scale_absmax = quantize_blocks(absmax - mean, _code_on(_scale_code, weight.device),
                                                   SCALE_GROUP_SIZE)
     return NF4Tensor(pack_indices(indices), scale_indices.flatten(), scale_absmax, mean, weight.shape)

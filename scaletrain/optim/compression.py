@@ -1,36 +1,29 @@
-"""Gradient compression for data parallelism, as communication hooks with
-error feedback.
+"""Gradient compression for data parallelism, as communication hooks with error feedback.
 
-A data-parallel strategy calls ``compressor.reduce(key, flat, shapes)`` once
-per gradient bucket and optimizer step. ``flat`` is this rank's contribution,
-the concatenation of tensors of the given ``shapes``, pre-scaled so that the
-sum over the n ranks is the averaged gradient. On return ``flat`` holds the
-sum over ranks of every rank's *compressed* contribution, bitwise identical on
-every rank. ``key`` names the bucket, so state can persist between steps.
+A data-parallel strategy calls ``compressor.reduce(key, flat, shapes)`` per gradient
+bucket and optimizer step: ``flat``, this rank's contribution (the tensors of ``shapes``
+concatenated, pre-scaled so that their sum over the n ranks is the averaged gradient),
+becomes the sum over ranks of every rank's *compressed* contribution, bitwise identical
+on every rank. ``key`` names the bucket, so state persists between steps.
 
-Error feedback (Karimireddy, Rebjock, Stich & Jaggi 2019, "Error Feedback
-Fixes SignSGD and other Gradient Compression Schemes"). Each rank keeps, per
-bucket, what compression dropped and adds it back before the next compression:
+Error feedback (Karimireddy, Rebjock, Stich & Jaggi 2019, "Error Feedback Fixes SignSGD
+and other Gradient Compression Schemes"): each rank keeps, per bucket, what compression
+dropped and adds it back before the next compression,
 
     M_r = g_r + e_r          e_r <- M_r - C_r(M_r)         result = sum_r C_r(M_r)
 
-where C_r(M_r) is rank r's share of what was transmitted, so
-result + sum_r e_r(new) = sum_r M_r up to float rounding: nothing is lost,
-only delayed, and the sum of the results over T steps differs from the sum
-of the true gradients by the current residuals alone, a bounded amount. This
-is what lets biased compressors (low rank, sign) converge like plain SGD.
+with C_r(M_r) rank r's share of what was transmitted. So result + sum_r e_r(new) =
+sum_r M_r up to float rounding: nothing is lost, only delayed; over T steps the results
+differ from the true gradients' sum by the current residuals alone, a bounded amount,
+which lets biased compressors (low rank, sign) converge like plain SGD. The residual is
+in the units of the contribution: a caller that rescales its gradients (dynamic loss
+scaling's growth or backoff) carries the old scale in it for one step. A step whose
+result is not finite (an fp16 overflow, which the loss scaler skips) leaves residuals
+and warm starts as they were, so one overflow does not poison later steps.
 
-The residual is in the units of the contribution. A caller that rescales its
-gradients between steps (dynamic loss scaling changes the scale by its growth
-or backoff factor) carries the old scale in the residual for one step. A step
-whose result is not finite (an fp16 overflow, which the loss scaler skips)
-leaves the residuals and warm-start state as they were, so one overflow does
-not poison every later step.
-
-PowerSGD (Vogels, Karimireddy & Jaggi 2019, "PowerSGD: Practical Low-Rank
-Gradient Compression for Distributed Optimization"). Each tensor of two or
-more dimensions is a matrix M (m x k, with k the product of the trailing
-dims), and with r = min(rank, m, k):
+PowerSGD (Vogels, Karimireddy & Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient
+Compression for Distributed Optimization"). A tensor of two or more dimensions is a
+matrix M (m x k, k the product of the trailing dims); with r = min(rank, m, k):
 
     P_r = M_r Q                  Q: k x r, kept from the previous step
     P = sum_r P_r                all-reduce, r*m elements
@@ -39,56 +32,37 @@ dims), and with r = min(rank, m, k):
     A = P_hat Q^T = P_hat P_hat^T (sum_r M_r)      written to flat
     e_r <- M_r - A / n                             so sum_r e_r = sum_r M_r - A
 
-Bytes: r(m + k) elements per matrix instead of m*k, and the saving does not
-depend on n because both rounds are all-reduces. A matrix is compressed only
-where r(m + k) < m*k; vectors (biases, norm gains) and tiny matrices are summed
-uncompressed, with no residual, in the same all-reduce as the P's. All P's of a
-bucket share one all-reduce and all Q's another: two calls per bucket.
+Bytes: r(m + k) elements per matrix instead of m*k, a saving independent of n as both
+rounds are all-reduces; only where r(m + k) < m*k is a matrix compressed, and vectors
+(biases, norm gains) and tiny matrices are summed whole, with no residual. An all-reduce
+works because both rounds are linear in M, sum_r M_r Q = (sum_r M_r) Q; top-k picks
+different coordinates per rank and sign is not additive, so those need an all-gather.
+Every rank gets the same P_hat from the same summed P: QR is deterministic on identical
+input, hardware and thread settings, which data-parallel replicas have. Warm start:
+keeping Q makes each step one step of subspace (power) iteration on the slowly changing
+gradient, so a rank as low as 1 to 4 tracks its dominant subspace. Trade-off: two
+matmuls and a QR per matrix per step, one flat-sized residual and the Q's of memory,
+and a lossy gradient, worst early in training when the gradient is far from low rank
+(torch's own PowerSGD hook for DDP therefore runs uncompressed warm-up steps first).
 
-Warm start: keeping Q from the previous step makes each step one step of
-subspace (power) iteration on the slowly changing gradient, so a rank as low
-as 1 to 4 tracks its dominant subspace; the first Q is Gaussian, drawn from a
-generator seeded with (seed, key, tensor index), the same on every rank.
+Scaled sign (EF-SignSGD, Karimireddy et al. 2019, in the lineage of Seide, Fu, Droppo,
+Li & Yu 2014, "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
+Distributed Training of Speech DNNs"), per tensor of d elements:
 
-Why an all-reduce works here and not for top-k or sign: both rounds are linear
-in M, so the sum over ranks of M_r Q is (sum_r M_r) Q, and the ranks can add
-compressed messages directly. Top-k picks different coordinates per rank and
-sign is not additive, so those need an all-gather.
+    c = (||M||_1 / d) sign(M)        e <- M - c        sign(0) = +1: a bit has two values
 
-Every rank must compute the same P_hat from the same summed P: QR is
-deterministic on identical input with identical hardware and thread settings,
-which data-parallel replicas have.
-
-Trade-off: two matmuls and a QR per matrix per step of extra compute, one
-flat-sized residual and the Q's of memory, and a lossy gradient. Early in
-training the gradient is far from low rank and the loss suffers most; torch's
-own PowerSGD communication hook for DDP therefore runs a number of
-uncompressed warm-up steps first.
-
-Scaled sign (EF-SignSGD, Karimireddy et al. 2019, in the lineage of Seide,
-Fu, Droppo, Li & Yu 2014, "1-Bit Stochastic Gradient Descent and its
-Application to Data-Parallel Distributed Training of Speech DNNs"). Per tensor
-of d elements:
-
-    c = (||M||_1 / d) sign(M)        sign(0) = +1: a bit has two values
-    e <- M - c
-
-Each rank sends 1 bit per element, packed 8 per byte with the last byte
-padded, and one float32 scale per tensor: ceil(N/8) + 4T bytes for a bucket
-of N elements in T tensors, against 4N for fp32. The messages are not
-additive, so every rank all-gathers every rank's bits and scales, decodes
-them and sums the n contributions in rank order (bitwise the same sum on
-every rank). Per rank on the wire, ring algorithms:
+A rank sends 1 bit per element and a float32 scale per tensor: ceil(N/8) + 4T bytes for
+N elements in T tensors, against 4N for fp32, all-gathered since signs do not add. Per
+rank on the wire, ring algorithms:
 
     fp32 all-reduce     2(n-1)/n x 4N          = 8N(n-1)/n bytes
     sign all-gather     (n-1)/n x n x N/8      = N(n-1)/8  bytes  (+ scales)
 
-a saving of 64/n: 32x for n = 2, 8x for n = 8, none at n = 64, a loss beyond.
-The payload is 32x smaller than fp32's for every n; the all-gather, which
-delivers all n payloads to every rank, is what erodes the saving as n grows,
-and it also costs n payloads of memory and n decodes per step. The ledger
-records the gathered output, n(ceil(N/8) + 4T) bytes, and (n-1)(ceil(N/8) + 4T)
-wire bytes.
+a saving of 64/n: 32x for n = 2, 8x for n = 8, none at n = 64, a loss beyond. The
+payload is 32x smaller than fp32's for every n; the all-gather, which delivers all n
+payloads to every rank, is what erodes the saving as n grows, and it also costs n
+payloads of memory and n decodes per step. The ledger records the gathered output,
+n(ceil(N/8) + 4T) bytes, and (n-1)(ceil(N/8) + 4T) wire bytes.
 """
 
 from __future__ import annotations
@@ -219,10 +193,10 @@ class PowerSGD:
         for a, view, p_hat, q in zip(matrices, views, p_hats, new_qs, strict=True):
             approximation = p_hat @ q.T
             flat[a.offset:a.end].copy_(approximation.view(-1))
-            view -= approximation / self.group.size
+            view -= approximation / self.group.size  # the residual e_r = M_r - A / n, kept in contribution
         for (offset, numel), total in zip(plain, sums[len(matrices):], strict=True):
             flat[offset:offset + numel].copy_(total)
-            contribution[offset:offset + numel].zero_()
+            contribution[offset:offset + numel].zero_()  # sent whole: nothing dropped, no residual
 
         # The result is the same on every rank, so every rank makes the same choice.
         if torch.isfinite(flat).all():
@@ -232,6 +206,7 @@ class PowerSGD:
     def _first_q(self, key: int, matrix: _Matrix, like: torch.Tensor) -> torch.Tensor:
         seed = ((self.seed * _SEED_PRIME + key) * _SEED_PRIME + matrix.index) % 2**63
         generator = torch.Generator().manual_seed(seed)
+        # The first Q is Gaussian, seeded by (seed, key, tensor index) alone: the same on every rank.
         q = torch.randn(matrix.cols, matrix.rank, generator=generator)
         return q.to(device=like.device, dtype=like.dtype)
 
@@ -313,6 +288,7 @@ class SignCompressor:
         all_scales = torch.empty(self.group.size, scale_bytes, dtype=torch.uint8, device=flat.device)
         all_scales = all_scales.copy_(gathered[:, :scale_bytes]).view(torch.float32)
 
+        # Every rank decodes the n rows and sums them in rank order: bitwise the same total on every rank.
         total = torch.zeros_like(contribution)
         for row, row_scales in zip(gathered, all_scales, strict=True):
             total += _signed_scales(unpack_bits(row[scale_bytes:], flat.numel()), row_scales, counts, total.dtype)

@@ -4,28 +4,23 @@ Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
 Near-Infinite Context".
 
 The N ranks of the cp group each hold the whole model and 1/N of every
-sequence's positions, along the whole depth of the network. Embeddings, layer
-norms, the MLP, the head and the loss act on each position by itself, so they
-run on the local positions unchanged. Only attention mixes positions: a query
-needs the keys and values of every earlier position, wherever they live. Ring
-attention passes the key/value blocks around the ring of ranks, one hop per
-step, while each rank attends its local queries to the block it holds; after
-N steps every query has met every key, and no rank ever holds more than two
-blocks of keys and values, nor any s x s score matrix.
+sequence's positions. Only attention mixes positions, so only attention
+changes: the key/value blocks travel the ring, one hop per step, hidden behind
+the computation, while each rank attends its queries to the block it holds. No
+rank holds more than two K, V blocks, nor any s x s score matrix.
 
 Merging blocks (online softmax: Milakov & Gimelshein 2018, "Online
 normalizer calculation for softmax"; Dao et al. 2022, "FlashAttention"). A
 block of keys gives, per query row, its softmax output ``o_b`` normalised over
-that block alone and the log-sum-exp of its scores ``lse_b``. Two partial
-results over disjoint key sets combine exactly:
+that block alone and the log-sum-exp ``lse_b`` of its scores. Two partial
+results over disjoint key sets combine exactly, in fp32 whatever the input dtype:
 
     lse = log(exp(lse_1) + exp(lse_2))
     o   = o_1 * exp(lse_1 - lse) + o_2 * exp(lse_2 - lse)
 
-kept in fp32 whatever the input dtype. Backward keeps only q, k, v, the output
-O and lse (never the scores) and recomputes each block's probabilities
-(FlashAttention's backward), S being the block's scaled scores, dO the
-output's gradient:
+Backward keeps only q, k, v, the output O and lse (never the scores) and
+recomputes each block's probabilities (FlashAttention's backward; S the block's
+scaled scores, dO the output's gradient):
 
     D  = rowsum(dO * O)                    once, for every local query
     P  = exp(S - lse)                      the block's softmax probabilities
@@ -35,30 +30,26 @@ output's gradient:
     dQ += dS K * scale
     dK += dS^T Q * scale
 
-dQ stays local. dK and dV belong to the block's owner: fp32 accumulators
-travel around the ring with the K, V they belong to, each rank adding its
-queries' share, and one last hop brings every accumulator home.
+dQ stays local; dK and dV belong to the block's owner, so their fp32
+accumulators travel the ring with their K, V and one last hop brings them home.
 
-Causal load balance (zigzag). With contiguous chunks, rank N-1 would attend
-to everything and rank 0 to almost nothing, and the ring runs at the pace of
-the busiest rank. Instead the sequence is cut into 2N equal chunks of c
-positions and rank r holds chunks r and 2N-1-r, an early one and its mirror
-(cp = 4, 8 chunks: rank 0 holds 0,7; rank 1: 1,6; rank 2: 2,5; rank 3: 3,4).
-At step j rank r holds the K, V of rank src = (r - j) mod N, and:
+Causal load balance (zigzag). With contiguous chunks, rank N-1 would attend to
+everything and rank 0 to almost nothing, and the ring runs at the pace of the
+busiest rank. Instead the sequence is cut into 2N chunks of c positions and
+rank r holds chunks r and 2N-1-r, an early one and its mirror (cp = 4: rank 0
+holds 0,7; rank 1: 1,6; rank 2: 2,5; rank 3: 3,4). Against the K, V of rank
+src = (r - j) mod N, which rank r holds at step j:
 
-    src == r   own K, V: causal mask on the local 2c positions; they increase,
-               so the ordinary mask on the concatenation is exact  (2c x 2c)
-    src <  r   every local query against src's FIRST chunk, no mask: chunk src
-               precedes both query chunks, and chunk 2N-1-src follows both,
-               so that half is skipped                             (2c x c)
-    src >  r   only the SECOND query chunk against all of src's K, V, no
-               mask: chunk 2N-1-r follows both key chunks, while chunk r
-               precedes both, so the first query chunk is skipped  (c x 2c)
+    src == r   causal mask on the local 2c positions, exact since they increase   (2c x 2c)
+    src <  r   every local query against src's first chunk, no mask: it precedes
+               both query chunks, and src's second chunk follows both             (2c x c)
+    src >  r   only the second query chunk against all of src's K, V, no mask:
+               it follows both key chunks, the first query chunk precedes both    (c x 2c)
 
-Skipped blocks are never computed. Every rank computes 4c^2 scores at step 0
-and 2c^2 at each later step, the same at every step on every rank, so nobody
-waits on the ring: in all s^2 (N+1) / (2N) scores, the causal half plus the
-other half of the N diagonal 2c x 2c blocks, against s^2 for full attention.
+Skipped blocks are never computed: every rank computes 4c^2 scores at step 0
+and 2c^2 at each later step, so nobody waits on the ring; in all
+s^2 (N+1) / (2N) scores, the causal half plus the other half of the N diagonal
+2c x 2c blocks, against s^2 for full attention.
 
 Who sends what to whom (cp = 4), KVi the K, V pair of rank i's positions:
 
@@ -72,34 +63,21 @@ Who sends what to whom (cp = 4), KVi the K, V pair of rank i's positions:
     step 2   KV2      KV3      KV0      KV1
     step 3   KV1      KV2      KV3      KV0     no send after the last step
 
-The transfer for step j+1 is started before step j's block is computed and
-waited for after it, so the hop hides behind the computation. In backward the
-dK, dV accumulators of step j travel during step j+1's computation.
-
 Communication per attention call, per rank, with a K, V pair of
 2 * b * heads * (s/N) * head_dim elements:
 
     forward    N-1 sends of a K, V pair (in the input dtype)
     backward   N-1 sends of a K, V pair, plus N sends of a dK, dV pair in fp32
 
-Packed documents (models/decoder.py). With ``documents`` [b, s] given for
-the whole sequence, every rank knows the document of every position, hence of
-the queries it holds and of the keys of whichever block the ring brings: a
-block's mask is then "same document" (and causal on the diagonal block). A
-query may meet no key of its document in a block; that block's row gives
-nothing (its lse is -inf, its output 0), which the merge absorbs exactly.
+Packed documents (models/decoder.py): ``documents`` [b, s] covers the whole
+sequence, so a block's mask is "same document" (and causal on the diagonal
+block). A query that meets no key of its document in a block gets lse -inf and
+output 0 there, which the merge absorbs exactly.
 
-Inputs in bf16 or fp16 (the qkv projection under autocast) are computed in
-fp32; the output comes back in the input dtype and the gradients in the
-inputs' dtypes. K, V travel in their own dtype.
-
-`parallelize_context` applies this to a decoder in place: every attention
-core becomes a `RingAttention`, and every module that turns positions into
-something (a learned position embedding, rotary embeddings' angles: the spec's
-``position_modules``) is handed this rank's global positions; the trainer
-feeds each rank its positions of the tokens and targets
-(`ContextParallel.local`). Weights are replicated across the cp group
-and their gradients are averaged over it, as over a dp group.
+Inputs in bf16 or fp16 are computed in fp32; K, V travel in their own dtype.
+Weights are replicated across the cp group and their gradients averaged over
+it, as over a dp group; the spec's ``position_modules`` (learned position
+embedding, rotary angles) are handed this rank's global positions.
 """
 
 from __future__ import annotations
@@ -218,6 +196,7 @@ class _RingAttention(Function):
         with torch.autocast(q.device.type, enabled=False):
             q32 = q.float()
             for step in range(size):
+                # the K, V pair [2, b, heads, s/N, head_dim], input dtype, on to rank r+1 while this block computes
                 next_kv = _pass_on(kv, comm, group) if step < size - 1 else None
                 src = (rank - step) % size
                 rows, cols, causal = _block(rank, src, chunk)
@@ -247,6 +226,7 @@ class _RingAttention(Function):
             dq = torch.zeros_like(q32)
             next_dkv = None  # the dK, dV accumulators in flight
             for step in range(size):
+                # the K, V pair [2, b, heads, s/N, head_dim] around the ring again (forward kept only its own)
                 next_kv = _pass_on(kv, comm, group) if step < size - 1 else None
                 src = (rank - step) % size
                 rows, cols, causal = _block(rank, src, chunk)
@@ -259,6 +239,7 @@ class _RingAttention(Function):
                 dkv = torch.zeros_like(kv32) if next_dkv is None else next_dkv()
                 dkv[0][:, :, cols] += dk_block
                 dkv[1][:, :, cols] += dv_block
+                # this K, V's fp32 dK, dV [2, b, heads, s/N, head_dim] follow it to r+1, during the next block
                 next_dkv = _pass_on(dkv, comm, group)
                 if next_kv is not None:
                     kv = next_kv()

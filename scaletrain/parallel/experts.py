@@ -11,15 +11,9 @@ become empty placeholders, so the kept experts keep their names
 (parallel/pipeline/partition.py). Every rank keeps the router and everything
 dense, and feeds its own sequences. The plain layer routes its tokens and
 groups the kept assignments by expert as on one device (models/moe.py); only
-the experts' computation changes, into a dispatch:
-
-  1. counts   every rank's rows per expert, int64 [E], all-gathered to [ep, E]
-              (the all-to-alls below then carry only tokens)
-  2. dispatch all-to-all of the rows: to rank j the rows for j's experts
-  3. compute  rows arrive by source rank, then expert; regrouped by local
-              expert, each local expert runs once on the rows of every source
-  4. combine  back in arrival order, the reverse all-to-all returns every
-              output to the rank and place its row came from
+the experts' computation becomes a dispatch: the per-expert row counts are
+all-gathered first, so that the two all-to-alls (to the experts' ranks and
+back) carry only tokens.
 
 ep = 2, E = 4: rank 0 holds experts 0 and 1, rank 1 experts 2 and 3. A row
 is written as its expert's number.
@@ -53,9 +47,9 @@ both are the group's kept assignments N), d = d_model, w the element size
     forward: dispatch + combine; backward: the two reverse all-to-alls
     per rank  2 (N_r + R_r) x d x w    the group  4 N x d x w
 
-(the ledger's bytes; its wire bytes leave out the diagonal blocks), plus the
-[ep, E] int64 counts, gathered once in forward. The backward reuses the
-forward's counts.
+(the ledger's bytes; its wire bytes leave out the diagonal blocks, the rows a
+rank keeps for its own experts), plus the [ep, E] int64 counts, gathered once
+in forward. The backward reuses the forward's counts.
 
 Gradients. Routing, capacity and the balance loss are per sequence, so a
 rank computes for its sequences exactly what one device computes for them.
@@ -98,11 +92,13 @@ class DispatchedExperts(nn.ModuleList):
         to_mine = table[:, self.mine.start:self.mine.stop]  # [source, local expert]
         send = table[self.group.rank].view(ep, per_rank).sum(1).tolist()
         recv = to_mine.sum(1).tolist()
+        # dispatch of the [N_r, d] rows: to rank j those for j's experts; they arrive by source, then expert
         arrived = exchange_rows(rows, send, recv, self.comm, self.group)
         local_expert = torch.arange(per_rank, device=rows.device).repeat(ep).repeat_interleave(to_mine.flatten())
-        by_expert = torch.argsort(local_expert, stable=True)
+        by_expert = torch.argsort(local_expert, stable=True)  # regrouped so each local expert runs once
         out = run_experts([self[e] for e in self.mine], arrived[by_expert], to_mine.sum(0).tolist())
         in_arrival_order = torch.empty_like(out).index_copy(0, by_expert, out)
+        # combine: the [R_r, d] outputs go back by the reverse all-to-all, each to its row's rank and place
         return exchange_rows(in_arrival_order, recv, send, self.comm, self.group)
 
 

@@ -5,47 +5,37 @@ Models Using Model Parallelism"; Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models".
 
 A transformer block's weights are split over the t ranks of the tp group so
-that each rank computes 1/t of every matrix product and the ranks talk
-twice per block each way:
+that each rank computes 1/t of every matrix product:
 
     attention   qkv  column-parallel: rank r holds heads [r*a/t, (r+1)*a/t) of q, k and v
                 proj row-parallel: the matching 1/t of its input features
     MLP         fc   column-parallel: 4h/t of the hidden features
                 proj row-parallel: the matching 4h/t inputs
 
-A column-parallel layer needs its whole input and gives a slice of the
-output features; the row-parallel layer takes that slice and gives a partial
-sum of the whole output. Between them everything (attention per head, GELU
-per feature) is local. The region is entered with f (identity forward,
-all-reduce of the input's gradient backward) and left with g (all-reduce of
-the partial sums forward, identity backward): per block 2 all-reduces of
+Between a column-parallel layer (whole input, a slice of the output features)
+and its row-parallel partner (partial sums of the whole output) all is local.
+The region is entered with f (identity forward, all-reduce backward) and left
+with g (all-reduce forward, identity backward): per block 2 all-reduces of
 b*s*h elements forward and 2 backward (runtime/autograd.py).
 
-Embeddings and loss (vocabulary parallel). The token embedding's rows are
-split by vocabulary: a rank looks up the ids in its range, writes zeros for
-the rest, and g sums the ranks' rows. The output head shares that weight
-(weight tying), so it is column-parallel over the same rows and gives each
-rank the logits of its vocabulary slice. The cross-entropy never gathers
-them: per position, with z the logits and y the target,
+Vocabulary parallel: the token embedding's rows, and so the tied output head,
+are split by vocabulary, each rank getting the logits of its slice. The
+cross-entropy never gathers them: per position, z the logits, y the target,
 
     loss = log sum_v exp(z_v - m) - (z_y - m),   m = max_v z_v
 
-needs only the global max (all-reduce max), the global sum of exponentials
-and the target's logit, which lives on one rank (one all-reduce of the pair).
-Its gradient, softmax(z) - onehot(y), is computed from local values.
+needs the global max (all-reduce max), then the global sum of exponentials and
+the target's logit, which lives on one rank (one all-reduce of the pair); its
+gradient, softmax(z) - onehot(y), is computed from local values.
 
-Sequence parallelism (``--sp``). Outside the tp regions (layer norms,
-dropout, residual adds) every rank would hold the same [b, s, h] activations;
-sequence parallelism splits them along the sequence instead, so rank r holds
-positions [r*s/t, (r+1)*s/t). f becomes an all-gather along the sequence (its
-backward a reduce-scatter) and g a reduce-scatter (its backward an
-all-gather): the same bytes as the all-reduces they replace. A
-column-parallel layer keeps only its own sequence chunk of the gathered
-input for backward and gathers it again there (Korthikanti et al. section
-4.2.2; the re-gather is started before the input gradient's matrix product and
-overlaps it). Replicated weights in the sequence-split region (layer norms,
-the position embedding) then see only 1/t of the positions: their gradients
-are summed over the tp group by a hook.
+Sequence parallelism (``--sp``) splits the [b, s, h] activations outside the
+regions (layer norms, dropout, residual adds), otherwise replicated, along the
+sequence: f becomes an all-gather (backward a reduce-scatter) and g a
+reduce-scatter (backward an all-gather), the bytes of the all-reduces they
+replace. A column-parallel layer keeps only its own chunk of the gathered input
+and gathers it again in backward, overlapping the input gradient's product
+(Korthikanti et al. section 4.2.2). Replicated weights there (layer norms, the
+position embedding) see 1/t of the positions: their gradients are summed over tp.
 
 Activation memory per block, Korthikanti's formula in 16-bit units (a heads,
 dropout masks 1 byte, the s x s attention scores kept):
@@ -53,10 +43,9 @@ dropout masks 1 byte, the s x s attention scores kept):
     tp only   s*b*h*(10 + 24/t + 5*a*s/(h*t))
     tp + sp   s*b*h*(34/t + 5*a*s/(h*t))
 
-This model in fp32 with dropout 0 saves exactly twice those terms, less the
-two 1-byte dropout masks (no dropout), and with a fused attention kernel that
-keeps its output and log-sum-exp (b*a*s) instead of the scores, plus the
-layer norms' mean and 1/std (b*s each, two norms):
+This model in fp32 with dropout 0 saves exactly twice those terms less the two
+1-byte masks, with a fused attention kernel's output and log-sum-exp (b*a*s)
+instead of the scores, plus the layer norms' mean and 1/std (b*s each, two norms):
 
     tp only   s*b*h*(16 + 48/t) + 4*b*s*(4 + a/t)     bytes
     tp + sp   s*b*h*64/t        + 4*b*s*(4 + a)/t     bytes
@@ -67,20 +56,16 @@ ones (qkv output 3, attention output 1, which is also the projection's input,
 fc output 4, GELU output 4: his 24); with sp every one of them is split.
 tests/test_tensor.py measures these exactly with the memory ledger's meter.
 
-The plan is data: a family's spec (models/spec.py) names, by module path,
-what each part of its plain model becomes; `parallelize` builds the full model's weights first (same
-seed, same values as one device) and keeps each rank's slices, so a tp run
-starts from exactly the single-device weights.
+The plan is data: a family's spec (models/spec.py) names, by module path, what
+each part of its plain model becomes; `parallelize` cuts the full model, built
+with the same seed as on one device, so a tp run starts from exactly its weights.
 
-Dropout randomness. Without sp, activations outside the tp regions are
-replicated and their dropout masks must agree across the tp group: the
-trainer seeds every tp rank alike. Inside a region (from the region's entry to
-its row-parallel layer: the attention's dropout on its heads) each rank holds
-different heads and must draw its own masks: `RegionRNG` switches to a stream
-seeded by a draw from the shared one plus the tp rank, and back at the
-row-parallel layer; the draw is replayed by recomputation, so recomputed masks
-are the same. With sp every activation is split (by heads or by positions),
-so every tp rank is simply seeded differently.
+Dropout randomness. Without sp, activations outside the regions are replicated
+and their masks must agree, so the trainer seeds every tp rank alike; inside a
+region each rank holds different heads and draws its own masks (`RegionRNG`)
+from a seed drawn from the shared stream, which recomputation replays. With sp
+every activation is split (by heads or by positions), so every tp rank is simply
+seeded differently.
 """
 
 from __future__ import annotations
@@ -282,6 +267,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        # zeros for ids outside this rank's vocabulary slice; leaving the region sums the ranks' rows
         return self.tp.leave(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
@@ -350,12 +336,16 @@ class TensorParallel:
     # region entry and exit
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
+            # every rank's [b, s/t, h] chunk gathered to [b, s, h]; backward reduce-scatters its gradient
             return gather_sequence(x, self.comm, self.group)
+        # f: nothing crosses forward; backward all-reduces the input's [b, s, h] gradient
         return copy_to_group(x, self.comm, self.group)
 
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
+            # the [b, s, h] partial sums reduce-scattered to this rank's [b, s/t, h]; backward all-gathers
             return scatter_sequence(y, self.comm, self.group)
+        # g: the [b, s, h] partial sums all-reduced; nothing crosses backward
         return reduce_from_group(y, self.comm, self.group)
 
     def _region_entry_hook(self, module: nn.Module, args: tuple) -> tuple:
@@ -398,6 +388,7 @@ class TensorParallel:
         if self.sequence_parallel:
             for param in model.parameters():
                 if param not in self.splits:
+                    # its gradient from this rank's s/t positions, summed over the tp group
                     param.register_hook(lambda grad: all_reduced(grad, self.comm, self.group))
 
     def counts(self, param: nn.Parameter) -> bool:

@@ -1,39 +1,24 @@
 """ZeRO: data parallelism that shards the training state instead of replicating it.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models". Plain data parallelism keeps on each of the ``N`` ranks a
-whole copy of the parameters, the gradients and the optimizer state. All
-three are needed on every rank only one piece at a time, so ZeRO gives each
-rank ``1/N`` of them to own and gathers the rest when it is used (``N``: the
-dp group, or with ``--shard-group`` a shard group of it: parallel/hybrid.py):
+Parameter Models". Instead of a whole copy on each of the ``N`` ranks, each
+rank owns ``1/N`` of the training state and gathers the rest when it is used
+(``N``: the dp group, or with ``--shard-group`` a shard group of it:
+parallel/hybrid.py):
 
     stage 1 (P_os)     the optimizer state (and fp32 master weights) is sharded
     stage 2 (P_os+g)   and the reduced gradients
     stage 3 (P_os+g+p) and the parameters themselves
 
-Layout. The parameters are grouped into units; a unit's parameters are
-flattened into one buffer padded to a multiple of ``N`` elements,
-``S = ceil(numel / N)``, and rank ``r`` owns elements ``[r*S, (r+1)*S)``
-(contiguous ranges, as in DeepSpeed and torch's first FSDP, so a gather
-lands in place with no copy). The parameters are views into the unit's
-buffer. Stage 1 and 2 units are gradient buckets of ``--bucket-mb``
-(parallel/data.py); stage 3 units are the model's repeated layers (the
-transformer blocks, the mlp's linear layers) plus a root unit of the rest
-(a decoder's embeddings, final norm and head, one unit because the head's
-weight *is* the token embedding's: weight tying).
-
-Per optimizer step, on each rank::
-
-    backward: a unit's gradients land in a flat buffer; when its last one has
-              arrived, reduce-scatter it (asynchronously, overlapping the rest
-              of backward): rank r receives the sum of elements [r*S, (r+1)*S)
-    clip:     ||g||^2 = all-reduce of each rank's sum of squares of its shard
-    step:     the optimizer updates only the rank's shard (fp32 masters and
-              AdamW moments exist for that shard alone)
-    stage 1, 2: all-gather the updated shards into every rank's full parameters
-    stage 3:  nothing: the next forward gathers each unit just before it runs
-              (and prefetches the next unit while this one computes), frees it
-              after, and gathers it again for backward (parallel/zero3.py)
+Layout. A unit's parameters are views into one flat buffer padded to a multiple
+of ``N`` elements, ``S = ceil(numel / N)``, and rank ``r`` owns elements
+``[r*S, (r+1)*S)``: contiguous ranges, as in DeepSpeed and torch's first FSDP,
+so a gather lands in place with no copy. Stage 1 and 2 units are the gradient
+buckets of ``--bucket-mb`` (parallel/data.py); stage 3 units are the model's
+repeated layers plus a root unit of the rest (a decoder's embeddings, final
+norm and head, one unit because the head's weight *is* the token embedding's).
+Stage 3 gathers each unit just before forward or backward runs it, prefetching
+the next (parallel/zero3.py).
 
 Memory per rank, P parameters, fp32 AdamW (state K = 8 bytes/param: two moments):
 
@@ -49,15 +34,12 @@ optimizer state, so K = 12; gradients reduced in fp32, ``--reduce-dtype``):
     stage 2        2P + 4P/N + 12P/N
     stage 3        2P/N + 4P/N + 12P/N
 
-Each ``P/N`` is really ``S`` per unit (padding: fewer than N elements per
-unit), and the optimizer holds a 4-byte step counter per tensor it updates.
-Outside these totals: while a unit is in use it is gathered (stage 3: the
-unit computing, the one prefetched, and the root unit from the start of
-forward to the end of backward), and the gradients of at most two units are
-unsharded while their reduce-scatter is in flight (stages 2 and 3).
-``--offload optimizer`` moves the master shard, its gradient and the
-optimizer state to host memory (ZeRO-Offload, Ren et al. 2021): the device
-keeps the working weights and the reduced gradient shard.
+Each ``P/N`` is really ``S`` per unit (padding), plus a 4-byte step counter per
+tensor the optimizer updates. Outside these totals: the units in use (stage 3:
+the one computing, the one prefetched, the root unit from forward's start to
+backward's end) and at most two units' unsharded gradients in flight (stages 2,
+3). ``--offload optimizer`` (ZeRO-Offload, Ren et al. 2021) moves the master
+shard, its gradient and the optimizer state to host memory.
 
 Communication per step, B the bytes of the (padded) model in the working
 dtype, ``(N-1)/N`` of every collective's bytes leaving each rank:
@@ -65,26 +47,23 @@ dtype, ``(N-1)/N`` of every collective's bytes leaving each rank:
     stage 1, 2     reduce-scatter B + all-gather B            = DP's all-reduce (2 (N-1)/N B)
     stage 3        2 all-gathers + 1 reduce-scatter per unit  = 1.5 x DP, less one
                    gather of the root unit, which stays gathered from forward into backward
+    clipping       ||g||^2 = all-reduce of each rank's sum of squares of its shard (one float)
 
-Gradient accumulation: stage 1 accumulates full gradients across
-micro-batches and reduces once per step, like DP; stages 2 and 3
-reduce-scatter after every micro-batch and add the result into the shard
+Gradient accumulation: stage 1 accumulates full gradients and reduces once per
+step, like DP; stages 2 and 3 reduce-scatter every micro-batch into the shard
 (holding full gradients until the step would undo the point of stage 2), so
-their gradient traffic grows with ``--grad-accum``, and under a pipeline
+their traffic grows with ``--grad-accum``, and under a pipeline
 (parallel/pipeline/) with its M micro-batches per round, which is why
 pipelines usually pair with stage 1.
 
-Launch order. A unit's reduce-scatter starts when its last gradient has
-arrived, in whatever order units complete (interleaved pipeline schedules
-complete the later chunk's units for two micro-batches before the earlier
-chunk's for one; zero bubble completes the norms' gradients in B, the linear
-weights' in W). Every rank of the dp group runs the same program on
-same-shaped batches, so collectives start in the same order on all of them.
-
-Tied weights across pipeline stages (the token embedding of the first and
-the last stage) get units of their own (``own_units``): shard boundaries
-depend only on a unit's size and N, so both holders' shards cover the same
-elements, and their gradients are summed shard by shard (`gradient`).
+A unit's reduce-scatter starts as soon as its last gradient arrives, overlapping
+the rest of backward, in whatever order units complete (interleaved pipeline
+schedules; zero bubble's split of B and W). Every rank of the dp group runs the
+same program on same-shaped batches, so collectives start in the same order on all.
+Weights tied across pipeline stages (the first and last stages' token
+embedding) get units of their own (``own_units``): shard boundaries depend
+only on a unit's size and N, so both holders' shards cover the same elements
+and their gradients are summed shard by shard (`gradient`).
 """
 
 from __future__ import annotations

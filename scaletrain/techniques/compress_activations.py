@@ -1,68 +1,50 @@
 """Activation compression: tensors saved for backward are stored in fewer bits.
 
-Training keeps, between forward and backward, the tensors each operation's
-backward needs. Recomputation (recompute.py) drops some and computes them
-again; compression keeps them all, smaller, and restores them when backward
-asks (Chen et al. 2021, "ActNN: Reducing Training Memory Footprint via 2-Bit
-Activation Compressed Training"; Liu et al. 2022, "GACT: Activation
-Compressed Training for Generic Network Architectures"). Both papers show
-that the gradient tolerates a lossy copy of the activations, since an error
-in a saved tensor only perturbs the gradient, not the forward's result: the
-loss of the step is computed on exact activations.
+Between forward and backward, training keeps the tensors each backward needs.
+Recomputation (recompute.py) drops some and computes them again; compression keeps them
+all, smaller, and restores them when backward asks (Chen et al. 2021, "ActNN: Reducing
+Training Memory Footprint via 2-Bit Activation Compressed Training"; Liu et al. 2022,
+"GACT: Activation Compressed Training for Generic Network Architectures"). Both papers
+show that the gradient tolerates a lossy copy of the activations: an error in a saved
+tensor only perturbs the gradient, while the step's loss is computed on exact ones.
 
 Modes (``compress_activations(model, mode)``, ``--compress-activations``):
 
 ``none``
     No hooks at all: the plain arithmetic, bit for bit.
 ``bf16``
-    fp32 tensors are saved as bfloat16 (8 significant bits; relative error at
-    most 2^-9 per element) and cast back in backward: half the bytes.
+    fp32 tensors saved as bfloat16 (8 significant bits; relative error at most 2^-9
+    per element): half the bytes.
 ``int8``
-    Per-block absmax quantization: the flattened tensor is cut into blocks of
-    ``BLOCK`` = 128 elements and each block b is stored as
-    ``q = round(x / s_b)`` in int8 with ``s_b = max|x_b| / 127`` in fp32;
-    backward sees ``q * s_b``. The error is at most s_b / 2 = max|x_b| / 254
-    per element; the bytes are 1 + 4/128 per element, 3.88x fewer than fp32
-    (1.94x fewer than bf16). ActNN rounds stochastically, which makes its
-    2-bit gradient unbiased; at 8 bits the bias of rounding to nearest is
-    below the step's own noise, and nearest keeps a run a function of its
-    seed (no random draw shifts the dropout stream).
+    Per-block absmax: each block b of ``BLOCK`` = 128 elements stored as
+    ``q = round(x / s_b)`` in int8 with ``s_b = max|x_b| / 127`` in fp32, and restored
+    as ``q * s_b``. The error is at most s_b / 2 = max|x_b| / 254 per element; the bytes
+    are 1 + 4/128 per element, 3.88x fewer than fp32 (1.94x fewer than bf16). ActNN
+    rounds stochastically, which makes its 2-bit gradient unbiased; at 8 bits the bias
+    of rounding to nearest is below the step's own noise, and nearest keeps a run a
+    function of its seed (no random draw shifts the dropout stream).
 
-What is compressed: floating tensors of at least ``MIN_ELEMENTS`` elements
-that belong to autograd's graph (they require grad: activations computed from
-trained weights). Left as they are:
+Compressed: floating tensors of at least ``MIN_ELEMENTS`` elements that require grad
+(activations computed from trained weights; frozen weights and buffers require none).
+Weights, their views (``weight.t()``) and casts (autocast's bf16 copy) are left alone:
+the model holds them anyway, so a compressed copy would add bytes and change the weight
+backward multiplies by. So are tensors outside the graph (indices, dropout masks, layer
+norm's mean and 1/std, attention's log-sum-exp): small (b*s or b*h*s, against b*s*d for
+an activation) and precise, as an error e in a saved log-sum-exp scales every
+recomputed attention probability of its row by exp(e). A storage is
+compressed once per forward however many saved tensors fill it (the log-softmax output
+cross-entropy saves twice; attention's output and its reshape); views covering part
+of a storage (q, k and v, slices of one qkv product) are compressed each on its own.
 
-- weights: parameters (a Linear saves its weight for the input's gradient),
-  their views (``weight.t()``) and their casts (autocast's bf16 copy of an
-  fp32 weight), recognised by walking the tensor's ``grad_fn`` through view
-  and cast nodes to an ``AccumulateGrad`` whose variable is an
-  ``nn.Parameter``. A weight is held by the model anyway: a compressed copy
-  would add bytes, not save them, and would change the weight backward
-  multiplies by. Frozen weights and buffers require no grad;
-- tensors outside the graph: integer indices, dropout masks, and a kernel's
-  statistics (layer norm's mean and 1/std, attention's log-sum-exp). These
-  are small (b*s, or b*h*s, against b*s*d for an activation) and precise: an
-  error e in a saved log-sum-exp scales every recomputed attention
-  probability of its row by exp(e).
-
-One copy per storage and forward: a tensor saved twice (the log-softmax output
-that cross-entropy saves for two backward nodes), or two views that each fill
-the same storage (attention's output and its reshape for the projection), are
-compressed once, and each view is rebuilt with its own strides. Views that
-cover part of a storage (q, k and v, slices of one qkv product) are
-compressed each on its own, which together is the storage once.
-
-How it is applied: ``torch.autograd.graph.saved_tensors_hooks`` around the
-forward (job/trainer.py enters it with autocast, for every micro-batch and
-pipeline stage). Hooks entered before it (the memory meter's,
-train/memory.py) are composed, not shadowed: what this module keeps, it
-hands on to them, so the meter counts the int8 blocks and their scales,
-which is the memory the run really holds. Within a checkpointed region
-(``--recompute``) checkpoint's own hooks are innermost and drop the tensors
-anyway; the region's inputs, which checkpoint saves through the hooks outside
-it, are compressed, so the two techniques multiply: full recompute keeps the
-block inputs, and compression stores them in a quarter of the bytes. The
-recomputation in backward then runs on the restored (lossy) inputs.
+The hooks are ``torch.autograd.graph.saved_tensors_hooks`` around the forward
+(job/trainer.py enters them with autocast, for every micro-batch and pipeline stage).
+Hooks entered before them (the memory meter's, train/memory.py) are composed, not
+shadowed, so the meter counts the int8 blocks and scales the run really holds. Within
+a checkpointed region (``--recompute``) checkpoint's own hooks are innermost and drop
+the tensors anyway; the region's inputs, which checkpoint saves through the hooks
+outside it, are compressed, so the two techniques multiply: full recompute keeps the
+block inputs, compression stores them in a quarter of the bytes, and the recomputation
+in backward runs on the restored (lossy) inputs.
 """
 
 from __future__ import annotations
@@ -157,6 +139,7 @@ class ActivationCompression:
 
     def __enter__(self) -> ActivationCompression:
         if self.mode != "none":
+            # The hooks entered before these (the memory meter's): composed with them, not shadowed.
             self._beneath = torch._C._autograd._top_saved_tensors_default_hooks(False)
             self._hooks.__enter__()
         return self
@@ -218,6 +201,7 @@ class ActivationCompression:
             data, scale = quantize_int8(x)
         self.seen_bytes += x.numel() * x.element_size()
         self.stored_bytes += sum(y.numel() * y.element_size() for y in (data, scale) if y is not None)
+        # The bf16 copy, or the int8 blocks and their scales, go to the hooks beneath: the meter counts these.
         return Stored(self._pass_down(data), None if scale is None else self._pass_down(scale), x.dtype,
                       x.numel())
 
@@ -230,4 +214,5 @@ class ActivationCompression:
             flat = data.to(stored.dtype)
         else:
             flat = dequantize_int8(data, self._bring_up(stored.scale), stored.numel, stored.dtype)
+        # A view of a shared buffer is rebuilt with its own strides.
         return flat.view(packed.shape) if packed.stride is None else flat.as_strided(packed.shape, packed.stride)

@@ -1,62 +1,45 @@
 """Pipeline schedules as data: for every rank, the ordered list of what it does.
 
-The model's layers are cut into ``S = N * V`` stages over the ``N`` ranks of
-the pp group; rank ``r`` holds the ``V`` chunks ``stage = chunk * N + r``
-(Megatron's interleaved placement; ``V = 1`` is one stage per rank). A step
-pushes ``M`` micro-batches through all stages. A schedule is a pure function
-of ``(N, M, V)`` returning one list of `Action`s per rank:
-
-    F   forward of micro-batch m on a stage
-    BW  backward of m: the input gradient and the weight gradients together
-    B   backward for the input only (zero-bubble schedules) ...
-    W   ... and the weight gradients, later, where a rank would idle
-    send_act / recv_act     the stage's output to the next stage's rank
-    send_grad / recv_grad   the gradient of the stage's input to the previous stage's rank
-
-The runtime (runtime.py) executes these lists, the drawing (timeline.py)
-draws them, `simulate` times them; one source for all three.
-
-The schedules (M micro-batches, N ranks, costs of F, B and W per stage t_f,
-t_b, t_w; the bubble is the idle share of each rank's step):
+The model's layers are cut into ``S = N * V`` stages over the ``N`` ranks of the pp group;
+rank ``r`` holds the ``V`` chunks ``stage = chunk * N + r`` (Megatron's interleaved
+placement; ``V = 1`` is one stage per rank). A step pushes ``M`` micro-batches through
+all stages. A schedule is a pure function of ``(N, M, V)`` returning one list of
+`Action`s per rank, computations (`COMPUTE`) and transfers (`TRANSFERS`): the runtime
+(runtime.py) executes these lists, the drawing (timeline.py) draws them, `simulate` times
+them; one source for all three. The schedules (t_f, t_b, t_w: the costs of F, B and W
+per stage; the bubble is the idle share of each rank's step):
 
 GPipe (Huang et al. 2019)
-    every forward, then every backward. Bubble ``(N-1)/(M+N-1)``; every rank
-    holds the activations of all M micro-batches at the turn.
+    every forward, then every backward. Bubble ``(N-1)/(M+N-1)``; every rank holds the
+    activations of all M micro-batches at the turn.
 1F1B, PipeDream-Flush (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training")
-    rank r runs ``N-r-1`` warm-up forwards, then alternates one forward and
-    one backward, then drains. Same bubble as GPipe, but a rank never holds
-    more than ``N - r`` micro-batches: memory bounded by N, not M.
+    ``N-r-1`` warm-up forwards on rank r, then a forward and a backward in turn, then the
+    drain. Same bubble as GPipe, but at most ``N - r`` micro-batches held: memory bounded
+    by N, not M.
 Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters")
-    V chunks per rank, micro-batches in groups of N, each group through chunk
-    0, then chunk 1, ...; warm-up ``2(N-r-1) + (V-1)N`` chunk forwards. The
-    fill and drain are V times shorter: bubble ``(N-1)/(VM+N-1)`` (Megatron's
-    ``(1/V)(N-1)/M`` of the ideal time), for V times more point-to-point
-    transfers and ``1 + (N-1)/(NV)`` times 1F1B's activations on rank 0
-    (at most ``2(N-r-1) + (V-1)N + 1`` chunk activations on rank r). Needs
-    M divisible by N.
+    micro-batches in groups of N (M divisible by N) through chunk 0, then chunk 1, ...;
+    ``2(N-r-1) + (V-1)N`` warm-up chunk forwards. Fill and drain V times shorter: bubble
+    ``(N-1)/(VM+N-1)`` (Megatron's ``(1/V)(N-1)/M`` of the ideal time), for V times more
+    point-to-point transfers and ``1 + (N-1)/(NV)`` times 1F1B's activations on rank 0
+    (at most ``2(N-r-1) + (V-1)N + 1`` chunk activations on rank r).
 ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism")
-    backward split into B (input gradient, on the critical path: the upstream
-    rank waits for it) and W (weight gradients, needed only by the optimizer).
-    1F1B's order, with rank r postponing its first ``r`` W's, so the gradient
-    travels upstream at the pace of B alone and the W's fill the drain.
-    Bubble ``(N-1)(t_f+t_b-t_w)``, against 1F1B's ``(N-1)(t_f+t_b+t_w)``:
-    a third of it when the three cost the same, ``(N-1)/(3M+N-1)`` (reached
-    for M >= N). A micro-batch's activations live from F to W, at most N per
-    rank, as in 1F1B.
+    backward split into B (input gradient, on the critical path: the upstream rank waits
+    for it) and W (weight gradients, needed only by the optimizer); 1F1B's order, rank r
+    postponing its first ``r`` W's, so the gradient travels upstream at the pace of B and
+    the W's fill the drain. Bubble ``(N-1)(t_f+t_b-t_w)`` against 1F1B's
+    ``(N-1)(t_f+t_b+t_w)``: a third of it for equal costs, ``(N-1)/(3M+N-1)`` (reached
+    for M >= N). Activations live from F to W, at most N per rank, as in 1F1B.
 
-Communication is placed by one rule for every schedule: a receive right
-before the computation that needs it, a send right after the one that
-produced it; neighbouring transfers form one batch. The runtime posts a
-batch's sends and receives without blocking and waits only for the
-receives, so a rank never idles because a neighbour has not asked for its
-output yet (waiting for sends too costs ZB-H1 its advantage). `simulate`
-executes the lists with exactly these semantics and fails if ranks could
-wait on each other in a cycle; per pair of ranks, the receives are posted in
-the order the sends are (backends that match messages in order, NCCL's,
-need this). One exception, PipeDream-2BW's: the gradient that a rank's
-first backward of a step needs comes from the next rank's last backward of
-the step before; it is received at the end of that step, so that no message
-is in flight across the step's collectives.
+Communication, one rule for every schedule: a receive right before the computation that
+needs it, a send right after the one that produced it, neighbouring transfers one batch.
+The runtime waits for a batch's receives only, so a rank never idles because a neighbour
+has not asked for its output yet (waiting for sends too costs ZB-H1 its advantage);
+`simulate` has these semantics and fails if ranks could wait on each other in a cycle.
+Per pair of ranks, receives are posted in the order of the sends, as backends that match
+messages in order (NCCL) need. One exception, PipeDream-2BW's: the gradient a rank's
+first backward of a step needs comes from the next rank's last backward of the step
+before, and is received at the end of that step, so that no message is in flight across
+the step's collectives.
 """
 
 from __future__ import annotations
@@ -68,7 +51,9 @@ from dataclasses import dataclass
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PIPEDREAM_2BW = "pipedream-2bw"
 ALL_SCHEDULES = (*SCHEDULES, PIPEDREAM_2BW)
+# F forward; BW input and weight gradients; B input gradient only; W weight gradients, where a rank would idle
 COMPUTE = ("F", "BW", "B", "W")
+# act: a stage's output, to the next stage's rank; grad: its input's gradient, to the previous stage's rank
 TRANSFERS = ("send_act", "recv_act", "send_grad", "recv_grad")
 # Cost of each computation on one chunk, in units of a chunk's forward: equal F, B and W costs.
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}

@@ -21,9 +21,9 @@ from scaletrain.errors import UserError
 from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
+from scaletrain.parallel.parallelize import model_dropout
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.techniques.recompute import parse_policy
-from scaletrain.train.layout import model_dropout
 
 # The command's options that belong to a run rather than to a step: its evaluation, the
 # launcher's processes, its MFU figure; a script has its own of each.

@@ -20,7 +20,7 @@ from scaletrain.parallel.context import (
     ring_attention,
     zigzag_positions,
 )
-from scaletrain.parallel.tensor import parallelize
+from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.runtime import Comm, Mesh, ParallelDims
 from tests.distributed import run_distributed
 
@@ -179,8 +179,8 @@ def _model_run(rank: int, n: int, cp: int, tp: int, sp: bool) -> dict[str, float
 
     mesh, comm = Mesh.build(ParallelDims(cp=cp, tp=tp), rank, n), Comm()
     model = _gpt()
-    tensor_parallel = parallelize(model, GPT_PLAN, comm, mesh.group("tp"), sequence_parallel=sp,
-                                  dropout=0.0) if tp > 1 else None
+    tensor_parallel = parallelize_tensor(model, GPT_PLAN, comm, mesh.group("tp"), sequence_parallel=sp,
+                                         dropout=0.0) if tp > 1 else None
     cp_group = mesh.group("cp")
     context_parallel = parallelize_context(model, comm, cp_group, **POSITIONS)
     logits, targets = model(context_parallel.local(x)), context_parallel.local(y)

@@ -24,7 +24,7 @@ from scaletrain.config import Config
 from scaletrain.finetune.hf import read_hf_model
 from scaletrain.finetune.sliced import FolderSource, load_hf_model, materialize
 from scaletrain.models import family_config, spec_for
-from scaletrain.parallel.tensor import parallelize
+from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.runtime.mesh import Group
 from scaletrain.train import checkpoint as ckpt
 
@@ -133,8 +133,8 @@ def _split_pieces(folder: Path, tp: int) -> tuple[list[dict[str, torch.Tensor]],
     for rank in range(tp):
         with torch.device("meta"):
             model = spec.build(family_cfg)
-        split = parallelize(model, spec.tensor_plan(family_cfg), None, Group("tp", tuple(range(tp)), rank),
-                            sequence_parallel=False, dropout=0.0)
+        split = parallelize_tensor(model, spec.tensor_plan(family_cfg), None, Group("tp", tuple(range(tp)), rank),
+                                   sequence_parallel=False, dropout=0.0)
         source = FolderSource(hf_model, family_cfg)
         materialize(model, source, torch.device("cpu"), split.splits, rank)
         pieces.append({name: p.detach() for name, p in model.named_parameters()})

@@ -17,7 +17,7 @@ from scaletrain.models.gpt_spec import TENSOR_PLAN as GPT_PLAN
 from scaletrain.parallel.tensor import (
     RegionRNG,
     Split,
-    parallelize,
+    parallelize_tensor,
     split_sizes,
 )
 from scaletrain.runtime import Comm, Mesh, ParallelDims
@@ -44,8 +44,8 @@ def _batch(vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
 def _split_gpt(rank: int, n: int, *, sp: bool, layers: int = 2, vocab: int = V, dropout: float = 0.0):
     model = _gpt(layers, vocab, dropout)
     comm = Comm()
-    tp = parallelize(model, GPT_PLAN, comm, Mesh.build(ParallelDims(tp=n), rank, n).group("tp"),
-                     sequence_parallel=sp, dropout=dropout)
+    tp = parallelize_tensor(model, GPT_PLAN, comm, Mesh.build(ParallelDims(tp=n), rank, n).group("tp"),
+                            sequence_parallel=sp, dropout=dropout)
     return model, tp, comm
 
 

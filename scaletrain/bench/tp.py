@@ -17,7 +17,7 @@ step in rotating order, each step after a barrier:
 
 Contenders:
 
-  ours  parallel/tensor.py: ``parallelize(model, spec.tensor_plan(cfg), ...)`` without
+  ours  parallel/tensor.py: ``parallelize_tensor(model, spec.tensor_plan(cfg), ...)`` without
         sequence parallelism, its vocabulary-parallel cross-entropy
         (``TensorParallel.loss``) and its clip, which sums the split
         gradients' squares over the group and counts replicated ones once.
@@ -113,7 +113,7 @@ from scaletrain.models.spec import (
     tied_parameters,
 )
 from scaletrain.optim import build_optimizer, decay_groups
-from scaletrain.parallel.tensor import parallelize
+from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
 from scaletrain.train.layout import loss_fn
@@ -184,7 +184,7 @@ def _max_norm(cfg: Config) -> float:
 
 
 def _ours(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, cfg: Config) -> Contender:
-    tp = parallelize(model, plan, comm, group, sequence_parallel=False, dropout=0.0)
+    tp = parallelize_tensor(model, plan, comm, group, sequence_parallel=False, dropout=0.0)
     params = list(model.parameters())
     optimizer = build_optimizer(decay_groups(model, cfg.train.weight_decay), cfg.train)
     return Contender(OURS, model, optimizer, tp.loss, lambda: tp.clip_grad_norm_(params, _max_norm(cfg)))

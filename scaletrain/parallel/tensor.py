@@ -57,7 +57,7 @@ fc output 4, GELU output 4: his 24); with sp every one of them is split.
 tests/test_tensor.py measures these exactly with the memory ledger's meter.
 
 The plan is data: a family's spec (models/spec.py) names, by module path, what
-each part of its plain model becomes; `parallelize` cuts the full model, built
+each part of its plain model becomes; `parallelize_tensor` cuts the full model, built
 with the same seed as on one device, so a tp run starts from exactly its weights.
 
 Dropout randomness. Without sp, activations outside the regions are replicated
@@ -413,8 +413,8 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def parallelize(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, *, sequence_parallel: bool,
-                dropout: float, hook_gradients: bool = True) -> TensorParallel:
+def parallelize_tensor(model: nn.Module, plan: TensorPlan, comm: Comm, group: Group, *, sequence_parallel: bool,
+                       dropout: float, hook_gradients: bool = True) -> TensorParallel:
     """Split ``model`` (built whole, on every rank alike) over ``group`` by ``plan``, in place.
     ``hook_gradients=False`` leaves `TensorParallel.hook_replicated_gradients` to the caller: a
     model on the meta device gets its storage later, and a tensor's hooks do not move with it."""

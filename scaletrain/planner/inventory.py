@@ -40,7 +40,7 @@ from scaletrain.parallel.pipeline.partition import (
     parameter_costs,
     shared_parameters,
 )
-from scaletrain.parallel.tensor import parallelize
+from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.parallel.zero import layer_modules
 from scaletrain.runtime.mesh import Group
 
@@ -158,8 +158,8 @@ def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset
             add_adapters(whole, FinetuneConfig(lora_rank=rank, lora_targets=targets, quantize=quantize), model.spec)
     sliced: frozenset[str] = frozenset()
     if tp > 1:
-        plan = parallelize(whole, model.tensor_plan, None, _first_rank("tp", tp),
-                           sequence_parallel=False, dropout=0.0)
+        plan = parallelize_tensor(whole, model.tensor_plan, None, _first_rank("tp", tp),
+                                  sequence_parallel=False, dropout=0.0)
         sliced = frozenset(name for name, p in whole.named_parameters() if p in plan.splits)
     if ep > 1:
         parallelize_experts(whole, None, _first_rank("ep", ep))

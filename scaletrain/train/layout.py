@@ -2,10 +2,8 @@
 
 A `Layout` turns a plain model, its plan (models/spec.py: `ModelPlan`), the
 training and parallel settings and the mesh into this rank's part of the
-job: the parallel transforms in the order they compose
-(docs/nd-parallel.md): tp keeps this rank's slices of the weights, cp its
-positions of every sequence, ep its share of the experts, pp its stages of
-the model; then the per-block transforms inside each stage (recompute,
+job: `parallelize` (parallel/parallelize.py) applies tp, cp, ep and pp in the
+order they compose; then the per-block transforms inside each stage (recompute,
 compile), the replicas made equal, and what holds the optimizer's tensors:
 ZeRO's shards, fp32 master weights, or the weights themselves under a data
 parallel wrapper. The optimizer and the bookkeeping the step needs (which
@@ -29,20 +27,16 @@ from scaletrain.config import ParallelConfig, TrainConfig
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.finetune.sliced import FolderSource, flat_reader, materialize
 from scaletrain.kernels import head_loss, unavailable
-from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
 from scaletrain.optim.stochastic_rounding import StochasticRounding
-from scaletrain.parallel.context import ContextParallel, parallelize_context
 from scaletrain.parallel.data import DataParallel, JointDataParallel
-from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
 from scaletrain.parallel.hybrid import zero_groups
 from scaletrain.parallel.local_sgd import LocalSGD
-from scaletrain.parallel.pipeline.parallel import PipelineParallel
-from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
+from scaletrain.parallel.parallelize import parallelize
 from scaletrain.parallel.pipeline.two_bw import delayed_update
-from scaletrain.parallel.tensor import TensorParallel, parallelize
+from scaletrain.parallel.tensor import TensorParallel
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh
@@ -70,13 +64,6 @@ def fused_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
-def model_dropout(model: nn.Module) -> float:
-    """The largest dropout probability of the model's dropout layers and attentions."""
-    rates = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
-    rates += [m.dropout for m in model.modules() if isinstance(m, CausalAttention)]
-    return max(rates, default=0.0)
-
-
 class Layout:
     """This rank's part of ``model`` (whole, the same on every rank; or on the meta device with
     ``source`` to read its weights from, each rank its own slices: finetune/sliced.py) under
@@ -97,9 +84,15 @@ class Layout:
         self.folder = source
         if not self.folder:
             self.model.to(device)
-        self._split_over_the_mesh(seq_len)
+        self.micro_batches, virtual = parallel.pipeline_sizes()
+        parts = parallelize(model, self.plan, mesh, comm, device, sequence_parallel=parallel.sp, seq_len=seq_len,
+                            schedule=parallel.pp_schedule, micro_batches=self.micro_batches, virtual_stages=virtual,
+                            balance_by=parallel.pp_balance, sample=sample,
+                            read_weights=self._read_folder if self.folder else None)
+        self.tensor_parallel, self.context_parallel = parts.tensor, parts.context
+        self.expert_parallel, self.pipeline = parts.experts, parts.pipeline
+        self.moe_layers = moe_layers(self.model)
         self._choose_the_loss(fused_head)
-        self._cut_into_stages_and_read(sample)
         self._transform_blocks()
         if not self.folder:  # every rank read the same file: equal already
             self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
@@ -115,28 +108,6 @@ class Layout:
         self.norm_counted = self._counted_for_norm()
         # Over these groups the counted gradients add up to the whole model's, each element once.
         self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
-
-    def _split_over_the_mesh(self, seq_len: int | None) -> None:
-        """tp, cp and ep, in that order, each on its own group of the mesh."""
-        comm = self.comm
-        # Megatron tensor (and sequence) parallelism: the full weights were
-        # built alike on every rank, each tp rank keeps its slices of them.
-        self.tensor_parallel: TensorParallel | None = None
-        if self.tp_group.size > 1:
-            self.tensor_parallel = parallelize(self.model, self.plan.tensor, comm, self.tp_group,
-                                               sequence_parallel=self.parallel.sp, dropout=model_dropout(self.model),
-                                               hook_gradients=not self.folder)
-        # Context parallelism: each cp rank keeps two chunks of every sequence, attention by ring.
-        self.context_parallel: ContextParallel | None = None
-        if self.cp_group.size > 1:
-            self.context_parallel = parallelize_context(self.model, comm, self.cp_group, seq_len=seq_len,
-                                                        position_modules=self.plan.position_modules,
-                                                        device=self.device)
-        # Expert parallelism: each ep rank keeps its share of every mixture-of-experts block's experts.
-        self.expert_parallel: ExpertParallel | None = None
-        if self.ep_group.size > 1:
-            self.expert_parallel = parallelize_experts(self.model, comm, self.ep_group)
-        self.moe_layers = moe_layers(self.model)
 
     def _choose_the_loss(self, fused_head: bool) -> None:
         """The loss on the logits (tp's vocabulary-parallel one where tp splits them), or the head and
@@ -154,19 +125,6 @@ class Layout:
         if t.fused == "triton" and fused_head and self.tp_group.size == 1 and not whole_head:
             self.loss_fn = fused_loss_fn
 
-    def _cut_into_stages_and_read(self, sample: torch.Tensor | None) -> None:
-        """Pipeline parallelism: each pp rank keeps its stages of the model; then, from a folder, the
-        weights this rank keeps are read (finetune/sliced.py)."""
-        p = self.parallel
-        self.micro_batches, _ = p.pipeline_sizes()
-        self.pipeline: PipelineParallel | None = None
-        if self.folder and (p.pp_balance == "time" or p.pp_schedule == PIPEDREAM_2BW):
-            self._read_folder()  # timing the blocks, or 2BW's weight versions, need the values
-        if self.pp_group.size > 1:
-            self.pipeline = self._cut_into_stages(None if sample is None else self.local(sample)[0])
-        if self.folder:
-            self._read_folder()
-
     def _transform_blocks(self) -> None:
         """Recompute and compile, block by block, per pipeline stage (a sqrt segment must not cross a cut)."""
         stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [self.blocks()]
@@ -181,10 +139,10 @@ class Layout:
         stack = self.plan.block_stack
         return list(getattr(self.model, stack)) if stack else layer_modules(self.model)
 
-    def _read_folder(self) -> None:
+    def _read_folder(self, tensor_parallel: TensorParallel | None) -> None:
         """Storage for this rank's meta weights, read from the folder; under ZeRO-3 the weights
         tensor parallelism left whole stay meta, for ZeRO to read its shard of each."""
-        splits = self.tensor_parallel.splits if self.tensor_parallel else {}
+        splits = tensor_parallel.splits if tensor_parallel else {}
         later = {id(q) for q in self.model.parameters() if q not in splits} if self.parallel.zero == 3 else set()
         materialize(self.model, self.folder, self.device, splits, self.tp_group.rank, skip=later)
 
@@ -271,23 +229,6 @@ class Layout:
         if self.parallel.zero != 3 or not self.plan.blocks:
             return None
         return [block for block in getattr(self.model, self.plan.blocks) if any(True for _ in block.parameters())]
-
-    def _cut_into_stages(self, sample: torch.Tensor | None) -> PipelineParallel:
-        p = self.parallel
-        width = self.plan.width
-        _, virtual = p.pipeline_sizes()
-
-        def boundary(batch: int, seq: int) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-            # The decoder's residual stream crosses the cuts, in fp32 whatever the precision;
-            # with sequence parallelism each tp rank holds its chunk of the (cp rank's) positions.
-            if self.tensor_parallel and self.tensor_parallel.sequence_parallel:
-                seq //= self.tp_group.size
-            return (batch, seq, width), torch.float32, self.device
-
-        return PipelineParallel(
-            self.model, self.plan.stages, self.comm, self.pp_group, schedule=p.pp_schedule,
-            micro_batches=self.micro_batches, virtual_stages=virtual, balance_by=p.pp_balance,
-            boundary=boundary, sample=sample, world=self.mesh.group("world"))
 
     def local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A batch (inputs, targets[, documents]) on this rank's device; with cp, only this rank's

@@ -45,7 +45,7 @@ from scaletrain.techniques.precision import compute_dtype
 from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state, peak_resident_bytes
 from scaletrain.train.replicas import Replicas
-from scaletrain.train.stepped import MasterCopies, ModelWeights, Stepped, ZeroShards
+from scaletrain.train.step_weights import MasterCopies, ModelWeights, StepWeights, ZeroShards
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -191,9 +191,9 @@ class Layout:
         if fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]
-        # The update's three hooks over what the optimizer steps (train/stepped.py).
+        # The update's three hooks over what the optimizer steps (train/step_weights.py).
         if self.zero:
-            self.step_weights: Stepped = ZeroShards(self.zero)
+            self.step_weights: StepWeights = ZeroShards(self.zero)
         elif self.masters:
             self.step_weights = MasterCopies(self.data_parallel, self.local_sgd, self.masters, self.optimizer,
                                              fused_working_copy)

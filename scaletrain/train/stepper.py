@@ -6,7 +6,7 @@ user's own script (library.py: their model, their loop) run the same
 micro-batches and a loss function (the library's own loop, ``backward()``
 then ``step()``, calls its parts one by one); `Stepper.update` is the update,
 from the gradients' average to the cleared gradients, calling the hooks of
-whatever holds the optimizer's tensors (train/stepped.py).
+whatever holds the optimizer's tensors (train/step_weights.py).
 
 One step covers a global batch of ``G = micro_batch * grad_accum * dp * ep``
 samples. The strategies compose in this order, each on its own group of the

@@ -31,7 +31,7 @@ from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.zero import ZeroDataParallel
 
 
-class Stepped(Protocol):
+class StepWeights(Protocol):
     """The three hooks of the update (module docstring)."""
 
     def take_gradients(self) -> None: ...

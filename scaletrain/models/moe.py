@@ -27,11 +27,11 @@ sequence of s tokens: with a capacity factor c, each expert takes at most
 
     C = ceil(c * s * k / E)
 
-of the sequence's s*k assignments. Priority goes to every first choice
-before any second choice, and within a choice to earlier positions; an
-assignment past its expert's C is dropped: never sent, contributing nothing,
-so a token whose choices are all dropped leaves the block through the
-residual connection unchanged. ``capacity=None`` drops nothing (dropless).
+of the sequence's s*k assignments, every first choice before any second
+choice, earlier positions first. An assignment past its expert's C is
+dropped: it contributes nothing, so a token whose choices are all dropped
+leaves the block through the residual connection unchanged. ``capacity=None``
+drops nothing (dropless).
 
 Auxiliary losses, per sequence then averaged over the batch's sequences:
 
@@ -53,11 +53,8 @@ batch across ranks by whole sequences, so a parallel run computes exactly
 what one device computes on the whole batch: the mean of per-sequence losses
 splits into per-rank sums, with no statistics to exchange.
 
-Computation. The kept assignments are grouped by expert (a stable sort by
-expert id), each expert runs once on all its rows (``Experts``), and the
-outputs are scattered back, y[token] += gate * output. Expert parallelism
-(parallel/experts.py) puts a dispatch in place of ``Experts``; this layer
-knows nothing of it.
+Expert parallelism (parallel/experts.py) puts a dispatch in place of
+``Experts``; this layer knows nothing of it.
 """
 
 from __future__ import annotations
@@ -200,8 +197,10 @@ class MoE(nn.Module):
         counts = torch.bincount(expert, minlength=self.cfg.experts)
         self.tokens_per_expert = counts  # indices and counts: outside the graph already
         self.dropped = routing.kept.numel() - counts.sum()
+        # the kept rows [n_kept, d_model] in expert order: each expert runs once, on all its rows
         out = self.experts(x.reshape(b * s, d)[token], counts.tolist())
         weighted = out * gate[:, None]
+        # scattered back: y[token] += gate * output; dropped assignments add nothing
         return weighted.new_zeros(b * s, d).index_add(0, token, weighted).view(b, s, d)
 
 

@@ -15,43 +15,32 @@ times the gradient bytes per rank (Patarasuk & Yuan 2009).
 
 Overlap (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating
 Data Parallel Training"). Gradients are packed into buckets of about
-``bucket_mb`` MiB, filled in the reverse order of parameter registration,
-which is roughly the order backward produces them (the last layer's first).
-A hook on every parameter fires when its gradient has been accumulated;
-when the last gradient of a bucket arrives, that bucket's all-reduce starts
-asynchronously while backward goes on computing earlier layers' gradients.
-`finish_gradient_sync` then waits only for what is still in flight. Buckets
-launch strictly in index order, so every rank issues the same collectives
-in the same order even if their hooks fire in a different one. Small
-buckets overlap sooner but pay the per-call latency more often; large ones
-the reverse (25 MiB is torch DDP's default too).
+``bucket_mb`` MiB in the reverse order of parameter registration, roughly the
+order backward produces them; a bucket's reduction starts when its last
+gradient arrives, while backward goes on. Buckets launch strictly in index
+order, so every rank issues the same collectives in the same order even if
+their hooks fire in a different one. Small buckets overlap sooner but pay the
+per-call latency more often; large ones the reverse (25 MiB is torch DDP's
+default too). Communication happens once per optimizer step, whatever
+``--grad-accum`` is.
 
 Gradient memory. When the bucket dtype is the parameter dtype, each
 parameter's ``.grad`` is a view into its bucket, so backward accumulates
-straight into the buffer that is reduced: no copy per step. When it is not
-(``--reduce-dtype fp32`` with bf16 weights), the hook adds each micro-batch's
-gradient into the fp32 bucket and frees the bf16 one, so accumulation over
-micro-batches and the reduction both run in fp32 (Megatron's "main_grad");
-the optimizer's fp32 master gradients are filled from the bucket
-(`gradient`), never rounded to bf16 on the way.
-
-One rank alone, averaging over itself in the gradients' own dtype, has
-nothing to reduce: its gradients stay autograd's, accumulated in place over
-micro-batches and freed by `zero_grad`, with no bucket (a copy of every
-gradient a step saved: 4.4 GB on a 1.1B model, docs/performance.md).
-
-Gradient accumulation: inside `no_sync()` the hooks only accumulate; the
-buckets launch on the final micro-batch, so communication happens once per
-optimizer step whatever ``--grad-accum`` is.
+straight into the buffer that is reduced: no copy per step. With
+``--reduce-dtype fp32`` and bf16 weights, accumulation over micro-batches and
+the reduction both run in fp32 (Megatron's "main_grad"), and the optimizer's
+fp32 master gradients are filled from the bucket (`gradient`), never rounded
+to bf16 on the way. One rank alone, averaging over itself in the gradients'
+own dtype, has nothing to reduce and keeps autograd's gradients, with no
+bucket (a copy of every gradient a step saved: 4.4 GB on a 1.1B model,
+docs/performance.md).
 
 Each rank's bucket is multiplied by its weight b_r / B (1/n by default)
 before the sum, rather than divided after: low-precision sums then stay in
 range, and a short last batch (`weigh_by`) is averaged correctly.
 
-The reduction itself is pluggable: the backend's all-reduce (asynchronous
-work handles), the ring of runtime/ring.py, or a gradient compressor
-(optim/compression.py); the last two run on one communication thread, in
-bucket order, so they overlap backward too.
+The reduction is pluggable: the backend's all-reduce, the ring of
+runtime/ring.py, or a gradient compressor (optim/compression.py).
 """
 
 from __future__ import annotations
@@ -240,6 +229,7 @@ class DataParallel:
             for param in bucket.params:
                 param.grad = None
         for param in self._unbucketed:
+            # autograd's own gradient, accumulated in place over micro-batches and freed here: no bucket holds it
             param.grad = None
 
     def holds(self, param: nn.Parameter) -> bool:
@@ -272,7 +262,7 @@ class DataParallel:
                 view.copy_(param.grad)
             param.grad = view if bucket.grads_are_views else None
         bucket.filled.add(id(param))
-        if not self._syncing:
+        if not self._syncing:  # inside no_sync(): accumulate only; nothing is sent before the final micro-batch
             return
         if id(param) in bucket.ready or bucket.pending is not None:
             raise RuntimeError("a parameter's gradient arrived twice in one step, after its bucket "

@@ -7,14 +7,14 @@ Efficient Collective Communication for Giant Model Training" keeps its
 optimizer state over all ranks and only a secondary weight shard per node
 (hpZ), which saves memory but leaves its forward gathers and gradient
 reduce-scatters crossing nodes; HSDP, here, keeps all of them in the node.
-Plain ZeRO shards over all ``D`` data-parallel ranks, so every
-weight all-gather and gradient reduce-scatter spans every node. With
-``--shard-group N`` the dp group (runtime/mesh.py) is cut into ``G = D / N``
-shard groups of N neighbouring ranks (a node) and N replica groups of the G
-ranks at the same place in each shard group. ZeRO runs inside the shard
-group, unchanged (units padded to N, rank r of the group owns elements
-``[r*S, (r+1)*S)``, ``S = ceil(numel / N)``); the G shard groups hold the same
-state, and the gradients are averaged across them:
+Plain ZeRO shards over all ``D`` data-parallel ranks, so every weight
+all-gather and gradient reduce-scatter spans every node. With ``--shard-group N``
+the dp group (runtime/mesh.py) is cut into ``G = D / N`` shard groups of N
+neighbouring ranks (a node) and N replica groups of the G ranks at the same
+place in each shard group. ZeRO runs inside the shard group, unchanged (units
+padded to N, rank r of the group owns elements ``[r*S, (r+1)*S)``,
+``S = ceil(numel / N)``); the G shard groups hold the same state, and the
+gradients are averaged across them:
 
     reduce-scatter   inside the shard group: rank r gets the group's sum of its S elements
     all-reduce       across the replica group, of those S elements only: the sum over all D ranks
@@ -39,17 +39,16 @@ gradient norm sums squares over the shard group only (the replicas hold the
 same reduced shards); the loss is averaged over all D ranks.
 
 Quantized weight all-gather (``--quantize-weights int8``, ZeRO++ qwZ). Each
-rank cuts its shard of the working weights into blocks of ``BLOCK`` elements and
-sends, per block, its fp32 absmax scale ``s = max |x| / 127`` and the int8
-values ``round(x / s)``; every rank, its own shard included, rebuilds the unit
-from those (``q * s``), so all ranks compute with the same weights, in forward
-and in backward (the gradient is exactly that of the quantized weights). The
-fp32 masters the optimizer updates are never quantized, only the copies the
-layers compute with. Bytes per rank's shard of S elements, padded to whole
-words: ``4 ceil(S/BLOCK) + 4 ceil(S/4)``, about ``S (1 + 4/BLOCK)``, so the
-gathers move 0.254x the bytes of fp32 weights (0.51x of bf16); the
-reduce-scatters are unchanged. The error of an element is at most ``s/2``, half
-a step of its block's grid: a relative 1/254 of the block's largest weight.
+rank sends its shard of the working weights as int8 ``q = round(x / s)``, with
+one fp32 absmax scale ``s = max |x| / 127`` per block of ``BLOCK`` elements;
+every rank, its own shard included, computes with ``q * s``, so all ranks use
+the same weights in forward and backward (the gradient is exactly that of the
+quantized weights). The fp32 masters the optimizer updates are never
+quantized. Bytes per rank's shard of S elements, padded to whole words:
+``4 ceil(S/BLOCK) + 4 ceil(S/4)``, about ``S (1 + 4/BLOCK)``, so the gathers
+move 0.254x the bytes of fp32 weights (0.51x of bf16); the reduce-scatters are
+unchanged. The error of an element is at most ``s/2``, half a step of its
+block's grid: a relative 1/254 of the block's largest weight.
 """
 
 from __future__ import annotations

@@ -7,66 +7,50 @@ Four entries, each in bytes on this rank:
     weights (optim/masters.py) the masters count under ``optimizer`` (as in
     the ZeRO paper's K = 12 bytes: master, momentum, variance) and their fp32
     gradients under ``grads``; ``by_device`` then shows what ``--offload``
-    moved to the host. Tensors are
-    deduplicated by storage, keyed by (device, ``untyped_storage().data_ptr()``),
-    and a storage counts its full ``nbytes``: a tied weight (a tied head and
-    token embedding) counts once, and a view counts the storage it looks into,
-    since that is what stays allocated. For mixed-precision AdamW in fp32 this
-    gives the familiar 4N + 4N + 8N (plus a 4-byte step counter per tensor).
+    moved to the host. Each storage counts once and in full, since that is
+    what stays allocated: a tied weight (a tied head and token embedding)
+    counts once, and a view counts the storage it looks into. For
+    mixed-precision AdamW in fp32 this gives the familiar 4N + 4N + 8N (plus
+    a 4-byte step counter per tensor).
 ``activations_peak``
     The most bytes of saved activations alive at one moment during forward and
     backward of one micro-batch (``ActivationMeter``); with ``--pp``, of a
     whole round of the schedule on this rank's stages.
 ``cuda_peak``
-    ``torch.cuda.max_memory_allocated`` over the same micro-batch, where the
-    model is on a GPU: the allocator's view, which also holds temporaries,
-    gradients of activations and fragmentation, so it is the number to budget
-    with, and the entries above say what it is made of.
+    ``torch.cuda.max_memory_allocated`` over the same micro-batch, on a GPU: the
+    allocator's view, which also holds temporaries, gradients of activations and
+    fragmentation, so it is the number to budget with; the entries above say what
+    it is made of.
 
-How ``ActivationMeter`` measures. Definition: a storage is a saved activation
-from the moment autograd saves a tensor on it for backward until the storage
-is freed; parameters and buffers of the metered module are excluded (a Linear
-saves its weight, which is already counted under ``params``; a weight copy
-made by autocast is not a parameter and is counted). Parameters are known by
-their storage object, which survives ZeRO-3 freeing and re-gathering it (the
-storage is resized, not replaced). The meter sums the
-``nbytes`` of such storages, each once, and keeps the maximum of that sum.
+What ``ActivationMeter`` counts: a storage is a saved activation from the
+moment autograd saves a tensor on it for backward until the storage is freed;
+parameters and buffers of the metered module are excluded (a Linear saves its
+weight, already counted under ``params``; a weight copy made by autocast is
+not a parameter and is counted).
 
-Seeing the saves: ``torch.autograd.graph.saved_tensors_hooks`` calls a pack
-hook with every tensor autograd saves, but only the innermost hooks run, and
-non-reentrant ``torch.utils.checkpoint`` installs its own hooks inside every
-checkpointed region, in the forward (to drop the tensors) and again when it
-reruns the region in backward (to keep the recomputed tensors). Plain hooks
-would therefore miss exactly the recomputation whose memory this meter exists
-to show. So the meter also runs a ``TorchFunctionMode``, which sees every torch
-call (in backward too, where the recomputation happens): when some other
-hooks are on top, it runs the call under hooks of its own that note the
-tensor and then hand it to those hooks, so their behaviour is unchanged.
+Why more than saved-tensor hooks: only the innermost hooks run, and
+non-reentrant ``torch.utils.checkpoint`` installs its own in every checkpointed
+region, in the forward and again when it reruns the region in backward, so
+plain hooks would miss exactly the recomputation whose memory this meter exists
+to show. A ``TorchFunctionMode`` sees every torch call, in backward too, and
+puts the meter in front of whatever hooks are on top, leaving them unchanged.
 
-Seeing the frees: a weak reference to the tensor's ``untyped_storage()``
-whose callback fires when the storage is deallocated (torch keeps one Python
-object per live storage, so the callback marks the real free, not the end of
-a Python wrapper). Counting storage lifetimes rather than autograd's own
-references means a saved storage also counts while the program holds it in
-some other way: in a checkpointed forward, the tensors checkpoint drops stay
-counted until the region's own code lets go of them, within that one block.
-That is memory really in use, and it is why the measured peak of ``full``
-recompute is the block inputs plus one block's activations (reached when a
-block is recomputed in backward), not the block inputs alone.
+Why storage lifetimes rather than autograd's references: a saved storage also
+counts while the program holds it in some other way, as in a checkpointed
+forward, where the tensors checkpoint drops stay counted until the region's own
+code lets go of them, within that one block. That is memory really in use, and
+why the measured peak of ``full`` recompute is the block inputs plus one block's
+activations (reached when a block is recomputed in backward), not the inputs alone.
 
-Compiled code (``--compile``): Dynamo cannot trace through saved-tensor
-hooks, so the meter runs its micro-batch with compiled modules in eager mode
-(``torch.compiler.set_stance("force_eager")``) and reports the eager saved
-set. Inductor's partitioner saves the same tensors or fewer (it may recompute
-cheap elementwise results instead of saving them), so for a compiled model
-the figure is an upper bound; the compiled code itself runs from the next
-micro-batch on.
+Compiled code (``--compile``): Dynamo cannot trace through saved-tensor hooks,
+so the meter reports the eager saved set. Inductor's partitioner saves the same
+tensors or fewer (it may recompute cheap elementwise results instead of saving
+them), so for a compiled model the figure is an upper bound.
 
 Compressed activations (``--compress-activations``, techniques/compress_activations.py):
-the compression hooks sit above the meter's and hand the meter what they keep
-(the bf16 copy, or the int8 blocks and their scales), so the meter counts the
-compressed bytes, which is what stays allocated; the full-precision tensor is
-a temporary of the forward from then on, like any other.
+the compression hooks sit above the meter's and hand it what they keep (the
+bf16 copy, or the int8 blocks and their scales), so the meter counts the
+compressed bytes, which is what stays allocated.
 
 Limits: calls that bypass torch's function API inside a checkpointed region
 (a custom ``autograd.Function`` saving with ``ctx.save_for_backward``) are not
@@ -208,10 +192,12 @@ class ActivationMeter:
         self._cuda: torch.device | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
         self._mode = _ChainSavedTensorHooks(self)
+        # compiled modules run eager in the metered micro-batch only; their compiled code runs from the next one
         self._eager = torch.compiler.set_stance("force_eager")
 
     def __enter__(self) -> Self:
         tensors = [*self.module.parameters(), *self.module.buffers()]
+        # keyed by storage object, which survives ZeRO-3 freeing and re-gathering it (resized, not replaced)
         self._excluded = {id(s): s for s in (t.untyped_storage() for t in tensors)}
         self._cuda = next((t.device for t in tensors if t.is_cuda), None)
         if self._cuda is not None:
@@ -241,6 +227,7 @@ class ActivationMeter:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
+        # fires when the storage itself is freed: torch keeps one Python object per live storage, not per tensor
         self._live[key] = (nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)))
         self.current += nbytes
         self.peak = max(self.peak, self.current)

@@ -130,10 +130,11 @@ class TrainConfig:
     seed: int = _opt(1234, "random seed for initialization, data order and dropout")
     eval_every: int = _opt(100, "steps between validation passes (0: only at the end)")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
-    precision: str = _opt("fp32", "compute precision: fp32, bf16 autocast, or fp16 autocast with "
-                                  "dynamic loss scaling", choices=("fp32", "bf16", "fp16"))
+    precision: str = _opt("fp32", "compute precision: fp32, bf16 autocast, fp16 autocast with dynamic loss "
+                                  "scaling, or fp8: bf16 autocast with the blocks' linear products in float8 "
+                                  "(docs/techniques.md)", choices=("fp32", "bf16", "fp16", "fp8"))
     param_dtype: str = _opt("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
-                                    "the optimizer (needs --precision bf16)", choices=("fp32", "bf16"))
+                                    "the optimizer (needs --precision bf16 or fp8)", choices=("fp32", "bf16"))
     masters: str = _opt("fp32", "'none' with --param-dtype bf16: pure bf16, the optimizer steps the bf16 weights "
                                 "themselves, its state in bf16, no fp32 master copy", choices=("fp32", "none"))
     stochastic_rounding: bool = _opt(False, "with --masters none: round each updated bf16 weight up or down at "

@@ -49,7 +49,23 @@ def check_values(cfg: Config) -> None:
     _check_two_bw(cfg)
     _check_context(cfg)
     _check_experts(cfg)
+    _check_fp8(cfg)
     _check_peak(cfg.train.peak_tflops)
+
+
+def _check_fp8(cfg: Config) -> None:
+    """``--precision fp8`` converts the blocks' plain linear layers (techniques/fp8.py): one sentence
+    where a layout rewrote them first."""
+    if cfg.train.precision != "fp8":
+        return
+    p = cfg.parallel
+    for flag, used, why in (
+            ("--tp", p.tp > 1, "tensor parallelism's sliced linear layers keep their bf16 products"),
+            ("--pp-schedule zb-h1", p.pp > 1 and p.pp_schedule == "zb-h1",
+             "zero bubble's split backward computes the weight gradients in bf16")):
+        if used:
+            raise UserError(f"--precision fp8 does not combine with {flag} in this version: {why}; use "
+                            f"--precision bf16 there, or drop {flag}.")
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -79,8 +95,8 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def _check_dtypes(cfg: Config) -> None:
-    if cfg.train.param_dtype == "bf16" and cfg.train.precision != "bf16":
-        raise UserError(f"--param-dtype bf16 needs --precision bf16 (autocast runs the matmuls in bf16 "
+    if cfg.train.param_dtype == "bf16" and cfg.train.precision not in ("bf16", "fp8"):
+        raise UserError(f"--param-dtype bf16 needs --precision bf16 or fp8 (autocast runs the matmuls in bf16 "
                         f"and keeps norms and the loss in fp32), not --precision {cfg.train.precision}.")
     _check_pure_bf16(cfg)
 

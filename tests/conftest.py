@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,13 @@ import torch
 # Triton is first imported, which some test may do at any point.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Inductor's on-disk cache does not key its C++ kernels by ATEN_CPU_CAPABILITY: a kernel generated
+# with AVX2 or AVX-512 by one run fails to build ("'at::vec' has not been declared") in a later run
+# under ATEN_CPU_CAPABILITY=default, which CI runs after the suite. One cache per capability.
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_CAPABILITY}")))
 
 from scaletrain.config import Config
 

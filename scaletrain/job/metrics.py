@@ -30,11 +30,12 @@ import torch
 from scaletrain.config import Config
 from scaletrain.job.trackers import Trackers
 
-# Dense bf16 and tf32 tensor-core peaks from the vendor datasheets, TFLOP/s.
+# Dense bf16 and tf32 tensor-core peaks from the vendor datasheets, TFLOP/s. An fp8 run's MFU is
+# against the bf16 peak, so that fp8 and bf16 runs compare on one scale.
 GPU_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 989.4},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 989.4},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0, "fp8": 312.0},
 }
 
 

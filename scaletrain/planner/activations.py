@@ -143,7 +143,7 @@ def block_columns(plan: TensorPlan | None, model: ModelShape) -> int:
 
 def shape_of(model: ModelShape, plan: TensorPlan | None, micro_batch: int, tp: int, sp: bool, cp: int,
              precision: str, param_dtype: str) -> Shape:
-    autocast = precision in ("bf16", "fp16")
+    autocast = precision in ("bf16", "fp16", "fp8")
     return Shape(b=micro_batch, s=model.seq_len // cp, model=model, columns=block_columns(plan, model), tp=tp,
                  sp=sp, cp=cp, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32")
 

@@ -130,6 +130,8 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
     of weights, gradients and optimizer state it updates); on a CPU a fixed share of the
     measured peak for every FLOP and no separate memory term (planner/hardware.py)."""
     peak = cluster.device.tflops[precision] * 1e12
+    # fp8 runs the blocks' linear products in float8 (techniques/fp8.py), attention's own products in bf16
+    attention_peak = cluster.device.tflops["bf16" if precision == "fp8" else precision] * 1e12
     if cluster.device.name == "cpu":
         rate = peak * cluster.device.efficiency
         return Clock(rate, rate, 0.0)
@@ -137,5 +139,5 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
     passes = ELEMENTWISE_PASSES * (blocks * activations.block(x) + (activations.head_and_loss(x) if last else 0))
     bandwidth = cluster.device.memory_gbps * 1e9 * MEMORY_SHARE
     return Clock(matmul_flops_s=peak * matmul_rate_share(m, tokens, x.tp),
-                 attention_flops_s=2 * peak * ATTENTION_SHARE,  # the formula's square, the kernel's half
+                 attention_flops_s=2 * attention_peak * ATTENTION_SHARE,  # the formula's square, the kernel's half
                  memory_s=(passes * micro_batches + state_bytes) / bandwidth)

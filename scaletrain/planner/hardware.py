@@ -50,7 +50,7 @@ class Device:
     """One accelerator (or the host CPU) and its links."""
 
     name: str
-    tflops: dict[str, float]  # peak per precision: "bf16", "fp16", "fp32"
+    tflops: dict[str, float]  # peak per precision: "bf16", "fp16", "fp32", "fp8" (dense, datasheet)
     memory_bytes: int
     intra_node_gbps: float  # GB/s one direction, per device (NVLink)
     inter_node_gbps: float  # GB/s per device across nodes (network)
@@ -63,9 +63,13 @@ class Device:
 
 
 DEVICES = {
-    "A100": Device("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 80 * GB, 300.0, 25.0, 2039.0),
-    "H100": Device("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 80 * GB, 450.0, 50.0, 3350.0),
-    "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}, 141 * GB, 450.0, 50.0, 4800.0),
+    # the A100 has no float8 tensor cores: an fp8 run's products go at its bf16 rate
+    "A100": Device("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0, "fp8": 312.0}, 80 * GB, 300.0, 25.0,
+                   2039.0),
+    "H100": Device("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 1978.9}, 80 * GB, 450.0, 50.0,
+                   3350.0),
+    "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 1978.9}, 141 * GB, 450.0, 50.0,
+                   4800.0),
 }
 
 # gloo over loopback on the two-core test machine: 1.27 GB/s bus bandwidth at 64 MiB
@@ -78,7 +82,7 @@ CPU_BLOCK_OVERHEAD_S = 2e-3  # eager PyTorch, ~100 operators a block forward and
 
 def cpu_device(peak_tflops: float, memory_bytes: int) -> Device:
     """This machine as a device: ``peak_tflops`` measured (or given), host memory."""
-    peaks = dict.fromkeys(("bf16", "fp16", "fp32"), peak_tflops)
+    peaks = dict.fromkeys(("bf16", "fp16", "fp32", "fp8"), peak_tflops)
     return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, CPU_LATENCY_S, CPU_LATENCY_S,
                   link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S)  # a measured bus bandwidth already
 

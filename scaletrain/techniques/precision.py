@@ -62,9 +62,10 @@ import torch
 
 from scaletrain.errors import UserError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: the blocks' linear products in float8 (techniques/fp8.py), everything else as bf16
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,138 @@
+"""FP8 training (``--precision fp8``): the blocks' linear layers multiply in float8, all else in bf16.
+
+Micikevicius et al. 2022, "FP8 Formats for Deep Learning". Two 8-bit formats
+(sign / exponent / stored mantissa bits):
+
+    e4m3  1 / 4 / 3   largest 448,    smallest normal 2^-6,  subnormal step 2^-9
+    e5m2  1 / 5 / 2   largest 57344,  smallest normal 2^-14, subnormal step 2^-16
+
+e4m3 holds the forward's weights and activations (precision), e5m2 the
+backward's output gradients (range). A tensor is scaled into the format's
+range before the cast, by a power of two taken from its largest magnitude
+(dynamic per-tensor scaling, torchao's "tensorwise" recipe, the scale rounded
+down to a power of two as its ``round_scales_to_power_of_2`` does):
+
+    s = 2^floor(log2(max_format / amax|x|)),   x_8 = saturate(round(x * s))
+
+For a linear layer ``y = x W^T`` (x: [tokens, in], W: [out, in]):
+
+    forward    y  = (x_8 W_8^T) / (s_x s_W)          x_8, W_8 in e4m3
+    backward   dx = (g_8 W_8)   / (s_g s_W)          g = dL/dy in e5m2
+               dW = (g_8^T x_8) / (s_g s_x)
+
+each product accumulated in fp32 by the tensor cores (``torch._scaled_mm`` on
+a GPU, twice the bf16 rate on H100 and H200), y and dx written in the
+autocast dtype (bf16), dW in the weight's own dtype (fp32: the optimizer's
+masters stay full precision). Backward reuses the forward's x_8 and W_8, so
+a layer saves its input in one byte per element instead of two.
+
+Why powers of two: multiplying by 2^k is exact, so a value's rounding to the
+format does not depend on k unless the scaled value falls below the smallest
+normal or is saturated. Two layouts whose ranks see different parts of a
+tensor (dp's samples, cp's positions, tp's slices) choose scales that differ
+by a few powers of two and round every element alike, except those under
+``amax * 2^-6 / 448`` (e4m3) in magnitude, which move by at most one
+subnormal step, ``amax * 2^-9 / 448`` (about 4.4e-6 amax). No amax is
+all-reduced: a layout costs no collective more than bf16, and parity
+(docs/parity.md) holds at bf16's tolerance, which the bf16 rounding of every
+output dominates.
+
+Where there is no ``torch._scaled_mm`` for the shapes (off a GPU, or a side
+not a multiple of 16, as a mixture of experts' rows per expert), the product
+is emulated exactly: the 8-bit values decoded to fp32, multiplied there, the
+result rounded to the output dtype, as the tensor cores round it.
+
+What stays in bf16 (or fp32): embeddings, norms, attention's own products
+(softmax(QK^T)V), the output head and the loss (torchtitan's default leaves
+the head out too: its logits feed the loss directly), and any layer outside
+the blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+E4M3 = torch.float8_e4m3fn  # weights and activations: more mantissa
+E5M2 = torch.float8_e5m2  # output gradients: more range
+
+
+def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest power of two s with amax * s at most the format's largest value (1 for a zero tensor)."""
+    largest = torch.finfo(dtype).max
+    amax = amax.float()
+    exponent = torch.floor(torch.log2(largest / amax.clamp(min=torch.finfo(torch.float32).tiny)))
+    return torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
+
+
+def to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` scaled by its power-of-two scale, saturated and cast to ``dtype``; and the inverse scale."""
+    scale = power_of_two_scale(x.detach().abs().amax(), dtype)
+    largest = torch.finfo(dtype).max
+    encoded = (x.detach().float() * scale).clamp(-largest, largest).to(dtype)
+    return encoded, scale.reciprocal()
+
+
+def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes ``a @ b``: a GPU with float8 tensor cores (compute
+    capability 8.9 on: Ada, Hopper), and every side a multiple of 16."""
+    return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
+            and all(size % 16 == 0 for size in (*a.shape, b.shape[1])))
+
+
+def scaled_matmul(a: torch.Tensor, a_inverse: torch.Tensor, b: torch.Tensor, b_inverse: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b) * a_inverse * b_inverse`` for 8-bit ``a`` [m, k] and ``b`` [k, n], accumulated in
+    fp32 and rounded to ``out_dtype``: the tensor cores' product, or its exact emulation."""
+    if _fits_scaled_mm(a, b):
+        # the tensor cores take a row-major and b column-major
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_inverse, scale_b=b_inverse,
+                                out_dtype=out_dtype)
+    return ((a.float() @ b.float()) * (a_inverse * b_inverse)).to(out_dtype)
+
+
+class _Float8Matmul(Function):
+    """y = x W^T with x and W in e4m3, the output gradient in e5m2 (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        x8, x_inverse = to_float8(rows, E4M3)
+        w8, w_inverse = to_float8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inverse, w8, w_inverse)  # one byte an element, not bf16's two
+        ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+        y = scaled_matmul(x8, x_inverse, w8.t(), w_inverse, out_dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x8, x_inverse, w8, w_inverse = ctx.saved_tensors
+        g8, g_inverse = to_float8(grad.reshape(-1, grad.shape[-1]), E5M2)
+        grad_x = scaled_matmul(g8, g_inverse, w8, w_inverse, ctx.input_dtype)
+        grad_w = scaled_matmul(g8.t(), g_inverse, x8, x_inverse, torch.float32)
+        return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose product runs in float8 (module docstring); made in place by
+    `convert_to_float8`, the same object with the same parameters, so names, hooks, ZeRO's
+    views and checkpoints are those of the linear layer it was."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):  # the emulation's fp32 product stays fp32
+            y = _Float8Matmul.apply(x, self.weight, low)
+            return y if self.bias is None else y + self.bias.to(low)
+
+
+def convert_to_float8(blocks: list[nn.Module]) -> int:
+    """Every plain ``nn.Linear`` inside ``blocks`` made a `Float8Linear`, in place; how many."""
+    count = 0
+    for block in blocks:
+        for module in block.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = Float8Linear
+                count += 1
+    return count

@@ -60,7 +60,7 @@ def _check_fp8(cfg: Config) -> None:
         return
     p = cfg.parallel
     for flag, used, why in (
-            ("--tp", p.tp > 1, "tensor parallelism's sliced linear layers keep their bf16 products"),
+            ("--sp", p.tp > 1 and p.sp, "sequence parallelism's gathered products stay in bf16"),
             ("--pp-schedule zb-h1", p.pp > 1 and p.pp_schedule == "zb-h1",
              "zero bubble's split backward computes the weight gradients in bf16")):
         if used:

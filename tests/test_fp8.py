@@ -124,11 +124,12 @@ def test_fp8_trains_as_bf16_does(tiny_cfg, tmp_path):
 @pytest.mark.parametrize("changes", [
     dict(nproc=2, dp=2),
     dict(nproc=2, cp=2),
+    dict(nproc=2, tp=2),
     pytest.param(dict(nproc=2, pp=2, zero=1, microbatches=2), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, dp=2, zero=3, param_dtype="bf16"), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, dp=2, recompute="full", grad_accum=2), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, ep=2, moe_experts=4, moe_top_k=2), marks=pytest.mark.slow),
-], ids=["dp2", "cp2", "pp2-zero1", "zero3-bf16-weights", "dp2-recompute-accum", "ep2"])
+], ids=["dp2", "cp2", "tp2", "pp2-zero1", "zero3-bf16-weights", "dp2-recompute-accum", "ep2"])
 def test_an_fp8_layout_follows_the_fp8_reference(tiny_cfg, changes):
     """Every layout against one device running fp8 (docs/parity.md): the same casts to the last
     bit above the subnormals, so bf16's tolerance, which its output rounding sets, holds."""
@@ -137,7 +138,7 @@ def test_an_fp8_layout_follows_the_fp8_reference(tiny_cfg, changes):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--nproc", "2", "--tp", "2"], "--tp"),
+    (["--nproc", "2", "--tp", "2", "--sp"], "--sp"),
     (["--nproc", "2", "--pp", "2", "--pp-schedule", "zb-h1", "--microbatches", "2"], "zb-h1"),
     (["--param-dtype", "bf16", "--precision", "fp16"], "--precision bf16 or fp8"),
 ])
@@ -166,3 +167,20 @@ def test_fp8_compiles(tiny_cfg, tmp_path):
     compiled = losses_of_run(cfg, tmp_path / "compiled", compile=True)
     eager = losses_of_run(cfg, tmp_path / "eager")
     assert compiled == pytest.approx(eager, rel=1e-2)
+
+
+def test_tensor_parallel_slices_take_the_float8_product():
+    """A column-parallel slice inside a block switches to float8 as a plain linear layer does."""
+    from types import SimpleNamespace
+
+    from scaletrain.parallel.tensor import ColumnParallelLinear
+
+    weight = nn.Parameter(torch.randn(16, 32))
+    sliced = ColumnParallelLinear(weight, SimpleNamespace(sequence_parallel=False))
+    assert convert_to_float8([nn.Sequential(sliced)]) == 1 and sliced.float8
+    x = torch.randn(8, 32)
+    x8, x_inv = to_float8(x, E4M3)
+    w8, w_inv = to_float8(weight.detach(), E4M3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sliced(x)
+    assert torch.equal(y, ((x8.float() @ w8.float().t()) * (x_inv * w_inv)).bfloat16())

@@ -40,6 +40,7 @@ TECHNIQUES: dict[str, dict] = {
     "bf16": {"precision": "bf16"},
     "fp16": {"precision": "fp16"},
     "bf16-weights": {"precision": "bf16", "param_dtype": "bf16"},
+    "fp8": {"precision": "fp8", "param_dtype": "bf16"},
     "recompute-full": {"recompute": "full"},
     "recompute-every2": {"recompute": "every:2"},
     "recompute-sqrt": {"recompute": "sqrt"},

@@ -101,6 +101,7 @@ from scaletrain.runtime.autograd import (
 )
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
+from scaletrain.techniques.fp8 import float8_linear
 
 # -- the plan ------------------------------------------------------------------
 
@@ -218,6 +219,7 @@ class _SlicedLinear(nn.Module):
 
     defers_weight_grad = True
     store: WeightGradStore | None = None
+    float8 = False  # --precision fp8: the product in float8 (techniques/fp8.py); not with sp's gather
 
     def __init__(self, weight: nn.Parameter, tp: TensorParallel, bias: nn.Parameter | None = None):
         super().__init__()
@@ -228,6 +230,11 @@ class _SlicedLinear(nn.Module):
     def biased(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ this rank's slice of the weight: in float8 with --precision fp8, its scales from the
+        slice's own largest values (techniques/fp8.py says why no amax crosses the group)."""
+        return float8_linear(x, self.weight) if self.float8 else linear(x, self.weight, self.store)
+
 
 class ColumnParallelLinear(_SlicedLinear):
     """Holds a slice of the output features; its input is whole."""
@@ -235,7 +242,7 @@ class ColumnParallelLinear(_SlicedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sequence_parallel:
             return self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
-        return self.biased(linear(x, self.weight, self.store))
+        return self.biased(self.product(x))
 
 
 class RowParallelLinear(_SlicedLinear):
@@ -244,7 +251,7 @@ class RowParallelLinear(_SlicedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.rng is not None:
             self.tp.rng.exit()
-        return self.biased(self.tp.leave(linear(x, self.weight, self.store)))
+        return self.biased(self.tp.leave(self.product(x)))
 
 
 class VocabParallelHead(ColumnParallelLinear):

@@ -114,25 +114,37 @@ class _Float8Matmul(Function):
         return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None
 
 
+def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float8 (module docstring), written in the autocast dtype where autocast
+    is on (else in x's)."""
+    device = x.device.type
+    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):  # the emulation's fp32 product stays fp32
+        return _Float8Matmul.apply(x, weight, low)
+
+
 class Float8Linear(nn.Linear):
     """An ``nn.Linear`` whose product runs in float8 (module docstring); made in place by
     `convert_to_float8`, the same object with the same parameters, so names, hooks, ZeRO's
     views and checkpoints are those of the linear layer it was."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        with torch.autocast(device, enabled=False):  # the emulation's fp32 product stays fp32
-            y = _Float8Matmul.apply(x, self.weight, low)
-            return y if self.bias is None else y + self.bias.to(low)
+        y = float8_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def convert_to_float8(blocks: list[nn.Module]) -> int:
-    """Every plain ``nn.Linear`` inside ``blocks`` made a `Float8Linear`, in place; how many."""
+    """Inside ``blocks``, every plain ``nn.Linear`` made a `Float8Linear` and every layer that
+    offers a float8 product (``float8``: tensor parallelism's sliced layers) switched to it, in
+    place; how many."""
     count = 0
     for block in blocks:
         for module in block.modules():
             if type(module) is nn.Linear:
                 module.__class__ = Float8Linear
-                count += 1
+            elif getattr(module, "float8", None) is False:
+                module.float8 = True
+            else:
+                continue
+            count += 1
     return count

@@ -5,12 +5,17 @@ launches a script on Ray workers, and mistakes are one sentence."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +42,39 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Cluster:
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    """A Ray cluster of this run's own, as ``ray start`` makes one. Its own temporary folder
+    (RAY_TMPDIR: where --ray-address auto and ray.init() look for a running cluster) and its own
+    process group, stopped by signalling that group: ``ray stop`` would stop every Ray process
+    on the machine, a second test run's cluster too."""
+    folder = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths must stay under 108 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": folder}
     port, dashboard = free_port(), free_port()
-    subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=TIMEOUT_S)
+    log = Path(folder, "head.log")
+    with log.open("w") as out:  # the head keeps its own copy of the descriptor
+        head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                                 "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                                 f"--dashboard-port={dashboard}", "--disable-usage-stats"],
+                                env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     try:
+        _wait_for(Path(folder, "ray", "ray_current_cluster"), head, log)  # written once the head is up
         yield Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", env)
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=TIMEOUT_S)
+        os.killpg(head.pid, signal.SIGTERM)  # the head and every process it started, no one else's
+        try:
+            head.wait(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # a straggler of the group, if any
+                os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_for(address_file: Path, head: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not address_file.exists():
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start failed: {log.read_text()[-2000:]}")
+        assert time.monotonic() < deadline, f"the Ray head did not start within {TIMEOUT_S} s"
+        time.sleep(0.5)
 
 
 def _command(command: str, corpus: Path, out: Path, *extra: str) -> list[str]:

@@ -235,7 +235,9 @@ class ParallelConfig:
                                          "needs --zero)")
     quantize_weights: str = _opt("none", "ZeRO-3's weight all-gathers in int8 with an fp32 absmax scale per "
                                          "256-element block (ZeRO++ qwZ; forward and backward then run on "
-                                         "those weights; needs --zero 3)", choices=("none", "int8"))
+                                         "those weights), or fp8: e4m3 with a power-of-two scale per block "
+                                         "(lossless for --precision fp8's products but subnormals); needs --zero 3",
+                                 choices=("none", "int8", "fp8"))
     sync_every: int = _opt(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
                               "and the dp replicas' parameters are averaged every N steps (1: plain data "
                               "parallelism, gradients averaged every step)")

@@ -184,3 +184,31 @@ def test_tensor_parallel_slices_take_the_float8_product():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = sliced(x)
     assert torch.equal(y, ((x8.float() @ w8.float().t()) * (x_inv * w_inv)).bfloat16())
+
+
+def test_an_fp8_gather_holds_what_the_products_cast():
+    """--quantize-weights fp8 (parallel/hybrid.py): a weight rebuilt from its blocks' e4m3 codes
+    is what a float8 layer's per-tensor cast decodes it to, but below the smallest normal; the
+    gather moves a byte an element and a scale a block."""
+    from scaletrain.parallel.hybrid import BLOCK, dequantize, quantize_fp8, quantized_shard_bytes
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96) * torch.logspace(-3, 0, 96)  # blocks of very different sizes
+    codes, inverse = quantize_fp8(weight)
+    assert codes.dtype == E4M3 and codes.numel() == weight.numel() and inverse.numel() == weight.numel() // BLOCK
+    rebuilt = dequantize(codes, inverse).view_as(weight)
+    cast, cast_inverse = to_float8(weight, E4M3)
+    normal = weight.abs() >= 2.0**-6 * cast_inverse
+    assert normal.float().mean() > 0.9
+    assert torch.equal(rebuilt[normal], cast.float()[normal] * cast_inverse)
+    recast, recast_inverse = to_float8(rebuilt, E4M3)  # what the layer's product casts: nothing moves
+    assert torch.equal((recast.float() * recast_inverse)[normal], (cast.float() * cast_inverse)[normal])
+    assert quantized_shard_bytes(BLOCK * 8) == BLOCK * 8 + 4 * 8
+
+
+@pytest.mark.numerics
+def test_fp8_gathers_under_zero3_follow_the_fp8_reference(tiny_cfg):
+    """ZeRO-3 gathering its weights in fp8 against one device running fp8, which gathers nothing."""
+    report = run_parity(tiny_cfg.replace(**LLAMA, nproc=2, dp=2, zero=3, param_dtype="bf16",
+                                         quantize_weights="fp8"), tolerance=1e-2)
+    assert report.passed, report.to_json()

@@ -16,9 +16,9 @@ from scaletrain.errors import UserError
 from scaletrain.job.data_setup import prepare_data
 from scaletrain.parallel.hybrid import (
     BLOCK,
-    dequantize_int8,
-    int8_shard_bytes,
+    dequantize,
     quantize_int8,
+    quantized_shard_bytes,
 )
 from scaletrain.planner.hardware import Cluster, cpu_device
 from scaletrain.planner.predict import predict
@@ -66,7 +66,7 @@ def test_int8_blocks_keep_every_element_within_half_a_step_of_its_block():
     codes, scales = quantize_int8(values)
     assert codes.dtype == torch.int8 and codes.shape == values.shape and scales.shape == (4,)
     assert codes.abs().max() == 127
-    restored = dequantize_int8(codes, scales)
+    restored = dequantize(codes, scales)
     steps = scales.repeat_interleave(BLOCK)[:values.numel()]
     assert torch.all((restored - values).abs() <= steps / 2 * (1 + 1e-6))
     assert torch.equal(restored[BLOCK:2 * BLOCK], values[BLOCK:2 * BLOCK])
@@ -75,7 +75,7 @@ def test_int8_blocks_keep_every_element_within_half_a_step_of_its_block():
         part = slice(block * BLOCK, (block + 1) * BLOCK)
         largest = values[part].abs().argmax()
         assert restored[part][largest] == pytest.approx(values[part][largest].item(), rel=1e-6)
-    assert int8_shard_bytes(values.numel()) == 4 * 4 + 4 * math.ceil(values.numel() / 4)
+    assert quantized_shard_bytes(values.numel()) == 4 * 4 + 4 * math.ceil(values.numel() / 4)
 
 
 # -- parity and the ledger: one run of four ranks ----------------------------------
@@ -120,7 +120,7 @@ def _hybrid_and_plain(rank: int, n: int, hybrid_cfg, plain_cfg, quantized_cfg, s
     quantized.comm.all_gather(masters, block.master, zero.group)
     zero.gathering.gather(block)
     chunks = masters.view(zero.group.size, -1)
-    expected = torch.cat([dequantize_int8(*quantize_int8(chunk)) for chunk in chunks])
+    expected = torch.cat([dequantize(*quantize_int8(chunk)) for chunk in chunks])
     result["quantized_exact"] = torch.equal(block.full, expected)
     result["quantized_error"] = ((block.full - masters).abs().max() / masters.abs().max()).item()
     zero.gathering.free(block)
@@ -197,14 +197,14 @@ def test_ledger_splits_the_bytes_between_shard_and_replica_groups(four_ranks):
 def test_int8_gathers_send_int8_and_train_on_the_quantized_masters(four_ranks):
     """The gathered weights are exactly the int8 image of the fp32 masters (every rank's
     shard, the own one included), within 1/254 of a block's absmax; the all-gathers move
-    N x int8_shard_bytes(S) per unit, a quarter of fp32's and a little more; the losses stay
+    N x quantized_shard_bytes(S) per unit, a quarter of fp32's and a little more; the losses stay
     within 1e-3 of the exact run's but differ from it."""
     n = 2
     for result in four_ranks["ranks"]:
         assert result["quantized_exact"]
         assert 0 < result["quantized_error"] <= 1 / 254
         units, ledger = result["units"], result["quantized_ledger"]
-        sent = {u["numel"]: n * int8_shard_bytes(u["numel"] // n) for u in units}
+        sent = {u["numel"]: n * quantized_shard_bytes(u["numel"] // n) for u in units}
         expected = sum(sent[u["numel"]] * (1 if u["root"] else 2) for u in units)
         assert ledger["all_gather"]["dp_shard"]["bytes"] == expected
         exact = result["ledger"]["all_gather"]["dp_shard"]["bytes"]

@@ -49,6 +49,15 @@ quantized. Bytes per rank's shard of S elements, padded to whole words:
 move 0.254x the bytes of fp32 weights (0.51x of bf16); the reduce-scatters are
 unchanged. The error of an element is at most ``s/2``, half a step of its
 block's grid: a relative 1/254 of the block's largest weight.
+
+FP8 weight all-gather (``--quantize-weights fp8``): the same bytes, the codes
+in e4m3 with a power-of-two scale per block (techniques/fp8.py). An e4m3
+value rounds to the same relative grid under any power of two, so a gathered
+weight is the one a float8 layer's own per-tensor cast makes of it, but for
+those below the format's smallest normal: with ``--precision fp8`` the gather
+costs nothing more than the casts the products make anyway, at half bf16's
+bytes (torchtitan's FP8 all-gathers under FSDP2, with block scales so that no
+amax crosses the group).
 """
 
 from __future__ import annotations
@@ -60,10 +69,11 @@ import torch.nn.functional as F
 
 from scaletrain.runtime.comm import Comm, Pending
 from scaletrain.runtime.mesh import Group, Mesh, hybrid_group_name
+from scaletrain.techniques.fp8 import E4M3, power_of_two_scale
 
 BLOCK = 256  # elements per absmax scale: 1.6% of the int8 bytes spent on scales
 LEVELS = 127  # int8's symmetric range [-127, 127] (-128 left unused, so 0 is exact and signs symmetric)
-QUANTIZED = ("none", "int8")
+QUANTIZED = ("none", "int8", "fp8")
 
 
 def zero_groups(mesh: Mesh, dense: Group) -> tuple[Group, Group | None]:
@@ -74,9 +84,9 @@ def zero_groups(mesh: Mesh, dense: Group) -> tuple[Group, Group | None]:
     return (mesh.group(hybrid_group_name(mesh.dims, "shard")), mesh.group(hybrid_group_name(mesh.dims, "replica")))
 
 
-def int8_shard_bytes(numel: int) -> int:
-    """Bytes one rank sends for its shard of ``numel`` elements in an int8 gather: the
-    fp32 scales, then the codes padded to whole 4-byte words (so that every rank's
+def quantized_shard_bytes(numel: int) -> int:
+    """Bytes one rank sends for its shard of ``numel`` elements in an int8 or fp8 gather: the
+    fp32 scales, then the one-byte codes padded to whole 4-byte words (so that every rank's
     scales start aligned for viewing as fp32)."""
     return 4 * math.ceil(numel / BLOCK) + 4 * math.ceil(numel / 4)
 
@@ -93,8 +103,20 @@ def quantize_int8(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
     return codes.view(-1)[:flat.numel()], scales
 
 
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """fp32 values of int8 ``codes`` (the last dimension quantized in blocks) and their ``scales``."""
+def quantize_fp8(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` flattened into e4m3 (same length) and one fp32 inverse scale per ``block``
+    elements, a power of two (techniques/fp8.py)."""
+    flat = values.reshape(-1).float()
+    blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
+    scales = power_of_two_scale(blocks.abs().amax(dim=1), E4M3)  # 1 for an all-zero block
+    largest = torch.finfo(E4M3).max
+    codes = (blocks * scales[:, None]).clamp_(-largest, largest).to(E4M3)
+    return codes.view(-1)[:flat.numel()], scales.reciprocal()
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """fp32 values of int8 or e4m3 ``codes`` (the last dimension quantized in blocks) and their
+    ``scales`` (each block's step, or its inverse scale)."""
     numel = codes.shape[-1]
     padded = F.pad(codes.float(), (0, -numel % block)).unflatten(-1, (-1, block))
     return (padded * scales[..., None]).flatten(-2)[..., :numel]
@@ -102,13 +124,14 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block: int = BLOC
 
 class ShardCollectives:
     """The collectives of ZeRO's units (parallel/zero.py): over ``shard`` alone, or
-    hybrid with ``replica`` (module docstring), weights gathered exact or in int8."""
+    hybrid with ``replica`` (module docstring), weights gathered exact, in int8 or in fp8."""
 
     def __init__(self, comm: Comm, shard: Group, replica: Group | None = None, quantize_weights: str = "none"):
         if quantize_weights not in QUANTIZED:
             raise ValueError(f"quantize_weights must be one of {QUANTIZED}, not {quantize_weights!r}")
         self.comm, self.shard, self.replica = comm, shard, replica
-        self.quantized = quantize_weights == "int8"
+        self.quantize = {"int8": quantize_int8, "fp8": quantize_fp8}.get(quantize_weights)
+        self.code_dtype = torch.float8_e4m3fn if quantize_weights == "fp8" else torch.int8
 
     @property
     def averaged_over(self) -> int:
@@ -126,24 +149,24 @@ class ShardCollectives:
         return Pending([scattered], finish=lambda: self.comm.all_reduce(out, self.replica))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
-        """Start gathering every rank's ``shard`` into ``full`` (in int8 when quantized)."""
-        if not self.quantized:
+        """Start gathering every rank's ``shard`` into ``full`` (in int8 or fp8 when quantized)."""
+        if self.quantize is None:
             # each rank's S-element shard of the working weights, into the full unit every rank computes with
             return self.comm.all_gather(full, shard, self.shard, async_op=True)
         numel, n_scales = shard.numel(), math.ceil(shard.numel() / BLOCK)
-        width = int8_shard_bytes(numel)  # one byte buffer per rank: scales, then codes
+        width = quantized_shard_bytes(numel)  # one byte buffer per rank: scales, then codes
         mine = torch.zeros(width, dtype=torch.uint8, device=shard.device)
-        codes, scales = quantize_int8(shard)
+        codes, scales = self.quantize(shard)
         mine[:4 * n_scales].view(torch.float32).copy_(scales)
-        mine[4 * n_scales:4 * n_scales + numel].view(torch.int8).copy_(codes)
+        mine[4 * n_scales:4 * n_scales + numel].view(self.code_dtype).copy_(codes)
         gathered = torch.empty(self.shard.size * width, dtype=torch.uint8, device=shard.device)
-        # every rank's row of about S(1 + 4/BLOCK) bytes (scales, then int8 codes), to rebuild the full unit
+        # every rank's row of about S(1 + 4/BLOCK) bytes (scales, then one-byte codes), to rebuild the full unit
         pending = self.comm.all_gather(gathered, mine, self.shard, async_op=True)
 
         def unpack() -> None:
             rows = gathered.view(self.shard.size, width)
-            values = dequantize_int8(rows[:, 4 * n_scales:4 * n_scales + numel].view(torch.int8),
-                                     rows[:, :4 * n_scales].view(torch.float32))
+            values = dequantize(rows[:, 4 * n_scales:4 * n_scales + numel].view(self.code_dtype),
+                                rows[:, :4 * n_scales].view(torch.float32))
             full.view(self.shard.size, numel).copy_(values)
 
         return Pending([pending], finish=unpack)

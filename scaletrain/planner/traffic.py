@@ -18,8 +18,8 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 ZeRO's collectives run in the shard group (units padded to N), and
                 each reduce-scatter is followed by an all-reduce of the rank's shard
                 (``r`` x unit / N) over the replica group (parallel/hybrid.py); with
-                ``--quantize-weights int8`` ZeRO-3's gathers move N x
-                ``int8_shard_bytes(unit / N)``.
+                ``--quantize-weights int8`` or ``fp8`` ZeRO-3's gathers move N x
+                ``quantized_shard_bytes(unit / N)``.
 tensor parallel per micro-batch and block, two regions (parallel/tensor.py): the
                 attention, and the MLP unless a mixture of experts replaces it.
                 Forward all-reduces of each region's output (``e*b*s*h``), backward
@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config
 from scaletrain.parallel.data import plan_buckets
-from scaletrain.parallel.hybrid import int8_shard_bytes
+from scaletrain.parallel.hybrid import quantized_shard_bytes
 from scaletrain.planner.activations import Shape
 from scaletrain.planner.inventory import RankWeights
 from scaletrain.planner.memory import dtype_bytes, zero_units
@@ -241,7 +241,7 @@ def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, groups: Groups, k
         return
 
     def gathered(size: int) -> int:
-        return n * int8_shard_bytes(size // n) if p.quantize_weights == "int8" else w * size
+        return n * quantized_shard_bytes(size // n) if p.quantize_weights != "none" else w * size
 
     root, *layers = padded
     traffic.add("all_gather", group, gathered(root), calls=k)

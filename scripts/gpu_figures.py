@@ -15,6 +15,8 @@ not the rest), with nothing but the machine's own torch, Triton and transformers
   gemm         one matrix product's rate as its sides grow: the planner's efficiency curve
   packing      the same instruction records trained packed (FlexAttention over the documents' tiles)
                and unpacked (one per row, padded): positions per second, and their ratio
+  fp8          --precision fp8 against bf16 on Llama 3 8B's shapes cut to two layers, eager and
+               compiled: tokens per second, and their ratio (``--rows fp8`` runs it alone)
 
 and writes OUT/figures.json (every command, its seconds, exit code and JSON) and OUT/figures.md
 (the tables), rewritten after every row. ``--budget SECONDS`` bounds the whole (470 s on a GPU
@@ -71,6 +73,8 @@ TINY = [
 ]
 PACKED = {"gpu": ("tinyllama-1.1b", 2048, 4, 12), "tiny": ("llama-tiny", 64, 2, 6)}  # model, seq, micro, steps
 PLANNED = {"gpu": ("gpt2-124m", 1024, 8), "tiny": ("gpt-tiny", 64, 4)}  # model, seq, micro-batch
+# Llama 3 8B's matrix shapes cut to the layers one GPU holds: model, layers, seq, micro-batch, steps
+FP8 = {"gpu": ("llama3-8b", 2, 2048, 2, 12), "tiny": ("llama-tiny", 2, 64, 2, 6)}
 SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 VOCAB = 50304  # the planner's default vocabulary, given to the real run too (the byte tokenizer has 256)
 GPU_BUDGET_S = 470  # the whole on a GPU within eight minutes, start-up included
@@ -91,6 +95,49 @@ def run(row: str, args: list[str], limit: float, work: Path) -> dict:
         result = {"row": row, "command": "scaletrain " + " ".join(args), "rc": None, "error": f"over {limit} s"}
     result["seconds"] = round(time.perf_counter() - start, 1)
     print(f"{row}: {result['rc']} in {result['seconds']} s", flush=True)
+    return result
+
+
+def _median_rate(run: Path, skip: int = 3) -> float:
+    """The median tokens/s of a run's steps after the first ``skip`` (compilation, allocator warm-up)."""
+    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    timed = sorted(row["tokens_per_s"] for row in rows if "tokens_per_s" in row)[skip:]
+    return timed[len(timed) // 2]
+
+
+def fp8_row(size: str, limit: float, work: Path) -> dict:
+    """``--precision fp8`` against bf16 (both over fp32 masters) on Llama 3 8B's shapes, eager and
+    compiled, each run in a process of its own (techniques/fp8.py; the tiny dry run: eager only)."""
+    model, layers, seq, micro, steps = FP8[size]
+    variants = [(p, c) for c in ((False, True) if size == "gpu" else (False,)) for p in ("bf16", "fp8")]
+    start = time.perf_counter()
+    rates, errors = {}, []
+    for precision, compiled in variants:
+        name = precision + (" compiled" if compiled else "")
+        run_dir = work / ("fp8-row-" + name.replace(" ", "-"))
+        try:
+            done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--model", model, "--n-layers",
+                                   str(layers), "--seq-len", str(seq), "--micro-batch", str(micro), "--steps",
+                                   str(steps), "--precision", precision, "--param-dtype", "bf16",
+                                   *(["--compile"] if compiled else []), "--sample-tokens", "0", "--eval-every", "0",
+                                   "--no-progress", "--out", str(run_dir)],
+                                  capture_output=True, text=True, timeout=limit / len(variants), cwd=work)
+        except subprocess.TimeoutExpired:
+            errors.append(f"{name} over {limit / len(variants):.0f} s")
+            continue
+        if done.returncode:
+            errors.append(done.stderr[-1000:])
+            continue
+        rates[name] = _median_rate(run_dir)
+    result = {"row": "fp8", "rc": 1 if errors else 0, "seconds": round(time.perf_counter() - start, 1)}
+    if errors:
+        result["error"] = "\n".join(errors)
+    else:
+        ratios = {kind: rates[f"fp8{kind}"] / rates[f"bf16{kind}"]
+                  for kind in ("", " compiled") if f"fp8{kind}" in rates}
+        result["json"] = {"model": model, "n_layers": layers, "seq_len": seq, "micro_batch": micro,
+                          "tokens_per_s": rates, "ratio": ratios}
+    print(f"fp8: {result['rc']} in {result['seconds']} s", flush=True)
     return result
 
 
@@ -311,6 +358,8 @@ def _headline(result: dict) -> str:
         rates = figures["tokens_per_s"]
         return (f"packed {rates['packed']:,.0f} against unpacked {rates['unpacked']:,.0f} positions/s: "
                 f"ratio {figures['ratio']:.3f}")
+    if result["row"] == "fp8":
+        return ", ".join(f"fp8 / bf16{kind or ' eager'}: {ratio:.3f}" for kind, ratio in figures["ratio"].items())
     if result["row"] == "gemm":
         best = max(figures["points"], key=lambda p: p["tflops"])
         return (f"{len(figures['points'])} products, at most {best['tflops']:.0f} TFLOP/s "
@@ -350,7 +399,8 @@ def main() -> int:
     after_throughput = 1 + max(i for i, (row, _, _) in enumerate(jobs) if row.startswith("throughput"))
     jobs[after_throughput:after_throughput] = [("packing", functools.partial(packing, size), 200),
                                                ("planner", functools.partial(planner_check, size), 240),
-                                               ("gemm", functools.partial(gemm_sweep, size), 40)]
+                                               ("gemm", functools.partial(gemm_sweep, size), 40),
+                                               ("fp8", functools.partial(fp8_row, size), 240)]
     if args.rows:
         wanted = [name.strip() for name in args.rows.split(",")]
         jobs = [job for job in jobs if any(name in job[0] for name in wanted)]

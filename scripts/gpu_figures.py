@@ -105,34 +105,48 @@ def _median_rate(run: Path, skip: int = 3) -> float:
     return timed[len(timed) // 2]
 
 
+def _train_rate(args: list[str], run_dir: Path, limit: float, work: Path) -> tuple[float | None, str | None]:
+    """``scaletrain train ARGS`` into ``run_dir``, in a process of its own: its median tokens/s after
+    the first three steps, or what went wrong."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "scaletrain", "train", *args, "--sample-tokens", "0",
+                               "--eval-every", "0", "--no-progress", "--out", str(run_dir)],
+                              capture_output=True, text=True, timeout=limit, cwd=work)
+    except subprocess.TimeoutExpired:
+        return None, f"{run_dir.name} over {limit:.0f} s"
+    if done.returncode:
+        return None, done.stderr[-1000:]
+    return _median_rate(run_dir), None
+
+
+def _race(row: str, runs: dict[str, list[str]], limit: float, work: Path) -> tuple[dict, dict[str, float]]:
+    """Each of ``runs`` (name -> ``scaletrain train`` arguments) in a process of its own, within its
+    share of ``limit``: the row's result (with the errors of those that failed) and the others' rates."""
+    start = time.perf_counter()
+    rates, errors = {}, []
+    for name, args in runs.items():
+        rate, error = _train_rate(args, work / f"{row}-{name.replace(' ', '-')}", limit / len(runs), work)
+        if error:
+            errors.append(error)
+        else:
+            rates[name] = rate
+    result = {"row": row, "rc": 1 if errors else 0, "seconds": round(time.perf_counter() - start, 1)}
+    if errors:
+        result["error"] = "\n".join(errors)
+    return result, rates
+
+
 def fp8_row(size: str, limit: float, work: Path) -> dict:
     """``--precision fp8`` against bf16 (both over fp32 masters) on Llama 3 8B's shapes, eager and
     compiled, each run in a process of its own (techniques/fp8.py; the tiny dry run: eager only)."""
     model, layers, seq, micro, steps = FP8[size]
-    variants = [(p, c) for c in ((False, True) if size == "gpu" else (False,)) for p in ("bf16", "fp8")]
-    start = time.perf_counter()
-    rates, errors = {}, []
-    for precision, compiled in variants:
-        name = precision + (" compiled" if compiled else "")
-        run_dir = work / ("fp8-row-" + name.replace(" ", "-"))
-        try:
-            done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--model", model, "--n-layers",
-                                   str(layers), "--seq-len", str(seq), "--micro-batch", str(micro), "--steps",
-                                   str(steps), "--precision", precision, "--param-dtype", "bf16",
-                                   *(["--compile"] if compiled else []), "--sample-tokens", "0", "--eval-every", "0",
-                                   "--no-progress", "--out", str(run_dir)],
-                                  capture_output=True, text=True, timeout=limit / len(variants), cwd=work)
-        except subprocess.TimeoutExpired:
-            errors.append(f"{name} over {limit / len(variants):.0f} s")
-            continue
-        if done.returncode:
-            errors.append(done.stderr[-1000:])
-            continue
-        rates[name] = _median_rate(run_dir)
-    result = {"row": "fp8", "rc": 1 if errors else 0, "seconds": round(time.perf_counter() - start, 1)}
-    if errors:
-        result["error"] = "\n".join(errors)
-    else:
+    shape = ["--model", model, "--n-layers", str(layers), "--seq-len", str(seq), "--micro-batch", str(micro),
+             "--steps", str(steps), "--param-dtype", "bf16"]
+    runs = {precision + (" compiled" if compiled else ""): [*shape, "--precision", precision,
+                                                            *(["--compile"] if compiled else [])]
+            for compiled in ((False, True) if size == "gpu" else (False,)) for precision in ("bf16", "fp8")}
+    result, rates = _race("fp8", runs, limit, work)
+    if result["rc"] == 0:
         ratios = {kind: rates[f"fp8{kind}"] / rates[f"bf16{kind}"]
                   for kind in ("", " compiled") if f"fp8{kind}" in rates}
         result["json"] = {"model": model, "n_layers": layers, "seq_len": seq, "micro_batch": micro,
@@ -174,32 +188,15 @@ def packing(size: str, limit: float, work: Path) -> dict:
     trained packed and unpacked, each for a few steps in a process of its own: the median of their
     positions per second after the first three steps (compilation, allocator warm-up)."""
     model, seq, micro, steps = PACKED[size]
-    start = time.perf_counter()
     records = [{"instruction": f"Describe fox number {i}.", "output": "Rusty runs. " * (4 + (i * 37) % 125)}
                for i in range(2000)]
     (work / "instructions.json").write_text(json.dumps(records))
     precision = ["--precision", "bf16"] if size == "gpu" else []
-    rates, errors = {}, []
-    for name, pack in (("packed", "--pack"), ("unpacked", "--no-pack")):
-        try:
-            done = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--model", model, "--data",
-                                   str(work / "instructions.json"), "--sft", pack, "--seq-len", str(seq),
-                                   "--micro-batch", str(micro), "--steps", str(steps), "--sample-tokens", "0",
-                                   "--eval-every", "0", "--no-progress", *precision, "--out", str(work / name)],
-                                  capture_output=True, text=True, timeout=limit / 2, cwd=work)
-        except subprocess.TimeoutExpired:
-            errors.append(f"{name} over {limit / 2:.0f} s")
-            continue
-        if done.returncode:
-            errors.append(done.stderr[-1000:])
-            continue
-        lines = (work / name / "metrics.jsonl").read_text().splitlines()
-        timed = sorted(row["tokens_per_s"] for row in map(json.loads, lines) if "tokens_per_s" in row)[3:]
-        rates[name] = timed[len(timed) // 2]
-    result = {"row": "packing", "rc": 1 if errors else 0, "seconds": round(time.perf_counter() - start, 1)}
-    if errors:
-        result["error"] = "\n".join(errors)
-    else:
+    runs = {name: ["--model", model, "--data", str(work / "instructions.json"), "--sft", pack, "--seq-len", str(seq),
+                   "--micro-batch", str(micro), "--steps", str(steps), *precision]
+            for name, pack in (("packed", "--pack"), ("unpacked", "--no-pack"))}
+    result, rates = _race("packing", runs, limit, work)
+    if result["rc"] == 0:
         result["json"] = {"model": model, "seq_len": seq, "micro_batch": micro, "tokens_per_s": rates,
                           "ratio": rates["packed"] / rates["unpacked"]}
     print(f"packing: {result['rc']} in {result['seconds']} s", flush=True)

@@ -54,18 +54,15 @@ def check_values(cfg: Config) -> None:
 
 
 def _check_fp8(cfg: Config) -> None:
-    """``--precision fp8`` converts the blocks' plain linear layers (techniques/fp8.py): one sentence
-    where a layout rewrote them first."""
+    """``--precision fp8`` converts the blocks' linear layers (techniques/fp8.py): one sentence where
+    a layout rewrote them into what it cannot convert."""
     if cfg.train.precision != "fp8":
         return
     p = cfg.parallel
-    for flag, used, why in (
-            ("--sp", p.tp > 1 and p.sp, "sequence parallelism's gathered products stay in bf16"),
-            ("--pp-schedule zb-h1", p.pp > 1 and p.pp_schedule == "zb-h1",
-             "zero bubble's split backward computes the weight gradients in bf16")):
-        if used:
-            raise UserError(f"--precision fp8 does not combine with {flag} in this version: {why}; use "
-                            f"--precision bf16 there, or drop {flag}.")
+    if p.pp > 1 and p.pp_schedule == "zb-h1":
+        raise UserError("--precision fp8 does not combine with --pp-schedule zb-h1 in this version: zero bubble's "
+                        "split backward computes the weight gradients in bf16; use another schedule, or "
+                        "--precision bf16.")
 
 
 def _check_ranges(cfg: Config) -> None:

@@ -101,7 +101,7 @@ from scaletrain.runtime.autograd import (
 )
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
-from scaletrain.techniques.fp8 import float8_linear
+from scaletrain.techniques.fp8 import float8_linear, sequence_gathered_float8_linear
 
 # -- the plan ------------------------------------------------------------------
 
@@ -219,7 +219,7 @@ class _SlicedLinear(nn.Module):
 
     defers_weight_grad = True
     store: WeightGradStore | None = None
-    float8 = False  # --precision fp8: the product in float8 (techniques/fp8.py); not with sp's gather
+    float8 = False  # --precision fp8: the product in float8 (techniques/fp8.py)
 
     def __init__(self, weight: nn.Parameter, tp: TensorParallel, bias: nn.Parameter | None = None):
         super().__init__()
@@ -240,9 +240,11 @@ class ColumnParallelLinear(_SlicedLinear):
     """Holds a slice of the output features; its input is whole."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.sequence_parallel:
-            return self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
-        return self.biased(self.product(x))
+        if not self.tp.sequence_parallel:
+            return self.biased(self.product(x))
+        if self.float8:
+            return self.biased(sequence_gathered_float8_linear(x, self.weight, self.tp.comm, self.tp.group))
+        return self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
 
 
 class RowParallelLinear(_SlicedLinear):

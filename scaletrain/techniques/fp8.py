@@ -92,35 +92,87 @@ def scaled_matmul(a: torch.Tensor, a_inverse: torch.Tensor, b: torch.Tensor, b_i
     return ((a.float() @ b.float()) * (a_inverse * b_inverse)).to(out_dtype)
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """y = x W^T from x and W cast to e4m3 (module docstring); y, and the codes and inverse scales
+    backward reuses."""
+    rows = x.reshape(-1, x.shape[-1])
+    x8, x_inverse = to_float8(rows, E4M3)
+    w8, w_inverse = to_float8(weight, E4M3)
+    y = scaled_matmul(x8, x_inverse, w8.t(), w_inverse, out_dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0]), x8, x_inverse, w8, w_inverse
+
+
+def _gradients(grad: torch.Tensor, x8: torch.Tensor, x_inverse: torch.Tensor, w8: torch.Tensor,
+               w_inverse: torch.Tensor, input_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """dL/dx (rows, in ``input_dtype``) and dL/dW (fp32) from the output gradient cast to e5m2."""
+    g8, g_inverse = to_float8(grad.reshape(-1, grad.shape[-1]), E5M2)
+    grad_x = scaled_matmul(g8, g_inverse, w8, w_inverse, input_dtype)
+    grad_w = scaled_matmul(g8.t(), g_inverse, x8, x_inverse, torch.float32)
+    return grad_x, grad_w
+
+
 class _Float8Matmul(Function):
     """y = x W^T with x and W in e4m3, the output gradient in e5m2 (module docstring)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        x8, x_inverse = to_float8(rows, E4M3)
-        w8, w_inverse = to_float8(weight, E4M3)
-        ctx.save_for_backward(x8, x_inverse, w8, w_inverse)  # one byte an element, not bf16's two
+        y, *codes = _product(x, weight, out_dtype)
+        ctx.save_for_backward(*codes)  # x and W in one byte an element, not bf16's two
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
-        y = scaled_matmul(x8, x_inverse, w8.t(), w_inverse, out_dtype)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x8, x_inverse, w8, w_inverse = ctx.saved_tensors
-        g8, g_inverse = to_float8(grad.reshape(-1, grad.shape[-1]), E5M2)
-        grad_x = scaled_matmul(g8, g_inverse, w8, w_inverse, ctx.input_dtype)
-        grad_w = scaled_matmul(g8.t(), g_inverse, x8, x_inverse, torch.float32)
+        grad_x, grad_w = _gradients(grad, *ctx.saved_tensors, ctx.input_dtype)
         return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None
+
+
+class _SequenceGatheredFloat8Matmul(Function):
+    """`_Float8Matmul` for an input all-gathered along the sequence (tensor parallelism's sp,
+    parallel/tensor.py): this rank keeps only its chunk of the input's codes for backward and
+    gathers the others again there, one byte an element where bf16 gathers two."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, comm, group) -> torch.Tensor:
+        y, x8, x_inverse, w8, w_inverse = _product(x, weight, out_dtype)
+        chunk = x.shape[1] // group.size
+        mine = x8.view(x.shape).narrow(1, group.rank * chunk, chunk).contiguous()
+        ctx.save_for_backward(mine, x_inverse, w8, w_inverse)
+        ctx.comm, ctx.group = comm, group
+        ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mine, x_inverse, w8, w_inverse = ctx.saved_tensors
+        parts = torch.empty((ctx.group.size, *mine.shape), dtype=torch.uint8, device=mine.device)
+        # every tp rank's chunk of the input's e4m3 codes, b x s/t x h bytes each, for the weight's gradient
+        ctx.comm.all_gather(parts, mine.view(torch.uint8), ctx.group)
+        x8 = parts.view(mine.dtype).movedim(0, 1).reshape(-1, mine.shape[-1])
+        grad_x, grad_w = _gradients(grad, x8, x_inverse, w8, w_inverse, ctx.input_dtype)
+        return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None, None, None
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` in float8 (module docstring), written in the autocast dtype where autocast
     is on (else in x's)."""
-    device = x.device.type
-    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):  # the emulation's fp32 product stays fp32
-        return _Float8Matmul.apply(x, weight, low)
+    out_dtype = _output_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):  # the emulation's fp32 product stays fp32
+        return _Float8Matmul.apply(x, weight, out_dtype)
+
+
+def sequence_gathered_float8_linear(x: torch.Tensor, weight: torch.Tensor, comm, group) -> torch.Tensor:
+    """`float8_linear` of an input all-gathered along the sequence over ``group`` (module docstring
+    of parallel/tensor.py), which backward gathers again from each rank's e4m3 chunk."""
+    out_dtype = _output_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return _SequenceGatheredFloat8Matmul.apply(x, weight, out_dtype, comm, group)
 
 
 class Float8Linear(nn.Linear):

@@ -29,10 +29,10 @@ a layer saves its input in one byte per element instead of two.
 Why powers of two: multiplying by 2^k is exact, so a value's rounding to the
 format does not depend on k unless the scaled value falls below the smallest
 normal or is saturated. Two layouts whose ranks see different parts of a
-tensor (dp's samples, cp's positions, tp's slices) choose scales that differ
+tensor (dp's and ep's samples, cp's positions, tp's slices) choose scales that differ
 by a few powers of two and round every element alike, except those under
-``amax * 2^-6 / 448`` (e4m3) in magnitude, which move by at most one
-subnormal step, ``amax * 2^-9 / 448`` (about 4.4e-6 amax). No amax is
+about ``amax * 2^-6 / 448`` (e4m3) in magnitude, which move by at most one
+subnormal step, 2^-9 over the scale (4.4e-6 to 8.7e-6 of amax). No amax is
 all-reduced: a layout costs no collective more than bf16, and parity
 (docs/parity.md) holds at bf16's tolerance, which the bf16 rounding of every
 output dominates.

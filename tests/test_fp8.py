@@ -18,6 +18,7 @@ from scaletrain.planner.predict import predict
 from scaletrain.techniques.fp8 import (
     E4M3,
     E5M2,
+    Float8,
     Float8Linear,
     convert_to_float8,
     power_of_two_scale,
@@ -86,7 +87,8 @@ def test_the_layer_and_its_gradients_follow_the_formulas():
     layer = nn.Linear(64, 32)
     plain = nn.Linear(64, 32)
     plain.load_state_dict(layer.state_dict())
-    assert convert_to_float8([nn.Sequential(layer)]) == 1 and isinstance(layer, Float8Linear)
+    assert convert_to_float8([nn.Sequential(layer)], Float8(tensor_cores=False)) == 1
+    assert isinstance(layer, Float8Linear) and layer.float8 == Float8(tensor_cores=False)
     x = torch.randn(2, 8, 64, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
@@ -182,7 +184,8 @@ def test_tensor_parallel_slices_take_the_float8_product():
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(16, 32))
     sliced = ColumnParallelLinear(weight, SimpleNamespace(sequence_parallel=False))
-    assert convert_to_float8([nn.Sequential(sliced)]) == 1 and sliced.float8
+    assert convert_to_float8([nn.Sequential(sliced)], Float8(tensor_cores=False)) == 1
+    assert sliced.float8 == Float8(tensor_cores=False)
     x = torch.randn(8, 32)
     x8, x_inv = to_float8(x, E4M3)
     w8, w_inv = to_float8(weight.detach(), E4M3)

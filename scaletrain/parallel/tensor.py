@@ -101,7 +101,7 @@ from scaletrain.runtime.autograd import (
 )
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
-from scaletrain.techniques.fp8 import float8_linear, sequence_gathered_float8_linear
+from scaletrain.techniques.fp8 import Float8
 
 # -- the plan ------------------------------------------------------------------
 
@@ -219,7 +219,7 @@ class _SlicedLinear(nn.Module):
 
     defers_weight_grad = True
     store: WeightGradStore | None = None
-    float8 = False  # --precision fp8: the product in float8 (techniques/fp8.py)
+    float8: Float8 | None = None  # --precision fp8: the product in float8 (techniques/fp8.py)
 
     def __init__(self, weight: nn.Parameter, tp: TensorParallel, bias: nn.Parameter | None = None):
         super().__init__()
@@ -233,7 +233,7 @@ class _SlicedLinear(nn.Module):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ this rank's slice of the weight: in float8 with --precision fp8, its scales from the
         slice's own largest values (techniques/fp8.py says why no amax crosses the group)."""
-        return float8_linear(x, self.weight) if self.float8 else linear(x, self.weight, self.store)
+        return self.float8.linear(x, self.weight) if self.float8 else linear(x, self.weight, self.store)
 
 
 class ColumnParallelLinear(_SlicedLinear):
@@ -243,7 +243,7 @@ class ColumnParallelLinear(_SlicedLinear):
         if not self.tp.sequence_parallel:
             return self.biased(self.product(x))
         if self.float8:
-            return self.biased(sequence_gathered_float8_linear(x, self.weight, self.tp.comm, self.tp.group))
+            return self.biased(self.float8.sequence_gathered_linear(x, self.weight, self.tp.comm, self.tp.group))
         return self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
 
 

@@ -50,6 +50,8 @@ the blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.autograd import Function
@@ -74,40 +76,36 @@ def to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return encoded, scale.reciprocal()
 
 
-def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``torch._scaled_mm`` takes ``a @ b``: a GPU with float8 tensor cores (compute
-    capability 8.9 on: Ada, Hopper), and every side a multiple of 16."""
-    return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
-            and all(size % 16 == 0 for size in (*a.shape, b.shape[1])))
-
-
 def scaled_matmul(a: torch.Tensor, a_inverse: torch.Tensor, b: torch.Tensor, b_inverse: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, tensor_cores: bool = False) -> torch.Tensor:
     """``(a @ b) * a_inverse * b_inverse`` for 8-bit ``a`` [m, k] and ``b`` [k, n], accumulated in
-    fp32 and rounded to ``out_dtype``: the tensor cores' product, or its exact emulation."""
-    if _fits_scaled_mm(a, b):
+    fp32 and rounded to ``out_dtype``: on float8 ``tensor_cores`` where every side is a multiple of
+    16, else its exact emulation."""
+    if tensor_cores and all(size % 16 == 0 for size in (*a.shape, b.shape[1])):
         # the tensor cores take a row-major and b column-major
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_inverse, scale_b=b_inverse,
                                 out_dtype=out_dtype)
     return ((a.float() @ b.float()) * (a_inverse * b_inverse)).to(out_dtype)
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _product(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+             tensor_cores: bool) -> tuple[torch.Tensor, ...]:
     """y = x W^T from x and W cast to e4m3 (module docstring); y, and the codes and inverse scales
     backward reuses."""
     rows = x.reshape(-1, x.shape[-1])
     x8, x_inverse = to_float8(rows, E4M3)
     w8, w_inverse = to_float8(weight, E4M3)
-    y = scaled_matmul(x8, x_inverse, w8.t(), w_inverse, out_dtype)
+    y = scaled_matmul(x8, x_inverse, w8.t(), w_inverse, out_dtype, tensor_cores)
     return y.reshape(*x.shape[:-1], weight.shape[0]), x8, x_inverse, w8, w_inverse
 
 
 def _gradients(grad: torch.Tensor, x8: torch.Tensor, x_inverse: torch.Tensor, w8: torch.Tensor,
-               w_inverse: torch.Tensor, input_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+               w_inverse: torch.Tensor, input_dtype: torch.dtype,
+               tensor_cores: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dL/dx (rows, in ``input_dtype``) and dL/dW (fp32) from the output gradient cast to e5m2."""
     g8, g_inverse = to_float8(grad.reshape(-1, grad.shape[-1]), E5M2)
-    grad_x = scaled_matmul(g8, g_inverse, w8, w_inverse, input_dtype)
-    grad_w = scaled_matmul(g8.t(), g_inverse, x8, x_inverse, torch.float32)
+    grad_x = scaled_matmul(g8, g_inverse, w8, w_inverse, input_dtype, tensor_cores)
+    grad_w = scaled_matmul(g8.t(), g_inverse, x8, x_inverse, torch.float32, tensor_cores)
     return grad_x, grad_w
 
 
@@ -115,16 +113,18 @@ class _Float8Matmul(Function):
     """y = x W^T with x and W in e4m3, the output gradient in e5m2 (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        y, *codes = _product(x, weight, out_dtype)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                tensor_cores: bool) -> torch.Tensor:
+        y, *codes = _product(x, weight, out_dtype, tensor_cores)
         ctx.save_for_backward(*codes)  # x and W in one byte an element, not bf16's two
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+        ctx.tensor_cores = tensor_cores
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad_x, grad_w = _gradients(grad, *ctx.saved_tensors, ctx.input_dtype)
-        return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None
+        grad_x, grad_w = _gradients(grad, *ctx.saved_tensors, ctx.input_dtype, ctx.tensor_cores)
+        return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None, None
 
 
 class _SequenceGatheredFloat8Matmul(Function):
@@ -133,12 +133,13 @@ class _SequenceGatheredFloat8Matmul(Function):
     gathers the others again there, one byte an element where bf16 gathers two."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, comm, group) -> torch.Tensor:
-        y, x8, x_inverse, w8, w_inverse = _product(x, weight, out_dtype)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, tensor_cores: bool, comm,
+                group) -> torch.Tensor:
+        y, x8, x_inverse, w8, w_inverse = _product(x, weight, out_dtype, tensor_cores)
         chunk = x.shape[1] // group.size
         mine = x8.view(x.shape).narrow(1, group.rank * chunk, chunk).contiguous()
         ctx.save_for_backward(mine, x_inverse, w8, w_inverse)
-        ctx.comm, ctx.group = comm, group
+        ctx.comm, ctx.group, ctx.tensor_cores = comm, group, tensor_cores
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         return y
 
@@ -149,8 +150,8 @@ class _SequenceGatheredFloat8Matmul(Function):
         # every tp rank's chunk of the input's e4m3 codes, b x s/t x h bytes each, for the weight's gradient
         ctx.comm.all_gather(parts, mine.view(torch.uint8), ctx.group)
         x8 = parts.view(mine.dtype).movedim(0, 1).reshape(-1, mine.shape[-1])
-        grad_x, grad_w = _gradients(grad, x8, x_inverse, w8, w_inverse, ctx.input_dtype)
-        return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None, None, None
+        grad_x, grad_w = _gradients(grad, x8, x_inverse, w8, w_inverse, ctx.input_dtype, ctx.tensor_cores)
+        return grad_x.reshape(ctx.input_shape), grad_w.to(ctx.weight_dtype), None, None, None, None
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -159,20 +160,29 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def float8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in float8 (module docstring), written in the autocast dtype where autocast
-    is on (else in x's)."""
-    out_dtype = _output_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):  # the emulation's fp32 product stays fp32
-        return _Float8Matmul.apply(x, weight, out_dtype)
+@dataclass(frozen=True)
+class Float8:
+    """How a converted layer multiplies: on float8 tensor cores (compute capability 8.9 on: Ada,
+    Hopper) through ``torch._scaled_mm``, or by the exact emulation (module docstring)."""
 
+    tensor_cores: bool
 
-def sequence_gathered_float8_linear(x: torch.Tensor, weight: torch.Tensor, comm, group) -> torch.Tensor:
-    """`float8_linear` of an input all-gathered along the sequence over ``group`` (module docstring
-    of parallel/tensor.py), which backward gathers again from each rank's e4m3 chunk."""
-    out_dtype = _output_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
-        return _SequenceGatheredFloat8Matmul.apply(x, weight, out_dtype, comm, group)
+    @staticmethod
+    def on(device: torch.device) -> Float8:
+        return Float8(device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` in float8, written in the autocast dtype where autocast is on (else in x's)."""
+        out_dtype = _output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # the emulation's fp32 product stays fp32
+            return _Float8Matmul.apply(x, weight, out_dtype, self.tensor_cores)
+
+    def sequence_gathered_linear(self, x: torch.Tensor, weight: torch.Tensor, comm, group) -> torch.Tensor:
+        """`linear` of an input all-gathered along the sequence over ``group`` (parallel/tensor.py's
+        sp), which backward gathers again from each rank's e4m3 chunk."""
+        out_dtype = _output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return _SequenceGatheredFloat8Matmul.apply(x, weight, out_dtype, self.tensor_cores, comm, group)
 
 
 class Float8Linear(nn.Linear):
@@ -180,23 +190,24 @@ class Float8Linear(nn.Linear):
     `convert_to_float8`, the same object with the same parameters, so names, hooks, ZeRO's
     views and checkpoints are those of the linear layer it was."""
 
+    float8: Float8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = float8_linear(x, self.weight)
+        y = self.float8.linear(x, self.weight)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def convert_to_float8(blocks: list[nn.Module]) -> int:
+def convert_to_float8(blocks: list[nn.Module], float8: Float8) -> int:
     """Inside ``blocks``, every plain ``nn.Linear`` made a `Float8Linear` and every layer that
-    offers a float8 product (``float8``: tensor parallelism's sliced layers) switched to it, in
-    place; how many."""
+    offers a float8 product (a ``float8`` class attribute: tensor parallelism's sliced layers)
+    switched to it, in place; how many."""
     count = 0
     for block in blocks:
         for module in block.modules():
             if type(module) is nn.Linear:
                 module.__class__ = Float8Linear
-            elif getattr(module, "float8", None) is False:
-                module.float8 = True
-            else:
+            elif not hasattr(type(module), "float8"):
                 continue
+            module.float8 = float8
             count += 1
     return count

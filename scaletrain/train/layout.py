@@ -41,7 +41,7 @@ from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.compile import compile_blocks
-from scaletrain.techniques.fp8 import convert_to_float8
+from scaletrain.techniques.fp8 import Float8, convert_to_float8
 from scaletrain.techniques.precision import compute_dtype
 from scaletrain.techniques.recompute import apply_recompute
 from scaletrain.train.memory import bytes_by_entry, model_bytes, optimizer_state, peak_resident_bytes
@@ -132,7 +132,7 @@ class Layout:
         stage_blocks = [s.blocks() for s in self.pipeline.stages] if self.pipeline else [self.blocks()]
         for blocks in stage_blocks:
             if self.train.precision == "fp8":  # the blocks' linear products in float8 (techniques/fp8.py)
-                convert_to_float8(blocks)
+                convert_to_float8(blocks, Float8.on(self.device))
             if self.train.recompute != "none":
                 apply_recompute(self.model, self.train.recompute, blocks)
             if self.train.compile:

@@ -193,9 +193,10 @@ def test_bad_scaler_settings_are_user_errors():
 
 
 def test_compute_dtype():
-    assert [compute_dtype(p) for p in PRECISIONS] == [torch.float32, torch.bfloat16, torch.float16]
+    # fp8: the blocks' products in float8 (techniques/fp8.py), everything else in bf16
+    assert [compute_dtype(p) for p in PRECISIONS] == [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
     with pytest.raises(UserError):
-        compute_dtype("fp8")
+        compute_dtype("fp4")
 
 
 def test_autocast_bf16_runs_linear_in_bf16():

@@ -183,7 +183,13 @@ class WandB:
         self.run.log(_numbers(record), step=record["step"])
 
     def finish(self, outcome: str, final: Path | None) -> None:
+        import wandb
+
         self.run.finish(exit_code=0 if outcome == "finished" else 1)
+        # W&B's service writes the run's transaction log behind finish(); stopping it waits for the
+        # log to be whole on disk, for whatever reads or uploads RUN/wandb next (atexit would,
+        # but not under multiprocessing, and not before a caller in this process reads it).
+        wandb.teardown()
 
 
 class Tune:

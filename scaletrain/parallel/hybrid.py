@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from scaletrain.runtime.comm import Comm, Pending
 from scaletrain.runtime.mesh import Group, Mesh, hybrid_group_name
-from scaletrain.techniques.fp8 import E4M3, power_of_two_scale
+from scaletrain.techniques.fp8 import E4M3, to_float8
 
 BLOCK = 256  # elements per absmax scale: 1.6% of the int8 bytes spent on scales
 LEVELS = 127  # int8's symmetric range [-127, 127] (-128 left unused, so 0 is exact and signs symmetric)
@@ -108,10 +108,8 @@ def quantize_fp8(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor
     elements, a power of two (techniques/fp8.py)."""
     flat = values.reshape(-1).float()
     blocks = F.pad(flat, (0, -flat.numel() % block)).view(-1, block)
-    scales = power_of_two_scale(blocks.abs().amax(dim=1), E4M3)  # 1 for an all-zero block
-    largest = torch.finfo(E4M3).max
-    codes = (blocks * scales[:, None]).clamp_(-largest, largest).to(E4M3)
-    return codes.view(-1)[:flat.numel()], scales.reciprocal()
+    codes, inverse = to_float8(blocks, E4M3, per_row=True)  # a scale of 1 for an all-zero block
+    return codes.view(-1)[:flat.numel()], inverse.view(-1)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -131,7 +129,6 @@ class ShardCollectives:
             raise ValueError(f"quantize_weights must be one of {QUANTIZED}, not {quantize_weights!r}")
         self.comm, self.shard, self.replica = comm, shard, replica
         self.quantize = {"int8": quantize_int8, "fp8": quantize_fp8}.get(quantize_weights)
-        self.code_dtype = torch.float8_e4m3fn if quantize_weights == "fp8" else torch.int8
 
     @property
     def averaged_over(self) -> int:
@@ -158,14 +155,14 @@ class ShardCollectives:
         mine = torch.zeros(width, dtype=torch.uint8, device=shard.device)
         codes, scales = self.quantize(shard)
         mine[:4 * n_scales].view(torch.float32).copy_(scales)
-        mine[4 * n_scales:4 * n_scales + numel].view(self.code_dtype).copy_(codes)
+        mine[4 * n_scales:4 * n_scales + numel].view(codes.dtype).copy_(codes)
         gathered = torch.empty(self.shard.size * width, dtype=torch.uint8, device=shard.device)
         # every rank's row of about S(1 + 4/BLOCK) bytes (scales, then one-byte codes), to rebuild the full unit
         pending = self.comm.all_gather(gathered, mine, self.shard, async_op=True)
 
         def unpack() -> None:
             rows = gathered.view(self.shard.size, width)
-            values = dequantize(rows[:, 4 * n_scales:4 * n_scales + numel].view(self.code_dtype),
+            values = dequantize(rows[:, 4 * n_scales:4 * n_scales + numel].view(codes.dtype),
                                 rows[:, :4 * n_scales].view(torch.float32))
             full.view(self.shard.size, numel).copy_(values)
 

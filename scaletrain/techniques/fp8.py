@@ -68,9 +68,11 @@ def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
 
 
-def to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` scaled by its power-of-two scale, saturated and cast to ``dtype``; and the inverse scale."""
-    scale = power_of_two_scale(x.detach().abs().amax(), dtype)
+def to_float8(x: torch.Tensor, dtype: torch.dtype, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` scaled by its power-of-two scale (one per row of the last dimension with ``per_row``: ZeRO-3's
+    fp8 gathers, parallel/hybrid.py), saturated and cast to ``dtype``; and the inverse scale(s)."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True) if per_row else x.detach().abs().amax()
+    scale = power_of_two_scale(amax, dtype)
     largest = torch.finfo(dtype).max
     encoded = (x.detach().float() * scale).clamp(-largest, largest).to(dtype)
     return encoded, scale.reciprocal()

@@ -37,7 +37,7 @@ per_rank = args.batch // engine.data_ranks  # scaletrain: each rank reads its sh
 loader = DataLoader(dataset, batch_size=per_rank, sampler=engine.sampler(len(dataset), per_rank))  # scaletrain
 
 curve = []
-for step, (x, y) in zip(range(args.steps), loader):
+for x, y in loader:  # scaletrain: the sampler ends after steps=args.steps
     x, y = x.to(engine.device), y.to(engine.device)
     loss = F.cross_entropy(engine(x), y)  # scaletrain: engine(x) in place of model(x)
     engine.backward(loss)                 # scaletrain: in place of loss.backward()

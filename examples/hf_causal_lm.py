@@ -39,7 +39,7 @@ per_rank = args.batch // engine.data_ranks
 loader = DataLoader(windows, batch_size=per_rank, sampler=engine.sampler(len(windows), per_rank))
 
 curve = []
-for step, window in zip(range(args.steps), loader):
+for window in loader:  # to step args.steps, where the engine's sampler ends
     window = window.to(engine.device)
     logits = engine(input_ids=window[:, :-1]).logits
     engine.backward(engine.cross_entropy(logits, window[:, 1:]))

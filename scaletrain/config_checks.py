@@ -10,6 +10,7 @@ mesh's own sizes are checked where the mesh is built (runtime/mesh.py).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Collection
 
 import torch
 
@@ -51,6 +52,23 @@ def check_values(cfg: Config) -> None:
     _check_experts(cfg)
     _check_fp8(cfg)
     _check_peak(cfg.train.peak_tflops)
+
+
+def setting_warnings(cfg: Config, given: Collection[str] = ()) -> list[str]:
+    """The settings of ``cfg`` that do nothing, one sentence each: warned, not refused (the run
+    is valid, only not what was asked). ``given``: the options named explicitly (the library's
+    ``setup``), so a default the configuration ignores says nothing."""
+    t, p = cfg.train, cfg.parallel
+    said = []
+    if t.warmup_steps >= t.steps:
+        said.append(f"warmup_steps={t.warmup_steps} (--warmup-steps) is not below steps={t.steps}, so the learning "
+                    f"rate never reaches lr={t.lr:g}; lower warmup_steps or raise steps.")
+    if "momentum" in given and t.optimizer != "sgd":
+        said.append(f"momentum is SGD's, but the optimizer is {t.optimizer}; drop momentum or set optimizer='sgd'.")
+    if "powersgd_rank" in given and p.compress != "powersgd":
+        said.append("powersgd_rank sets PowerSGD's rank, but compress is not 'powersgd'; drop it or set "
+                    "compress='powersgd'.")
+    return said
 
 
 def _check_fp8(cfg: Config) -> None:

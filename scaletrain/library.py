@@ -5,7 +5,7 @@
     engine = scaletrain.setup(model, zero=3, precision="bf16", lr=3e-4, steps=1000, grad_accum=2)
     loader = DataLoader(dataset, batch_size=8, sampler=engine.sampler(len(dataset), batch_size=8))
     engine.load("run")                              # resume, if "run" holds a checkpoint
-    for x, y in loader:
+    for x, y in loader:                             # to step 1000: the sampler ends there
         loss = F.cross_entropy(engine(x.to(engine.device)), y.to(engine.device))
         engine.backward(loss)                       # grad_accum times per step
         if engine.ready:
@@ -22,7 +22,8 @@ technique the command has, the library has, by one code path. A model needs
 nothing for dp, ZeRO-1/2/3 (its repeated blocks are ZeRO-3's units), hybrid
 sharding, local SGD, mixed precision, recompute, compile, offload and
 accumulation; tp/sp, pp and cp need a `ModelPlan` (models/spec.py), the type
-the built-in families' specs produce; ep needs scaletrain's `MoE` layer.
+the built-in families' specs produce, and ready for tp/sp on the transformers
+models of models/hf_plans.py; ep needs scaletrain's `MoE` layer.
 
 From DeepSpeed's ``initialize`` and engine: one object that owns the wrapped
 model and the optimizer, with ``backward`` and ``step`` that know the
@@ -32,11 +33,13 @@ script (``scaletrain run``). Changed: the options are the command's own
 flags, not a JSON schema or a strategy class; the optimizer is the engine's
 (AdamW or Adafactor, as the command's, so ZeRO shards and offloads its state);
 ``step`` returns the step's numbers read once, and the sampler makes rank r's
-batch a pure function of the step, so resuming needs no sampler state.
+batch a pure function of the step, read where the engine stands when the loop
+begins, so resuming needs no sampler state and no order of calls.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.config_checks import setting_warnings
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.data.sampler import ShardedSampler
 from scaletrain.errors import UserError
@@ -53,6 +57,7 @@ from scaletrain.library_checks import (
     engine_config,
     layout_for_world,
 )
+from scaletrain.models.hf_plans import ready_plan
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
 from scaletrain.runtime.launch import (
@@ -70,7 +75,7 @@ from scaletrain.train.stepper import Stepper
 
 
 def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | None = None,
-          sample: torch.Tensor | None = None, **options: Any) -> Engine:
+          sample: torch.Tensor | None = None, sync_batchnorm: bool = False, **options: Any) -> Engine:
     """Join the job and put ``model`` under the layout ``options`` describe (module docstring).
 
     ``options`` are fields of ``scaletrain train`` by name: the layout (``dp``, ``tp``, ``sp``,
@@ -78,12 +83,18 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     schedule (``lr``, ``steps``, ``warmup_steps``, ``weight_decay``, ``grad_clip``, ``optimizer``,
     ...), ``precision``, ``param_dtype``, ``grad_accum``, ``recompute``, ``compile``, ``offload``,
     ``seed``. ``plan`` says how tp, pp and cp may split the model; ``seq_len`` is every sequence's
-    length (cp); ``sample``, one micro-batch of inputs, is what ``pp_balance="time"`` times."""
+    length (cp); ``sample``, one micro-batch of inputs, is what ``pp_balance="time"`` times.
+    ``sync_batchnorm=True`` makes every BatchNorm normalize by the statistics of the whole
+    data-parallel batch, not each rank's own (parallel/batchnorm.py)."""
     cfg = engine_config(options)
     env = detect_environment()
     dims = layout_for_world(cfg, env.world_size)
+    plan = plan if plan is not None else ready_plan(model, dims.tp, cfg.parallel.sp)  # models/hf_plans.py
     check_plan(model, plan, dims, cfg, seq_len, sample)
-    check_combinations(cfg, model, seq_len)
+    check_combinations(cfg, model, seq_len, sync_batchnorm)
+    if env.rank == 0:  # settings that do nothing, said once for the job
+        for sentence in setting_warnings(cfg, options):
+            warnings.warn(sentence, stacklevel=2)
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
     try:
         mesh, comm = connect(runtime, dims)
@@ -91,7 +102,7 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
         model.to(runtime.device)
         replicate([*model.parameters(), *model.buffers()], comm, mesh.group("world"))
         return Engine(runtime, Stepper(model, cfg.train, cfg.parallel, mesh, comm, runtime.device, plan=plan,
-                                       seq_len=seq_len, sample=sample))
+                                       seq_len=seq_len, sample=sample, sync_batchnorm=sync_batchnorm))
     except BaseException:
         shutdown(runtime, barrier=False)
         raise
@@ -111,6 +122,8 @@ class Engine:
         self._backwards = 0  # backward calls in the step under way
         self._loss_sum = torch.zeros((), device=self.device)
         self._step_open = False  # a forward of the manual loop began the step
+        self._samplers: list[ShardedSampler] = []  # the engine's samplers, which load checks are not reading
+        self._said_past_end = False  # step() past ``steps`` is said once
 
     @property
     def model(self) -> nn.Module:
@@ -158,16 +171,35 @@ class Engine:
         """Whether the step's ``grad_accum`` backward calls are in, so ``step()`` may run."""
         return self._backwards == self.stepper.train.grad_accum
 
-    def sampler(self, size: int, batch_size: int | None = None, *, shuffle: bool = True,
+    @property
+    def micro_batches_read(self) -> int:
+        """Micro-batches this rank has trained on: where the engine's sampler reads on from."""
+        return self.steps_done * self.micro_batches_per_step + self._backwards
+
+    def sampler(self, size: int, batch_size: int | None = None, *, epochs: int | None = None, shuffle: bool = True,
                 seed: int | None = None) -> ShardedSampler:
         """This rank's indices of a map-style dataset of ``size`` items, ``batch_size`` (default
         ``micro_batch``) per micro-batch: the ranks that read different samples (dp x ep) read
-        disjoint slices of each global batch, the others (tp, pp, cp) the same; from the
-        micro-batch where the engine stands, so a resumed run reads on (data/sampler.py)."""
-        batch = self.layout.replicas.batch
-        return ShardedSampler(size, batch_size or self.stepper.train.micro_batch, rank=batch.rank, replicas=batch.size,
-                              seed=self.stepper.train.seed if seed is None else seed, shuffle=shuffle,
-                              start=self.steps_done * self.micro_batches_per_step)
+        disjoint slices of each global batch, the others (tp, pp, cp) the same (data/sampler.py).
+        It reads from where the engine stands when the loop begins, so a resumed run reads on
+        whether the sampler was built before ``load`` or after, to the run's end: ``steps``
+        steps, or the whole steps of ``epochs`` passes over the dataset if those end first."""
+        batch_size = batch_size or self.stepper.train.micro_batch
+        readers = self.layout.replicas.batch
+        per_step = self.micro_batches_per_step
+        stop = self.stepper.train.steps * per_step
+        if epochs is not None:
+            per_epoch = size // (max(batch_size, 1) * readers.size)
+            if epochs < 1 or epochs * per_epoch < per_step:
+                raise UserError(f"sampler(epochs={epochs}) over {size} items, {batch_size} per micro-batch on "
+                                f"{readers.size} rank(s), holds {max(epochs, 0) * per_epoch} micro-batch(es), fewer "
+                                f"than one step's {per_step}; give more epochs or a smaller batch_size.")
+            stop = min(stop, epochs * per_epoch // per_step * per_step)
+        sampler = ShardedSampler(size, batch_size, rank=readers.rank, replicas=readers.size,
+                                 seed=self.stepper.train.seed if seed is None else seed, shuffle=shuffle,
+                                 start=lambda: self.micro_batches_read, stop=stop)
+        self._samplers.append(sampler)
+        return sampler
 
     def local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Inputs and targets [b, s, ...] on this rank's device; with cp, this rank's positions."""
@@ -175,7 +207,8 @@ class Engine:
 
     # -- a step, micro-batch by micro-batch ------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward under the engine's precision (and the step's dropout seed)."""
+        """The model's forward under the engine's precision and the step's dropout seed: each rank
+        draws its own rows' masks, so a layout's masks are not one process's (docs/library.md)."""
         if self.layout.pipeline:
             raise UserError("with pp the engine runs the forward stage by stage; call engine.train_step(micro_batches, "
                             "loss_fn) instead of engine(inputs).")
@@ -184,9 +217,11 @@ class Engine:
         with self.stepper.forward_context():
             return self.layout.model(*args, **kwargs)
 
-    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy over targets other than -100, also of logits a tp plan's
-        ``VocabHead`` left split over the vocabulary."""
+        ``VocabHead`` left split over the vocabulary; ``logits`` may be a model's output that holds
+        them as ``.logits`` (a transformers model's)."""
+        logits = getattr(logits, "logits", logits)
         trained = (targets != IGNORE_INDEX).sum().clamp(min=1)
         with self.stepper.compression:
             return self.layout.loss_fn(logits, targets) * targets.numel() / trained
@@ -236,6 +271,11 @@ class Engine:
         window.add(pending)
         (read,) = window.read()
         self.steps_done += 1
+        if self.steps_done > self.stepper.train.steps and not self._said_past_end and self.is_main:
+            self._said_past_end = True
+            warnings.warn(f"step {self.steps_done} is past steps={self.stepper.train.steps}, where the learning-rate "
+                          f"schedule ends (it stays at its floor, min_lr_ratio x lr); give setup(steps=...) the "
+                          f"run's length.", stacklevel=3)
         self._backwards, self._step_open = 0, False
         self._loss_sum = torch.zeros((), device=self.device)
         return {key: value for key, value in read.record.items() if key != "tokens_per_s"}
@@ -295,6 +335,11 @@ class Engine:
         latest = ckpt.latest_checkpoint(self.stepper.run_dir)
         if latest is None:
             return None
+        reading = [s.reading_from for s in self._samplers if s.reading_from is not None]
+        if reading:
+            raise UserError(f"engine.load() came while a loader over engine.sampler() was reading from micro-batch "
+                            f"{reading[0]}, so it would read on from there, not from the resumed step; call "
+                            f"engine.load() before the loop over the loader begins.")
         saved = self.stepper.load_checkpoint(latest)
         self.steps_done = saved["step"]
         return saved.get("user", {})

@@ -3,8 +3,9 @@
 The options are the command's own fields (``zero=3`` is ``--zero 3``), so the
 command's range checks (config_checks.py) hold for them too; what only a
 library call can get wrong is checked here: an option the engine does not
-take, a layout that does not fit the processes that were started, and a plan
-that names what the model lacks.
+take, a layout that does not fit the processes that were started, a plan
+that names what the model lacks, and a tensor plan that would train with
+wrong gradients.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from scaletrain.errors import UserError
 from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
+from scaletrain.parallel.batchnorm import check_synchronizable
 from scaletrain.parallel.parallelize import model_dropout
+from scaletrain.parallel.tensor_plan_checks import check_tensor_plan
+from scaletrain.parallel.zero import layer_modules
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.techniques.recompute import parse_policy
 
@@ -48,9 +52,12 @@ def engine_config(options: dict[str, Any]) -> Config:
     return cfg
 
 
-def check_combinations(cfg: Config, model: nn.Module, seq_len: int | None) -> None:
+def check_combinations(cfg: Config, model: nn.Module, seq_len: int | None, sync_batchnorm: bool = False) -> None:
     """The command's checks of options that contradict each other (config_checks.py), told what
-    the command would know from its flags: the model's experts and dropout, the sequence length."""
+    the command would know from its flags: the model's experts and dropout, the sequence length;
+    and what ``sync_batchnorm`` needs (parallel/batchnorm.py)."""
+    if sync_batchnorm:
+        check_synchronizable(model, cfg.parallel.allreduce == "ring" or cfg.parallel.compress != "none")
     experts = moe_layers(model)
     facts = dict(dropout=model_dropout(model), moe_experts=experts[0].cfg.experts if experts else 0,
                  moe_top_k=experts[0].cfg.top_k if experts else 1)
@@ -75,7 +82,8 @@ def layout_for_world(cfg: Config, world_size: int) -> ParallelDims:
 
 def check_plan(model: nn.Module, plan: ModelPlan | None, dims: ParallelDims, cfg: Config,
                seq_len: int | None, sample: Any) -> None:
-    """Refuse a split the plan does not describe, or a plan that names modules the model lacks."""
+    """Refuse a split the plan does not describe, a plan that names modules the model lacks, or a
+    tensor plan that would give wrong gradients (parallel/tensor_plan_checks.py)."""
     plan = plan or ModelPlan()
     p = cfg.parallel
     names = {name for name, _ in model.named_modules()}
@@ -83,6 +91,7 @@ def check_plan(model: nn.Module, plan: ModelPlan | None, dims: ParallelDims, cfg
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise UserError(f"the plan's tensor entry {pattern!r} matches no module of the model; name its modules as "
                             f"model.named_modules() does (e.g. 'blocks.*.attn.qkv').")
+    check_tensor_plan(model, plan.tensor)
     for pattern in plan.position_modules:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise UserError(f"the plan's position module {pattern!r} matches no module of the model; fix the pattern.")
@@ -123,6 +132,10 @@ def check_plan(model: nn.Module, plan: ModelPlan | None, dims: ParallelDims, cfg
                             f"use; build its mixture of experts with scaletrain.MoE, or set ep=1.")
         if any(layer.cfg.experts % dims.ep for layer in layers):
             raise UserError(f"ep={dims.ep} must divide every MoE layer's experts; choose another ep.")
+    if cfg.train.recompute != "none" and not (list(getattr(model, stack)) if stack else layer_modules(model)):
+        raise UserError(f"recompute={cfg.train.recompute!r} recomputes the model's repeated blocks, but it has no "
+                        f"nn.ModuleList or nn.Sequential holding them; hold the blocks in one (or name it by "
+                        f"ModelPlan(blocks=...)), or drop recompute.")
     if cfg.train.recompute == "selective":
         blocks = list(getattr(model, stack)) if stack else []
         if not blocks or not all(isinstance(getattr(block, "attn", None), nn.Module) for block in blocks):

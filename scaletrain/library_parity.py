@@ -19,6 +19,12 @@ their union). The steps' losses and gradient norms, and the final weights read
 from both runs' checkpoints into full tensors, must agree within
 ``tolerance``. The three callables are pickled into the workers: define them at
 a module's top level (a script's, under ``if __name__ == "__main__":``).
+
+Dropout: a layout draws other masks than one process (each rank draws its
+rows' masks, tp ranks their heads'), so a model with dropout matches one
+process only in distribution. Both runs switch every dropout of the model off
+(``dropout=False``, the default, said in the report's notes); ``dropout=True``
+keeps it, and the report says why the figures then differ.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from scaletrain.commands.parity import ParityReport, relative_diffs
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.library import setup
 from scaletrain.library_checks import engine_config
+from scaletrain.parallel.parallelize import model_dropout, switch_off_dropout
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
 from scaletrain.runtime.spawn import WorkerFailed, spawn_local
 from scaletrain.train import checkpoint as ckpt
@@ -45,11 +52,16 @@ LAYOUT_OPTIONS = dict(dp=None, tp=1, sp=False, pp=1, cp=1, ep=1, zero=0, shard_g
 
 
 def _run(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-         loss_fn: Callable, steps: int, folder: str, options: dict[str, Any], setup_args: dict[str, Any]
-         ) -> tuple[list[float], list[float]]:
-    """One worker of one run: its share of every step's global batch, then a checkpoint."""
+         loss_fn: Callable, steps: int, folder: str, options: dict[str, Any], setup_args: dict[str, Any],
+         dropout: bool) -> tuple[list[float], list[float], float]:
+    """One worker of one run: its share of every step's global batch, then a checkpoint; the
+    model's dropout probability as built."""
     torch.manual_seed(options.get("seed", 1234))
-    engine = setup(make_model(), **setup_args, **options)
+    model = make_model()
+    rate = model_dropout(model)
+    if not dropout:
+        switch_off_dropout(model)
+    engine = setup(model, **setup_args, **options)
     loss_fn = loss_fn or engine.cross_entropy
     try:
         per_step = engine.micro_batches_per_step
@@ -66,13 +78,16 @@ def _run(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tupl
         engine.save(folder)
     finally:
         engine.close()
-    return losses, norms
+    return losses, norms, rate
 
 
 def check_parity(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable | None = None, *, nproc: int, steps: int = 3, tolerance: float = 1e-5,
-                 plan: Any = None, seq_len: int | None = None, **options: Any) -> ParityReport:
-    """The layout of ``options`` on ``nproc`` processes against one process (module docstring)."""
+                 plan: Any = None, seq_len: int | None = None, dropout: bool = False, sync_batchnorm: bool = False,
+                 **options: Any) -> ParityReport:
+    """The layout of ``options`` on ``nproc`` processes against one process (module docstring);
+    ``dropout``: keep the model's dropout rather than switch it off in both runs;
+    ``sync_batchnorm``: `setup`'s, in both runs."""
     if nproc < 1 or steps < 1 or tolerance <= 0:
         raise UserError(f"check_parity needs nproc >= 1, steps >= 1 and a positive tolerance, not nproc={nproc}, "
                         f"steps={steps}, tolerance={tolerance}.")
@@ -84,19 +99,26 @@ def check_parity(make_model: Callable[[], nn.Module], global_batch: Callable[[in
     runs = []
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
         for name, procs, run_options, setup_args in (
-                ("reference", 1, reference, {"seq_len": seq_len}),
-                ("layout", nproc, options, {"plan": plan, "seq_len": seq_len})):
+                ("reference", 1, reference, {"seq_len": seq_len, "sync_batchnorm": sync_batchnorm}),
+                ("layout", nproc, options, {"plan": plan, "seq_len": seq_len, "sync_batchnorm": sync_batchnorm})):
             folder = str(Path(tmp, name))
             try:
                 results = spawn_local(procs, _run, (make_model, global_batch, loss_fn, steps, folder, run_options,
-                                                    setup_args))
+                                                    setup_args, dropout))
             except WorkerFailed as failure:
                 raise JobFailed(f"the {name} run failed: {failure}") from None
-            losses, norms = results[0]
+            losses, norms, rate = results[0]
             runs.append((losses, norms, ckpt.read_model_tensors(ckpt.latest_checkpoint(Path(folder)))))
     (ref_losses, ref_norms, ref_params), (losses, norms, params) = runs
     per_tensor, whole = relative_diffs(params, ref_params)
     described = ", ".join(f"{key}={value}" for key, value in options.items() if key in LAYOUT_OPTIONS)
+    notes = ()
+    if rate > 0 and dropout:
+        notes = (f"dropout {rate:g} kept: each rank draws its own masks, other than one process's, so the runs "
+                 f"agree in distribution only",)
+    elif rate > 0:
+        notes = (f"dropout {rate:g} switched off in both runs: a layout draws other masks than one process "
+                 f"(check_parity(..., dropout=True) keeps it)",)
     return ParityReport(layout=f"{described or 'one replica'} on {nproc} process(es)", tolerance=tolerance,
                         reference_losses=ref_losses, layout_losses=losses, reference_grad_norms=ref_norms,
-                        layout_grad_norms=norms, param_rel_diffs=per_tensor, param_rel_diff=whole)
+                        layout_grad_norms=norms, param_rel_diffs=per_tensor, param_rel_diff=whole, notes=notes)

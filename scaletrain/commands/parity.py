@@ -66,6 +66,7 @@ class ParityReport:
     layout_grad_norms: list[float | None] = field(default_factory=list)
     param_rel_diffs: dict[str, float] = field(default_factory=dict)
     param_rel_diff: float = 0.0
+    notes: tuple[str, ...] = ()  # what the comparison changed or could not compare, printed with it
 
     @property
     def loss_rel_diffs(self) -> list[float]:
@@ -108,7 +109,8 @@ class ParityReport:
                 "max_grad_norm_rel_diff": self.max_grad_norm_rel_diff,
                 "tolerance": self.tolerance, "layout": self.layout,
                 "worst_tensor": dict(zip(("name", "rel_diff"), self.worst_tensor)),
-                "reference_losses": self.reference_losses, "layout_losses": self.layout_losses}
+                "reference_losses": self.reference_losses, "layout_losses": self.layout_losses,
+                "notes": list(self.notes)}
 
 
 DEFAULTS = Config().replace(name=TINY_PRESET, steps=10, seq_len=64, micro_batch=4, warmup_steps=2, eval_every=0,
@@ -217,5 +219,6 @@ def format_table(report: ParityReport) -> str:
     worst, worst_diff = report.worst_tensor
     lines.append(f"final parameters: relative difference {report.max_param_rel_diff:.2e} "
                  f"(largest for one tensor: {worst_diff:.2e}, {worst})")
+    lines += [f"note: {note}" for note in report.notes]
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from scaletrain.config import AUTO, Config, add_config_flags, load_run_config, resolve
-from scaletrain.config_checks import check_values, resolve_layout
+from scaletrain.config_checks import check_values, resolve_layout, setting_warnings
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.adapters import add_adapters
@@ -220,6 +221,8 @@ def launch(cfg: Config) -> RunSummary:
         print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
         if cfg.train.compile:
             print(COMPILE_NOTE)
+        for sentence in setting_warnings(cfg):
+            print(f"warning: {sentence}", file=sys.stderr)
     if cfg.parallel.launcher == "ray":
         with ray_cluster(cfg.parallel.ray_placement(), cfg.parallel.nproc):
             return execute(cfg, prepare_run(cfg))

@@ -25,13 +25,12 @@ so each rank reads only the slices of the stages it keeps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.context import ContextParallel, parallelize_context
 from scaletrain.parallel.experts import ExpertParallel, parallelize_experts
@@ -51,11 +50,33 @@ class Parallelized:
     pipeline: PipelineParallel | None = None
 
 
+# Where an attention keeps the dropout probability it passes to its kernel: scaletrain's
+# CausalAttention (``dropout``), transformers' attentions (``attention_dropout``).
+_ATTENTION_RATES = ("dropout", "attention_dropout")
+
+
+def _dropout_sites(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """Each (module, attribute) holding a dropout probability: dropout layers' ``p``, attentions' rates."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            yield module, "p"
+            continue
+        for name in _ATTENTION_RATES:
+            rate = getattr(module, name, None)
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+                yield module, name
+
+
 def model_dropout(model: nn.Module) -> float:
     """The largest dropout probability of the model's dropout layers and attentions."""
-    rates = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
-    rates += [m.dropout for m in model.modules() if isinstance(m, CausalAttention)]
-    return max(rates, default=0.0)
+    return max((float(getattr(module, name)) for module, name in _dropout_sites(model)), default=0.0)
+
+
+def switch_off_dropout(model: nn.Module) -> None:
+    """Every dropout of ``model`` at probability 0, in place (``check_parity``'s default: a layout
+    draws other masks than one device, so only a model without dropout can match it exactly)."""
+    for module, name in list(_dropout_sites(model)):
+        setattr(module, name, 0.0)
 
 
 def parallelize(model: nn.Module, plan: ModelPlan, mesh: Mesh, comm: Comm, device: torch.device, *,

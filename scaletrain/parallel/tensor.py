@@ -71,9 +71,11 @@ seeded differently.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,7 @@ from scaletrain.models.spec import (
 )
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.weight_grad import WeightGradStore, linear
+from scaletrain.parallel.tensor_plan_checks import check_tensor_plan
 from scaletrain.runtime.autograd import (
     all_reduced,
     copy_to_group,
@@ -102,9 +105,6 @@ from scaletrain.runtime.autograd import (
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
 from scaletrain.techniques.fp8 import Float8
-
-# -- the plan ------------------------------------------------------------------
-
 
 # -- how a weight is split -----------------------------------------------------
 
@@ -357,11 +357,16 @@ class TensorParallel:
         # g: the [b, s, h] partial sums all-reduced; nothing crosses backward
         return reduce_from_group(y, self.comm, self.group)
 
-    def _region_entry_hook(self, module: nn.Module, args: tuple) -> tuple:
-        x = self.enter(args[0])
+    def _region_entry_hook(self, first: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # The region's input is the forward's first argument, by position or by its name ``first``:
+        # transformers calls its attention and MLP by keyword (self_attn(hidden_states=...)).
+        if args:
+            args = (self.enter(args[0]), *args[1:])
+        else:
+            kwargs = {**kwargs, first: self.enter(kwargs[first])}
         if self.rng is not None and module.training:
             self.rng.enter()
-        return (x, *args[1:])
+        return args, kwargs
 
     def gathered_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Every rank's logits, whole (for sampling; the slices may differ by one)."""
@@ -427,6 +432,7 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, comm: Comm, group: Gr
     """Split ``model`` (built whole, on every rank alike) over ``group`` by ``plan``, in place.
     ``hook_gradients=False`` leaves `TensorParallel.hook_replicated_gradients` to the caller: a
     model on the meta device gets its storage later, and a tensor's hooks do not move with it."""
+    check_tensor_plan(model, plan)
     rng = RegionRNG(group.rank, next(model.parameters()).device) if dropout > 0 and not sequence_parallel \
         else None
     tp = TensorParallel(comm, group, sequence_parallel=sequence_parallel, rng=rng)
@@ -447,7 +453,8 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, comm: Comm, group: Gr
         if style is None:
             continue
         if isinstance(style, Region):
-            module.register_forward_pre_hook(tp._region_entry_hook)
+            first = next(iter(inspect.signature(module.forward).parameters))
+            module.register_forward_pre_hook(partial(tp._region_entry_hook, first), with_kwargs=True)
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
         if isinstance(style, VocabEmbedding):

@@ -92,7 +92,8 @@ def apply_recompute(model: nn.Module, policy: str, blocks: Sequence[nn.Module] |
     (over ``blocks``, by default all of ``model.blocks``: a pipeline stage gives its own)."""
     kind, k = parse_policy(policy)
     blocks = list(model.blocks if blocks is None else blocks)
-    if any("forward" in m.__dict__ for block in blocks for m in (block, block.attn)):
+    # a block without an attention module (a user's convolution, say) has only its own forward
+    if any("forward" in m.__dict__ for block in blocks for m in (block, getattr(block, "attn", block))):
         raise UserError("This model already has a recompute policy; apply_recompute once, to a fresh model.")
     if kind == "every":
         for block in blocks[::k]:

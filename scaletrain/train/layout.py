@@ -31,6 +31,7 @@ from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
 from scaletrain.optim.stochastic_rounding import StochasticRounding
+from scaletrain.parallel.batchnorm import RunningStatistics, synchronize_batchnorm
 from scaletrain.parallel.data import DataParallel, JointDataParallel
 from scaletrain.parallel.hybrid import zero_groups
 from scaletrain.parallel.local_sgd import LocalSGD
@@ -72,16 +73,20 @@ class Layout:
     replicated and sharded, not split); ``seq_len`` is that of every sequence (for cp);
     ``sample``, one micro-batch of inputs as the data holds it (all positions, on the host),
     is what ``--pp-balance time`` times the blocks on; ``fused_head``: the model is a decoder
-    whose head and loss the fused cross-entropy kernel may take (`fused_loss_fn`)."""
+    whose head and loss the fused cross-entropy kernel may take (`fused_loss_fn`); ``sync_batchnorm``:
+    its BatchNorm layers normalize by the whole data-parallel batch's statistics (parallel/batchnorm.py)."""
 
     def __init__(self, model: nn.Module, plan: ModelPlan | None, train: TrainConfig, parallel: ParallelConfig,
                  mesh: Mesh, comm: Comm, device: torch.device, *, seq_len: int | None = None,
-                 sample: torch.Tensor | None = None, source: FolderSource | None = None, fused_head: bool = False):
+                 sample: torch.Tensor | None = None, source: FolderSource | None = None, fused_head: bool = False,
+                 sync_batchnorm: bool = False):
         self.model, self.plan = model, plan or ModelPlan()
         self.train, self.parallel, self.mesh, self.comm, self.device = train, parallel, mesh, comm, device
         self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
         self.cp_group, self.ep_group = mesh.group("cp"), mesh.group("ep")
         self.replicas = Replicas.of(mesh)  # who reads which samples, who holds which copies
+        if sync_batchnorm:  # before any transform, which then finds its weights where they were
+            synchronize_batchnorm(model, comm, self.replicas.batch)
         self.folder = source
         if not self.folder:
             self.model.to(device)
@@ -99,6 +104,8 @@ class Layout:
             self.replicas.start_equal(self.model, comm, self.expert_parallel)  # before the masters copy them
         self.host_peak = peak_resident_bytes()  # the weights built or read, nothing of the optimizer's yet
         self._hold_optimizer_tensors()
+        # BatchNorm's running estimates, one set over the copies of this stage (parallel/batchnorm.py)
+        self.running_statistics = RunningStatistics(self.model, comm, self.replicas.dense)
         if self.folder and parallel.zero == 3:  # its units read their shards: their gradient shards came with them
             self.host_peak = peak_resident_bytes()
         if self.folder and self.tensor_parallel:  # the weights have their storage now, for good

@@ -83,18 +83,20 @@ class Stepper:
     from the model and its plan (train/layout.py). ``run_dir`` holds the checkpoints;
     ``log_every`` > 1 lets ``--on-nan stop`` read its flag with the window
     (train/step_window.py); ``report_memory`` measures the second step's memory (the first's in a
-    one-step run; train/step_memory.py)."""
+    one-step run; train/step_memory.py); ``sync_batchnorm``: BatchNorm over the whole
+    data-parallel batch (parallel/batchnorm.py)."""
 
     def __init__(self, model: nn.Module, train: TrainConfig, parallel: ParallelConfig, mesh: Mesh, comm: Comm,
                  device: torch.device, *, plan: ModelPlan | None = None, seq_len: int | None = None,
                  sample: torch.Tensor | None = None, source: FolderSource | None = None, fused_head: bool = False,
-                 run_dir: Path | None = None, log_every: int = 1, report_memory: bool = False):
+                 run_dir: Path | None = None, log_every: int = 1, report_memory: bool = False,
+                 sync_batchnorm: bool = False):
         self.train, self.parallel, self.mesh, self.comm, self.device = train, parallel, mesh, comm, device
         self.seq_len = seq_len  # every sequence's length, where given (cp, the library's generate)
         self.run_dir, self.log_every, self.report_memory = run_dir, log_every, report_memory
         self.faults = Faults.from_env(mesh.rank)  # none unless SCALETRAIN_FAULT asks (runtime/faults.py)
         self.layout = Layout(model, plan, train, parallel, mesh, comm, device, seq_len=seq_len, sample=sample,
-                             source=source, fused_head=fused_head)
+                             source=source, fused_head=fused_head, sync_batchnorm=sync_batchnorm)
         self.compression = ActivationCompression(train.compress_activations)  # entered around each forward
         self.scaler = DynamicLossScaler(enabled=train.precision == "fp16")
         self.on_nan = train.on_nan or ("skip" if train.precision == "fp16" else "stop")
@@ -256,6 +258,9 @@ class Stepper:
         self._take_memory("after_backward")
         # wait for the buckets' all-reduce (ZeRO: the reduce-scatter of this rank's shard), launched in backward
         layout.data_parallel.finish_gradient_sync()
+        # The step's forwards are done: rank 0's running statistics to every copy, so the ranks
+        # evaluate, save and begin the next step alike (parallel/batchnorm.py; none: nothing sent)
+        layout.running_statistics.broadcast()
         if not layout.exchange_delayed_gradients():  # PipeDream-2BW's first step: nothing to apply yet
             return self._before_first_update(step, loss_sum)
         layout.sum_shared_gradients()  # a weight two pipeline stages hold: its two gradients summed
@@ -337,6 +342,7 @@ class Stepper:
         # how many ranks' own optimizer states the checkpoint holds (commands/train.py checks a resume)
         if layout.local_sgd:
             saved["optimizer_per_rank"] = layout.replicas.dense.size
+        layout.running_statistics.broadcast()  # one set of running statistics, whenever the save comes
         return ckpt.save_checkpoint(self.run_dir, step, layout.model, layout.optimizer, layout.masters, saved, team,
                                     zero=layout.zero, tensor_parallel=layout.tensor_parallel,
                                     own_optimizer=layout.own_optimizer(), keep_last=keep_last,

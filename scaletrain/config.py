@@ -238,6 +238,10 @@ class ParallelConfig:
                                          "those weights), or fp8: e4m3 with a power-of-two scale per block "
                                          "(lossless for --precision fp8's products but subnormals); needs --zero 3",
                                  choices=("none", "int8", "fp8"))
+    zero3_gather: str = _opt("round", "with --zero 3 and --pp: gather each block's weights once per pipeline "
+                                      "round, held across its micro-batches (one all-gather per block per round), or "
+                                      "for every micro-batch's forward and again for its backward (2 x --microbatches "
+                                      "all-gathers, the least memory; docs/zero.md)", choices=("round", "micro-batch"))
     sync_every: int = _opt(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
                               "and the dp replicas' parameters are averaged every N steps (1: plain data "
                               "parallelism, gradients averaged every step)")

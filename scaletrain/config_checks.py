@@ -78,9 +78,10 @@ def _check_fp8(cfg: Config) -> None:
         return
     p = cfg.parallel
     if p.pp > 1 and p.pp_schedule == "zb-h1":
-        raise UserError("--precision fp8 does not combine with --pp-schedule zb-h1 in this version: zero bubble's "
-                        "split backward computes the weight gradients in bf16; use another schedule, or "
-                        "--precision bf16.")
+        raise UserError("--precision fp8 does not combine with --pp-schedule zb-h1: zero bubble's deferred weight "
+                        "pass computes dW = dy^T x from the bf16 tensors its backward kept, where fp8's weight "
+                        "gradient is the product of their float8 casts, so the two would round apart; use another "
+                        "schedule, or --precision bf16.")
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -253,8 +254,9 @@ def _check_local_sgd(cfg: Config) -> None:
                         f"with a parameter average every {every} steps; drop one of the two.")
     for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1)):
         if used:
-            raise UserError(f"--sync-every {every} averages whole replicas over plain data parallelism and does "
-                            f"not combine with {flag} in this version; drop one of the two.")
+            raise UserError(f"--sync-every {every} averages whole-model replicas (each rank keeps and steps the "
+                            f"whole model between averages: parallel/local_sgd.py), and under {flag} no rank holds "
+                            f"one; drop one of the two.")
     for flag, value in (("--checkpoint-every", cfg.run.checkpoint_every),
                         ("--stop-at", cfg.run.stop_at if cfg.run.stop_at != cfg.train.steps else None)):
         if value and value % every:
@@ -276,9 +278,10 @@ def _check_mpi(cfg: Config) -> None:
     for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
                        ("--zero", p.zero > 0), ("--sync-every", p.sync_every > 1)):
         if used:
-            raise UserError(f"--backend mpi4py runs plain data parallelism, whose ranks all hold the same model "
-                            f"and optimizer, and does not combine with {flag} in this version; drop {flag} or "
-                            f"use --backend gloo.")
+            raise UserError(f"--backend mpi4py has no torch process group, so the main rank writes every "
+                            f"checkpoint alone, which holds the run only where every rank holds the same whole model "
+                            f"and optimizer, and under {flag} the ranks hold different ones; drop {flag} or use "
+                            f"--backend gloo.")
     if p.reduce_dtype == "bf16":
         raise UserError("--backend mpi4py reduces numpy buffers, and numpy has no bfloat16; use --reduce-dtype "
                         "fp32 or --backend gloo.")
@@ -326,12 +329,12 @@ def _check_experts(cfg: Config) -> None:
         if used:
             raise UserError(f"{flag} splits each sequence over ranks, but a mixture of experts routes "
                             f"each sequence as one group; drop {flag} or --moe-experts.")
-    for flag, used in (("--pp", p.pp > 1), ("--zero", p.zero > 0 and p.ep > 1),
-                       ("--compress", p.compress != "none" and p.ep > 1)):
-        if used:
-            raise UserError(f"{flag} does not combine with "
-                            f"{'--moe-experts' if flag == '--pp' else '--ep'} in this version; drop one "
-                            f"of the two.")
+    # With --ep the experts' copies live across dp alone and the dense weights' across dp x ep,
+    # so their gradients are reduced by two groups (train/replicas.py).
+    if p.compress != "none" and p.ep > 1:
+        raise UserError("--compress does not combine with --ep: a compressor averages each gradient over the "
+                        "group that reduces it, and --ep sums the experts' gradients over dp but divides them "
+                        "by dp x ep; drop one of the two.")
 
 
 def _check_two_bw(cfg: Config) -> None:
@@ -366,9 +369,6 @@ def _check_pipeline(p: ParallelConfig) -> None:
         schedules.check(p.pp_schedule, p.pp, *p.pipeline_sizes())
     except ValueError as exc:
         raise UserError(f"{exc}.") from None
-    if p.zero == 3:
-        raise UserError(f"--zero 3 gathers and frees each layer around the whole model's forward and "
-                        f"backward, which pipeline stages never run as one; use --zero 1 or 2 with --pp {p.pp}.")
 
 
 def resolve_layout(cfg: Config, world_size: int) -> tuple[Config, ParallelDims]:

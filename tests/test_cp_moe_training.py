@@ -31,6 +31,7 @@ LAYOUTS = {
     "cp2": (2, dict(cp=2)),
     "cp4": (4, dict(cp=4)),
     "dp2-cp2-zero1": (4, dict(dp=2, cp=2, zero=1)),
+    "dp2-cp2-zero3": (4, dict(dp=2, cp=2, zero=3)),
     "cp2-tp2-sp": (4, dict(cp=2, tp=2, sp=True)),
     "cp2-tp2": (4, dict(cp=2, tp=2)),
     "dp2-cp2": (4, dict(dp=2, cp=2)),
@@ -125,8 +126,7 @@ def test_metrics_count_every_routed_token(tiny_cfg):
     (dict(moe_experts=2, moe_top_k=3), "choose at most 2"),
     (dict(moe_experts=4, cp=2), "drop --cp or --moe-experts"),
     (dict(moe_experts=4, tp=2, sp=True), "drop --sp or --moe-experts"),
-    (dict(moe_experts=4, pp=2), "--pp does not combine with --moe-experts"),
-    (dict(moe_experts=4, ep=2, zero=1), "--zero does not combine with --ep"),
+    (dict(moe_experts=4, ep=2, compress="sign"), "--compress does not combine with --ep"),
     (dict(moe_experts=4, moe_capacity=0.0), "--moe-capacity must be positive"),
 ])
 def test_mistakes_are_refused_in_one_sentence(tiny_cfg, changes, words):

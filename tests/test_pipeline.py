@@ -306,7 +306,6 @@ def test_checkpoint_saved_by_stages_resumes_in_one_process_and_back(tiny_cfg):
      "choose --microbatches divisible by 2"),
     (["--pp", "2", "--nproc", "2", "--pp-schedule", "interleaved", "--virtual-stages", "1"], "is 1f1b"),
     (["--pp", "2", "--nproc", "2", "--pp-schedule", "interleaved"], "cuts the model into 4 stages, but it has 2"),
-    (["--pp", "2", "--nproc", "4", "--zero", "3"], "--zero 3 gathers and frees each layer"),
 ])
 def test_pipeline_mistakes_are_one_sentence_before_any_work(tiny_cfg, capsys, flags, message):
     out = Path(tiny_cfg.run.out)

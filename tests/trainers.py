@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from scaletrain.job.trainer import Trainer
 from scaletrain.runtime import Comm, Mesh, ProcessEnv
 from scaletrain.runtime.launch import DistRuntime
+from tests.distributed import run_distributed
 
 
 def build_trainer(rank: int, n: int, cfg, spec, device: str = "cpu") -> Trainer:
@@ -29,6 +31,19 @@ def train_and_save(rank: int, n: int, cfg, spec, save_at: int | None) -> list[fl
         if step + 1 == save_at:
             trainer.save(step + 1)
     return losses
+
+
+def assert_resumes_both_ways(cfg, one, spec, nproc: int) -> None:
+    """``cfg`` on ``nproc`` ranks saved after step 2 continues exactly as ``one`` (one process, the
+    same global batch, its own run folder), and ``one`` saved after step 2 continues exactly as ``cfg``."""
+    straight = run_distributed(train_and_save, nproc, cfg, spec, 2, timeout_s=240)[0]
+    resumed = run_distributed(train_and_save, 1, one.replace(out=cfg.run.out, resume=True), spec, None,
+                              timeout_s=240)[0]
+    assert resumed == pytest.approx(straight[2:], rel=1e-5)
+    run_distributed(train_and_save, 1, one, spec, 2, timeout_s=240)
+    back = run_distributed(train_and_save, nproc, cfg.replace(out=one.run.out, resume=True), spec, None,
+                           timeout_s=240)[0]
+    assert back == pytest.approx(straight[2:], rel=1e-5)
 
 
 def losses_of_run(cfg, out: Path, **changes) -> list[float]:

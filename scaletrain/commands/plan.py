@@ -17,7 +17,7 @@ from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device, parse_size
 from scaletrain.planner.search import RECOMPUTE as PLANNED_RECOMPUTE
 
 FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
-         "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights")
+         "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights", "zero3_gather")
 PLANNED_VOCAB = 50304  # a 50257-token byte-level BPE, rounded up to a multiple of 64
 POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
             "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
@@ -45,6 +45,8 @@ def add_parser(commands) -> None:
     fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage over the replicas")
     fixed.add_argument("--shard-group", type=int, metavar="N", help="ZeRO within groups of N ranks (hybrid)")
     fixed.add_argument("--quantize-weights", choices=("none", "int8"), help="ZeRO-3's gathers in int8")
+    fixed.add_argument("--zero3-gather", choices=("round", "micro-batch"),
+                       help="with --zero 3 and --pp: blocks gathered once per round or per micro-batch")
     fixed.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                        help="sequence parallelism inside the tp group")
     fixed.add_argument("--recompute", choices=PLANNED_RECOMPUTE, help="activation checkpointing")

@@ -66,6 +66,11 @@ PRESETS = {
     "llama2-13b": {"n_layers": 40, "n_heads": 40, "n_kv_heads": 40, "d_model": 5120, "ffn_hidden": 13824, **_LLAMA2},
     "llama3-8b": {"n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "d_model": 4096, "ffn_hidden": 14336, **_LLAMA3},
     "llama3-70b": {"n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "d_model": 8192, "ffn_hidden": 28672, **_LLAMA3},
+    # Mixtral 8x7B's shape: every block's MLP 8 SwiGLU experts of 14,336, each token routed to 2
+    # (ffn_hidden is the dense MLP's width the experts share: ffn / top_k each)
+    "mixtral-8x7b": {"n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "d_model": 4096, "ffn_hidden": 2 * 14336,
+                     "moe_experts": 8, "rope_theta": 1e6, "rope_scaling": None, "tie_embeddings": False,
+                     "norm_eps": 1e-5, "n_positions": 32768, "n_vocab": 32000},
 }
 FAMILY_LABEL = "llama-small"  # the preset a folder's run is labelled with: every size is given
 
@@ -106,8 +111,9 @@ def configure(cfg, vocab_size: int, seq_len: int) -> LlamaConfig:
     ffn = cfg.ffn_hidden or (preset["ffn_hidden"] if d_model == preset["d_model"] else swiglu_width(d_model))
     scaling = chosen("rope_scaling")
     moe = None
-    if cfg.moe_experts:  # Mixtral's experts: SwiGLU, each ffn / top_k wide, as many active weights as the MLP
-        moe = MoEConfig(experts=cfg.moe_experts, top_k=cfg.moe_top_k, hidden=ffn // cfg.moe_top_k,
+    experts = cfg.moe_experts or preset.get("moe_experts", 0)
+    if experts:  # Mixtral's experts: SwiGLU, each ffn / top_k wide, as many active weights as the MLP
+        moe = MoEConfig(experts=experts, top_k=cfg.moe_top_k, hidden=ffn // cfg.moe_top_k,
                         capacity=cfg.moe_capacity, every=cfg.moe_every, aux_coef=cfg.moe_aux_coef,
                         z_coef=cfg.moe_z_coef, activation="swiglu")
     return LlamaConfig(vocab_size=cfg.n_vocab or preset["n_vocab"] or vocab_size, seq_len=seq_len,
@@ -133,6 +139,12 @@ TENSOR_PLAN = (
     ("blocks.*.mlp.proj", Row()),
     ("head", VocabHead()),
 )
+
+
+def tensor_plan(cfg: LlamaConfig) -> tuple:
+    """The plan of a model whose every block is a mixture of experts has no dense MLP to split."""
+    every_block_experts = cfg.moe is not None and all(cfg.moe.in_block(i) for i in range(cfg.n_layers))
+    return tuple(entry for entry in TENSOR_PLAN if not (every_block_experts and ".mlp" in entry[0]))
 
 STAGES = StagePlan(stack="blocks", first=("tok_emb", "drop"), last=("ln_f", "head"), enter="embed",
                    leave="unembed")
@@ -322,6 +334,6 @@ HF = HFAdapter(model_types=tuple(HF_DEFAULTS), prefix="model.", config_from_hf=c
                config_to_hf=config_to_hf, names=hf_names, tied=hf_tied)
 
 LLAMA_SPEC = ModelSpec(family="llama", presets=PRESETS, configure=configure, build=Llama,
-                       tensor_plan=lambda cfg: TENSOR_PLAN, stages=STAGES, shape=shape,
+                       tensor_plan=tensor_plan, stages=STAGES, shape=shape,
                        position_modules=("blocks.*.attn.rope",), hf=HF,
                        lora_aliases={"qkv": ("q", "k", "v"), "proj": ("proj",), "fc": ("gate", "up")}, check=check)

@@ -110,9 +110,22 @@ class Expert(nn.Module):
 
 def run_experts(experts: Sequence[nn.Module], rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """``rows`` grouped by expert, ``counts[i]`` rows for ``experts[i]`` -> their outputs in the
-    same order; one call per expert that has rows."""
-    outputs = [expert(part) for expert, part in zip(experts, rows.split(list(counts)), strict=True) if len(part)]
-    return torch.cat(outputs) if outputs else rows
+    same order; one call per expert that has rows. An expert without rows still joins the graph
+    (`_idle`), so that every backward gives every expert a gradient, in the same place, whatever
+    the routing: replicas that reduce gradients as they arrive (ZeRO, parallel/zero.py) must all
+    see the same ones in the same order. The gradient is zeros, which is what data parallelism
+    and ZeRO took a missing one for."""
+    outputs = [expert(part) if len(part) else _idle(expert, part)
+               for expert, part in zip(experts, rows.split(list(counts)), strict=True)]
+    dtype = next((out.dtype for out, n in zip(outputs, counts) if n), rows.dtype)  # autocast's, where one ran
+    return torch.cat([out.to(dtype) for out in outputs])
+
+
+def _idle(expert: nn.Module, part: torch.Tensor) -> torch.Tensor:
+    """The output of an expert given no rows (no rows), tied to its weights by empty slices: the
+    forward computes nothing, and backward gives each weight a gradient of zeros."""
+    nothing = sum(weight.flatten()[:0].sum() for weight in expert.parameters() if weight.requires_grad)
+    return part + nothing
 
 
 class Experts(nn.ModuleList):

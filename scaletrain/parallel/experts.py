@@ -120,6 +120,12 @@ class ExpertParallel:
         (optim/clip.py): its own experts', and a replicated one's on ep rank 0."""
         return param in self.expert_params or self.group.rank == 0
 
+    def keep_held(self, model: nn.Module) -> None:
+        """Forget the experts ``model`` no longer holds (a pipeline cut their layers away), so
+        that nothing keeps their weights alive, replicates or reduces them."""
+        held = {id(p) for p in model.parameters()}
+        self.expert_params = {p: name for p, name in self.expert_params.items() if id(p) in held}
+
 
 def parallelize_experts(model: nn.Module, comm: Comm, group: Group) -> ExpertParallel:
     """Spread the experts of every MoE layer of ``model`` (built whole, alike on every

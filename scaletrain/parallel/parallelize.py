@@ -109,6 +109,8 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: Mesh, comm: Comm, devic
             model, plan.stages, comm, pp, schedule=schedule, micro_batches=micro_batches,
             virtual_stages=virtual_stages, balance_by=balance_by, sample=sample, world=mesh.group("world"),
             boundary=_residual_stream(plan.width, parts.tensor, device))
+        if parts.experts:
+            parts.experts.keep_held(model)
     if read_weights:
         read_weights(parts.tensor)
     return parts

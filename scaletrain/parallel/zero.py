@@ -59,7 +59,10 @@ pipelines usually pair with stage 1.
 A unit's reduce-scatter starts as soon as its last gradient arrives, overlapping
 the rest of backward, in whatever order units complete (interleaved pipeline
 schedules; zero bubble's split of B and W). Every rank of the dp group runs the
-same program on same-shaped batches, so collectives start in the same order on all.
+same program on same-shaped batches, so collectives start in the same order on all
+(a mixture's experts too: one that routing left without rows still gives its zero
+gradient, models/moe.py). With expert parallelism, two instances, each over its own
+``params`` and group: parallel/zero_experts.py.
 Weights tied across pipeline stages (the first and last stages' token
 embedding) get units of their own (``own_units``): shard boundaries depend
 only on a unit's size and N, so both holders' shards cover the same elements
@@ -80,7 +83,7 @@ from torch import nn
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import ShardCollectives
-from scaletrain.parallel.zero3 import StageThreeGathering
+from scaletrain.parallel.zero3 import PipelineGathering, StageThreeGathering
 from scaletrain.parallel.zero_units import Piece, Unit
 from scaletrain.runtime.comm import Comm, Pending
 from scaletrain.runtime.mesh import Group
@@ -142,7 +145,13 @@ class ZeroDataParallel:
     (int8 gathers): parallel/hybrid.py. Every rank must start from the same weights.
     ``source`` (stage 3, a model loaded slice by slice: finetune/sliced.py) gives elements
     [lo, hi) of a weight still on the meta device: each rank reads only its shard of it.
-    ``layers``: stage 3's units (default: `layer_modules`).
+    ``layers``: stage 3's units (default: `layer_modules`). ``stages`` (stage 3 inside pipeline
+    stages): the blocks of each of this rank's stages, in forward order, its units, the rest of
+    the rank's weights held per round (and ``own_units``, tied across stages, each alone), each
+    block gathered per micro-batch or per round as ``gather`` says (parallel/zero3.py).
+    ``params``: the parameters it shards (default: every trainable one), the rest left to another
+    instance over another group; ``average_over``: the count the gradients' sum is divided by (default:
+    the ranks it reduces over; expert parallelism's experts: parallel/zero_experts.py).
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
@@ -151,24 +160,31 @@ class ZeroDataParallel:
                  own_units: Sequence[nn.Parameter] = (), replica: Group | None = None,
                  quantize_weights: str = "none", device: torch.device | None = None,
                  source: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
-                 layers: Sequence[nn.Module] | None = None):
+                 layers: Sequence[nn.Module] | None = None, stages: Sequence[Sequence[nn.Module]] | None = None,
+                 gather: str = "micro-batch", params: Sequence[nn.Parameter] | None = None,
+                 average_over: int | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
-        if stage == 3 and own_units or stage < 3 and quantize_weights != "none":
-            raise ValueError("own_units are for stages 1 and 2 (ZeRO-3's follow the layers), int8 gathers for 3")
+        if stage == 3 and own_units and stages is None or stage < 3 and quantize_weights != "none":
+            raise ValueError("own_units are for stages 1 and 2 and pipelines (ZeRO-3's follow the layers), "
+                             "quantized gathers for 3")
         self.model, self.comm, self.group, self.stage = model, comm, group, stage
         self.collectives = ShardCollectives(comm, group, replica, quantize_weights)
+        self.average_over = average_over or self.collectives.averaged_over
         self.device = device or next(model.parameters()).device
         self.source = source
         self.master_device = torch.device(master_device) if master_device is not None else self.device
         self._pinned = self.master_device.type == "cpu" and torch.cuda.is_available()
         self.names = {id(p): name for name, p in model.named_parameters()}
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if stage == 3:  # the root unit first, then the layers, in forward order
-            layers = layer_modules(model) if layers is None else layers
-            in_layers = {id(p) for layer in layers for p in layer.parameters()}
-            modules_and_params = [(model, [p for p in trainable if id(p) not in in_layers]),
-                                  *((layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers)]
+        trainable = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+        mine = {id(p) for p in trainable}
+        if stage == 3:  # the root unit first (then a tied weight's alone), then the layers, in forward order
+            layers = [block for blocks in stages for block in blocks] if stages is not None else \
+                layer_modules(model) if layers is None else layers
+            apart = {id(p) for layer in layers for p in layer.parameters()} | {id(p) for p in own_units}
+            modules_and_params = [(model, [p for p in trainable if id(p) not in apart]),
+                                  *((model, [p]) for p in own_units if p.requires_grad),
+                                  *((layer, [p for p in layer.parameters() if id(p) in mine]) for layer in layers)]
             forward = [(module, params) for module, params in modules_and_params if params]
             grouped = forward[::-1]  # gradients complete in backward order; the root's (embeddings) last
         else:  # gradient buckets, as data parallelism makes them, and the own units
@@ -187,8 +203,14 @@ class ZeroDataParallel:
         self._syncing = True
         self._in_flight: deque[tuple[Unit, Pending, torch.Tensor, torch.Tensor]] = deque()
         # Stage 3: the units' full parameters exist only while they are used (parallel/zero3.py).
-        self.gathering = StageThreeGathering(model, self.units, self.collectives, self._flush) if stage == 3 \
-            else None
+        self.gathering = None
+        if stage == 3 and stages is not None:
+            unit_of = {id(unit.module): unit for unit in self.units}
+            per_stage = [[unit_of[id(block)] for block in blocks if id(block) in unit_of] for blocks in stages]
+            held = [unit for unit in self.units if unit.module is model]
+            self.gathering = PipelineGathering(per_stage, held, self.collectives, gather)
+        elif stage == 3:
+            self.gathering = StageThreeGathering(model, self.units, self.collectives, self._flush)
         if stage == 2:
             model.register_forward_pre_hook(lambda *_: self._flush())
 
@@ -393,7 +415,7 @@ class ZeroDataParallel:
                 unit.slot(source, i).zero_()
         unit.arrived.clear()
         unit.staging = None
-        source.mul_(1.0 / self.collectives.averaged_over)
+        source.mul_(1.0 / self.average_over)
         # Stage 1 reduces in place into the rank's own slice; a step's first
         # reduction writes the shard, later micro-batches' are added to it.
         out = unit.grad if self.stage == 1 or not unit.reduced else torch.empty_like(unit.grad)
@@ -402,7 +424,7 @@ class ZeroDataParallel:
         pending = self.collectives.reduce_scatter(out, source)
         self._in_flight.append((unit, pending, out, source))
         if self.gathering:
-            self.gathering.free(unit)  # its gradients are all in: backward needs it no more
+            self.gathering.after_gradients(unit)  # its gradients are all in: backward needs it no more
         while self.stage > 1 and len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete_oldest()
 

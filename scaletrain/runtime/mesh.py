@@ -75,8 +75,10 @@ class ParallelDims:
         if self.shard_group:
             sharded = self.dp * self.cp
             if self.ep > 1:
-                raise UserError(f"--shard-group splits the dp group, but --ep {self.ep} spreads experts over "
-                                f"it too; drop one of the two.")
+                raise UserError(f"--shard-group {self.shard_group} cuts the one group ZeRO shards over into "
+                                f"shard groups, but with --ep {self.ep} ZeRO shards the dense weights over dp x ep "
+                                f"and the experts over dp, two groups that would need cutting apart; drop one of "
+                                f"the two.")
             if sharded % self.shard_group:
                 raise UserError(f"--shard-group {self.shard_group} must divide the {sharded} ranks ZeRO shards "
                                 f"over (--dp {self.dp} x --cp {self.cp}); choose a --shard-group that divides "

@@ -79,6 +79,7 @@ from scaletrain.optim.adamw8bit import AdamW8bit
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.parallel.tensor import Split, TensorParallel
 from scaletrain.parallel.zero import FlatShard, ZeroDataParallel
+from scaletrain.parallel.zero_experts import JointZero
 from scaletrain.runtime.mesh import Group
 from scaletrain.train.manifest import (
     MANIFEST,
@@ -322,7 +323,7 @@ def _per_rank(value: Any, group: Group) -> Any:
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None,
-                zero: ZeroDataParallel | None, tensor_parallel: TensorParallel | None,
+                zero: ZeroDataParallel | JointZero | None, tensor_parallel: TensorParallel | None,
                 own_optimizer: Group | None = None) -> dict[str, Any]:
     """Model weights and per-parameter optimizer state, both by parameter name.
 
@@ -410,7 +411,8 @@ def prune(run_dir: Path, keep_last: int, strike: Callable[[str], None]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     masters: MasterWeights | None, trainer_state: dict[str, Any], team: Team = Team(), *,
-                    zero: ZeroDataParallel | None = None, tensor_parallel: TensorParallel | None = None,
+                    zero: ZeroDataParallel | JointZero | None = None,
+                    tensor_parallel: TensorParallel | None = None,
                     own_optimizer: Group | None = None, keep_last: int = 0,
                     strike: Callable[[str], None] = lambda point: None) -> Path:
     """Write a checkpoint atomically (module docstring); ``strike`` is fault injection's hook (runtime/faults.py)."""
@@ -461,7 +463,7 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    masters: MasterWeights | None = None, zero: ZeroDataParallel | None = None,
+                    masters: MasterWeights | None = None, zero: ZeroDataParallel | JointZero | None = None,
                     tensor_parallel: TensorParallel | None = None, own_optimizer: Group | None = None
                     ) -> dict[str, Any]:
     """Fill model (and masters) and optimizer in place; return the trainer state."""

@@ -39,6 +39,7 @@ from scaletrain.parallel.parallelize import parallelize
 from scaletrain.parallel.pipeline.two_bw import delayed_update
 from scaletrain.parallel.tensor import TensorParallel
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
+from scaletrain.parallel.zero_experts import JointZero
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.compile import compile_blocks
@@ -114,8 +115,9 @@ class Layout:
         self.delayed = delayed_update(parallel.pp_schedule, self.model,
                                       self.pipeline.versions if self.pipeline else None)
         self.norm_counted = self._counted_for_norm()
-        # Over these groups the counted gradients add up to the whole model's, each element once.
-        self.norm_groups = [self.tp_group, self.pp_group, self.ep_group] + ([self.zero.group] if self.zero else [])
+        # Over these groups the counted gradients add up to the whole model's, each element once: ZeRO's
+        # group (with ep, the dense one, which spans the ep ranks' different experts too), or else ep.
+        self.norm_groups = [self.tp_group, self.pp_group, self.zero.group if self.zero else self.ep_group]
 
     def _choose_the_loss(self, fused_head: bool) -> None:
         """The loss on the logits (tp's vocabulary-parallel one where tp splits them), or the head and
@@ -164,21 +166,26 @@ class Layout:
         t, p = self.train, self.parallel
         master_device = "cpu" if t.offload == "optimizer" else None
         self.masters: MasterWeights | None = None
-        self.zero: ZeroDataParallel | None = None
+        self.zero: ZeroDataParallel | JointZero | None = None
         groups = decay_groups(self.model, t.weight_decay)
         if p.zero:
             # A weight tied across stages is sharded alone, so its holders' shards line up.
             tied = [param for param, _ in self.pipeline.shared] if self.pipeline else []
             shard, replica = zero_groups(self.mesh, self.replicas.dense)  # --shard-group: parallel/hybrid.py
-            self.zero = ZeroDataParallel(self.model, self.comm, shard, stage=p.zero,
-                                         param_dtype=compute_dtype(t.param_dtype),
-                                         reduce_dtype=compute_dtype(p.reduce_dtype),
-                                         master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
-                                         replica=replica, quantize_weights=p.quantize_weights,
-                                         device=self.device, layers=self._zero_layers(),
-                                         source=flat_reader(self.model, self.folder) if self.folder else None)
+            # with ep, the dense weights over their copies' group and the experts over theirs
+            self.zero = self.replicas.zero(self.model, self.comm, shard, self.expert_parallel, stage=p.zero,
+                                           param_dtype=compute_dtype(t.param_dtype),
+                                           reduce_dtype=compute_dtype(p.reduce_dtype),
+                                           master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
+                                           replica=replica, quantize_weights=p.quantize_weights,
+                                           device=self.device, layers=self._zero_layers(),
+                                           stages=[s.blocks() for s in self.pipeline.stages]
+                                           if self.pipeline and p.zero == 3 else None, gather=p.zero3_gather,
+                                           source=flat_reader(self.model, self.folder) if self.folder else None)
             groups = self.zero.optimizer_groups(groups)
-        self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | None = self.zero
+            if self.pipeline and p.zero == 3:  # every run of the schedule inside ZeRO-3's gathers of a round
+                self.pipeline.round_context = self.zero.gathering.round
+        self.data_parallel: DataParallel | JointDataParallel | ZeroDataParallel | JointZero | None = self.zero
         if not self.zero:
             if t.masters == "none":  # pure bf16: the working weights are the only copy
                 for param in self.model.parameters():
@@ -260,12 +267,14 @@ class Layout:
         """The step tensors whose gradients this rank counts towards the model's
         gradient norm (optim/clip.py): not a replicated weight's copy on a tp rank
         but the first, not the tied embedding's copy on a later pipeline stage;
-        under ZeRO, this rank's shards, which the dp group's shards complete."""
+        under ZeRO, this rank's shards, which its group's shards complete (with ep, of the
+        dense weights too: no ep rank's shard is a copy of another's)."""
         if self.zero:
             pairs = [(piece.tensor, piece.param) for unit in self.zero.units for piece in unit.pieces]
         else:
             pairs = [(self.stepped(p), p) for p in self.model.parameters() if p.requires_grad]
-        parts = [part for part in (self.tensor_parallel, self.pipeline, self.expert_parallel) if part is not None]
+        copies_over_ep = None if self.zero else self.expert_parallel  # the dense weights' copies on ep ranks
+        parts = [part for part in (self.tensor_parallel, self.pipeline, copies_over_ep) if part is not None]
         return [tensor for tensor, param in pairs if all(part.counts(param) for part in parts)]
 
     def named_step_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -8,9 +8,10 @@
 Dense gradients are averaged over ``dense``. An expert's gradient already sums
 the ep ranks' tokens (the combine's backward), so it is summed over
 ``experts`` and divided by the size of ``dense``: the number of ranks whose
-losses it covers (docs/nd-parallel.md). Dims of size 1 are left out of a
-group but dp, so without cp and ep every group is plain dp, named so in the
-ledger.
+losses it covers (docs/nd-parallel.md). ZeRO shards each weight over the
+group holding its copies, with the same divisors (parallel/zero_experts.py).
+Dims of size 1 are left out of a group but dp, so without cp and ep every
+group is plain dp, named so in the ledger.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from scaletrain.optim.compression import PowerSGD, SignCompressor
 from scaletrain.parallel.data import DataParallel, JointDataParallel, replicate, summer
 from scaletrain.parallel.experts import ExpertParallel
 from scaletrain.parallel.local_sgd import LocalSGD
+from scaletrain.parallel.zero import ZeroDataParallel
+from scaletrain.parallel.zero_experts import JointZero, zero_with_experts
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group, Mesh
 from scaletrain.techniques.precision import compute_dtype
@@ -69,6 +72,15 @@ class Replicas:
                          params=[q for q in model.parameters() if q not in mine]),
             DataParallel(model, comm, self.experts, **options,
                          params=[q for q in model.parameters() if q in mine], average_over=self.dense.size)])
+
+    def zero(self, model: nn.Module, comm: Comm, shard: Group, experts: ExpertParallel | None,
+             **options) -> ZeroDataParallel | JointZero:
+        """ZeRO (``options``: `ZeroDataParallel`'s) over ``shard`` (``dense``, or with --shard-group this
+        rank's shard group of it); with expert parallelism the experts over ``experts`` and the rest
+        over ``dense`` (mesh.py refuses --shard-group with --ep)."""
+        if not experts:
+            return ZeroDataParallel(model, comm, shard, **options)
+        return zero_with_experts(model, comm, self.dense, self.experts, experts.expert_params, **options)
 
     def _compressor(self, comm: Comm, p: ParallelConfig, seed: int) -> PowerSGD | SignCompressor | None:
         if p.compress == "powersgd":

@@ -29,6 +29,7 @@ import torch
 from scaletrain.optim.masters import MasterWeights
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.zero import ZeroDataParallel
+from scaletrain.parallel.zero_experts import JointZero
 
 
 class StepWeights(Protocol):
@@ -86,7 +87,7 @@ class MasterCopies(ModelWeights):
 class ZeroShards:
     """ZeRO's shards: each rank steps the elements it owns and publishes them."""
 
-    def __init__(self, zero: ZeroDataParallel):
+    def __init__(self, zero: ZeroDataParallel | JointZero):
         self.zero = zero
 
     def take_gradients(self) -> None:

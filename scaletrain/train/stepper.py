@@ -22,9 +22,12 @@ Each micro-batch's loss is divided by D before its backward (D =
 ``grad_accum`` for a mean loss; job/trainer.py's count for masked tokens),
 so the gradients summed over micro-batches and averaged over ranks are the
 gradient of one step on the whole global batch: the equivalence every layout
-is tested against. PipeDream-2BW is the exception by design: each step
-applies the previous step's gradient (parallel/pipeline/two_bw.py), as one
-device then does too.
+is tested against. A mixture of experts' auxiliary loss joins each
+micro-batch's backward divided by the step's micro-batches (``grad_accum``,
+times a pipeline's M per round); with pp, each stage's part joins that
+stage's backward of the micro-batch (parallel/pipeline/runtime.py).
+PipeDream-2BW is the exception by design: each step applies the previous
+step's gradient (parallel/pipeline/two_bw.py), as one device then does too.
 
 Everything random is a pure function of the step: the learning rate is
 ``lr_at(t)``, and the RNG behind dropout is reseeded from ``(seed, t, rank)``
@@ -44,10 +47,11 @@ from torch import nn
 
 from scaletrain.config import ParallelConfig, TrainConfig
 from scaletrain.finetune.sliced import FolderSource
-from scaletrain.models.moe import auxiliary_loss
+from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import lr_at
 from scaletrain.optim.clip import clip_grad_norm_
+from scaletrain.parallel.pipeline.partition import Stage
 from scaletrain.parallel.pipeline.runtime import timer
 from scaletrain.parallel.pipeline.schedules import Span
 from scaletrain.runtime.comm import Comm
@@ -65,7 +69,7 @@ from scaletrain.train.nonfinite import (
     local_flag,
     stop_report,
 )
-from scaletrain.train.routing import RoutingStats
+from scaletrain.train.routing import RouterRows, RoutingStats
 from scaletrain.train.step_memory import StepMemory
 from scaletrain.train.step_window import PendingStep
 
@@ -95,6 +99,8 @@ class Stepper:
         self.seq_len = seq_len  # every sequence's length, where given (cp, the library's generate)
         self.run_dir, self.log_every, self.report_memory = run_dir, log_every, report_memory
         self.faults = Faults.from_env(mesh.rank)  # none unless SCALETRAIN_FAULT asks (runtime/faults.py)
+        # every MoE layer of the whole model, read before a pipeline keeps only this rank's stages
+        self.router_rows = RouterRows.of(model)
         self.layout = Layout(model, plan, train, parallel, mesh, comm, device, seq_len=seq_len, sample=sample,
                              source=source, fused_head=fused_head, sync_batchnorm=sync_batchnorm)
         self.compression = ActivationCompression(train.compress_activations)  # entered around each forward
@@ -121,14 +127,15 @@ class Stepper:
         the device (train/step_window.py). ``loss_fn(outputs, targets)`` is one micro-batch's
         loss, divided by ``divisor`` (module docstring); ``record`` keeps a pipeline's timeline."""
         self.start_step(step)
-        routing = None
-        if self.layout.pipeline:
-            loss_sum = self.pipeline_accumulate(batches, loss_fn, divisor, record)
+        pipeline = self.layout.pipeline
+        if pipeline:
+            loss_sum, routing = self.pipeline_accumulate(batches, loss_fn, divisor, record)
         else:
             loss_sum, routing = self.accumulate(batches, self.forward_loss(loss_fn), divisor)
         pending = self.update(step, loss_sum)
         if routing and pending.host["lr"] is not None:  # what the routers did, where the step updated
-            pending.host.update(routing.summed(self.comm, self.layout.replicas.batch))
+            pending.host.update(routing.summed(self.comm, self.layout.replicas.batch,
+                                               self.layout.pp_group if pipeline else None))
         return pending
 
     def forward_loss(self, loss_fn: LossFn) -> Callable[..., torch.Tensor]:
@@ -184,7 +191,7 @@ class Stepper:
         forward; the sum of their losses / divisor, and with experts what the routers did."""
         layout = self.layout
         loss_sum = torch.zeros((), device=self.device)
-        routing = RoutingStats.empty(layout.moe_layers, self.device) if layout.moe_layers else None
+        routing = RoutingStats.empty(self.router_rows, layout.model, self.device) if self.router_rows else None
         for micro, batch in enumerate(batches):
             with self._meter_first_micro_batch(micro):
                 loss = loss_of(*batch) / divisor
@@ -198,15 +205,29 @@ class Stepper:
 
     def pipeline_accumulate(self, batches: Sequence[Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor],
                                                                                 torch.Tensor],
-                            divisor: float | torch.Tensor, record: bool = False) -> torch.Tensor:
+                            divisor: float | torch.Tensor, record: bool = False
+                            ) -> tuple[torch.Tensor, RoutingStats | None]:
         """``grad_accum`` rounds of the pipeline schedule over the step's micro-batches
         (inputs, targets[, documents]), ``loss_fn(outputs, targets)`` on the last stage,
         gradients synchronised after the last; the loss, as the last stage has it, on every pp
-        rank. ``record``: keep the first round's timeline, its clock started together on every
-        pp rank."""
+        rank, and with experts what this rank's routers did. ``record``: keep the first round's
+        timeline, its clock started together on every pp rank."""
         layout = self.layout
         loss_sum = torch.zeros((), device=self.device)
         per_round = layout.micro_batches
+        per_step = self.train.grad_accum * per_round
+        routing = RoutingStats.empty(self.router_rows, layout.model, self.device) if self.router_rows else None
+
+        def auxiliary(stage: Stage) -> torch.Tensor | None:
+            """The auxiliary loss the stage's MoE layers left in the forward just run, divided by the
+            step's micro-batches as one device divides it (`backward_micro_batch`), and counted."""
+            layers = [layer for module in stage.modules() for layer in moe_layers(module)]
+            if not layers:
+                return None
+            aux = torch.stack([layer.aux_loss for layer in layers]).sum() / per_step
+            routing.add(layers, aux)
+            return aux
+
         with layout.data_parallel.no_sync():
             for round_ in range(len(batches) // per_round):
                 clock = None
@@ -217,11 +238,11 @@ class Stepper:
                     loss, spans = layout.pipeline.train_round(
                         lambda m, r=round_: batches[r * per_round + m], loss_fn=self._compressed(loss_fn),
                         divisor=divisor, backward_scale=self.scaler.scale, forward_context=self.forward_context,
-                        clock=clock)
+                        clock=clock, stage_loss=auxiliary if routing else None)
                 loss_sum += loss
                 if clock:
                     self.timeline = spans
-        return layout.pipeline.from_last_stage(loss_sum)
+        return layout.pipeline.from_last_stage(loss_sum), routing
 
     def _compressed(self, loss_fn: Callable) -> Callable:
         """``loss_fn``, the tensors it saves compressed too (the log-probabilities: b x s x V)."""

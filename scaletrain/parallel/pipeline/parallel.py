@@ -29,6 +29,7 @@ from torch import nn
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.partition import (
     Costs,
+    Stage,
     StagePlan,
     balance,
     describe,
@@ -90,6 +91,9 @@ class PipelineParallel:
         # Each tied weight counts towards the norm on its first holder only; the others hold copies.
         self.copies = [p for p, holders in self.shared if holders[0] != group.rank]
         self.last_rank = self.schedule.rank_of(self.schedule.stages - 1)
+        # What every run of the schedule happens inside: ZeRO-3's gathers of the weights a round
+        # holds (parallel/zero3.py), set by the layout that shards them.
+        self.round_context: Callable[[], AbstractContextManager] = nullcontext
 
     def _costs(self, model: nn.Module, plan: StagePlan, balance_by: str, sample: torch.Tensor,
                world: Group) -> Costs:
@@ -116,10 +120,13 @@ class PipelineParallel:
     def train_round(self, batch: Callable[[int], Batch], *, loss_fn: LossFn,
                     divisor: float | torch.Tensor, backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                     forward_context: Callable[[], AbstractContextManager] = nullcontext,
-                    clock: Callable[[], float] | None = None) -> tuple[torch.Tensor, list[Span]]:
+                    clock: Callable[[], float] | None = None,
+                    stage_loss: Callable[[Stage], torch.Tensor | None] | None = None
+                    ) -> tuple[torch.Tensor, list[Span]]:
         """Forward and backward of the schedule's micro-batches; ``batch(m)`` is
-        micro-batch m's (input, target), read once. Returns the sum of the micro-batches'
-        ``loss / divisor`` on the last stage (zero elsewhere) and, with
+        micro-batch m's (input, target), read once; ``stage_loss(stage)``: what a stage's
+        forward adds to the loss (runtime.py), already divided as the loss is. Returns the
+        sum of the micro-batches' ``loss / divisor`` on the last stage (zero elsewhere) and, with
         ``clock``, the spans of this rank's computations. PipeDream-2BW: one step
         of the never-drained pipeline, whose backwards trail its forwards
         (schedules.two_bw_step), the previous version's gradient handed over."""
@@ -136,11 +143,12 @@ class PipelineParallel:
             schedule, first = two_bw_step(self.group.size, self.schedule.micro_batches, self.rounds), \
                 self.rounds * self.schedule.micro_batches
             self.versions.begin(self.rounds)
-        losses, spans = self.training_runtime.run(
-            schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m - first)[0],
-            documents=lambda m: _documents(micro(m - first)),
-            loss=lambda m, logits: loss_fn(logits, micro(m - first)[1]) / divisor, backward_scale=backward_scale,
-            forward_context=forward_context, clock=clock, versions=self.versions)
+        with self.round_context():
+            losses, spans = self.training_runtime.run(
+                schedule, boundary=lambda m: self.boundary(*x0.shape[:2]), inputs=lambda m: micro(m - first)[0],
+                documents=lambda m: _documents(micro(m - first)),
+                loss=lambda m, logits: loss_fn(logits, micro(m - first)[1]) / divisor, backward_scale=backward_scale,
+                forward_context=forward_context, clock=clock, versions=self.versions, stage_loss=stage_loss)
         if self.versions:
             self.versions.advance()
         self.rounds += 1
@@ -186,11 +194,12 @@ class PipelineParallel:
                  forward_context: Callable[[], AbstractContextManager] = nullcontext) -> float:
         """The mean loss over ``batches``, on every rank."""
         x0 = batches[0][0]
-        losses, _ = self.runtime.run(
-            forward_only(self.group.size, len(batches), self.schedule.virtual_stages),
-            boundary=lambda m: self.boundary(*batches[m][0].shape[:2]), inputs=lambda m: batches[m][0],
-            documents=lambda m: _documents(batches[m]),
-            loss=lambda m, logits: loss_fn(logits, batches[m][1]), forward_context=forward_context)
+        with self.round_context():
+            losses, _ = self.runtime.run(
+                forward_only(self.group.size, len(batches), self.schedule.virtual_stages),
+                boundary=lambda m: self.boundary(*batches[m][0].shape[:2]), inputs=lambda m: batches[m][0],
+                documents=lambda m: _documents(batches[m]),
+                loss=lambda m, logits: loss_fn(logits, batches[m][1]), forward_context=forward_context)
         mean = torch.stack([losses[m] for m in sorted(losses)]).mean() if losses \
             else torch.zeros((), device=x0.device)
         return self.from_last_stage(mean.float()).item()
@@ -205,8 +214,9 @@ class PipelineParallel:
         for _ in range(new_tokens):
             window = idx[:, -context:]
             shape = self.boundary(*window.shape[:2])
-            logits, _ = self.runtime.run(schedule, boundary=lambda m, s=shape: s, inputs=lambda m, w=window: w,
-                                         loss=None, forward_context=forward_context)
+            with self.round_context():
+                logits, _ = self.runtime.run(schedule, boundary=lambda m, s=shape: s, inputs=lambda m, w=window: w,
+                                             loss=None, forward_context=forward_context)
             next_id = sample_next(logits[0][:, -1, :]) if self.holds_loss \
                 else torch.empty((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
             idx = torch.cat([idx, self.from_last_stage(next_id)], dim=1)

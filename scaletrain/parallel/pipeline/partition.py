@@ -140,6 +140,11 @@ class Stage:
         stack = getattr(self.model, self.plan.stack)
         return [stack[i] for i in self.layers]
 
+    def modules(self) -> list[nn.Module]:
+        """Every module the stage runs: its blocks, and the first or the last stage's parts around them."""
+        around = (*(self.plan.first if self.is_first else ()), *(self.plan.last if self.is_last else ()))
+        return self.blocks() + [self.model.get_submodule(name) for name in around]
+
     def __call__(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The stage's layers on ``x``; ``documents``: the micro-batch's packed rows
         (models/decoder.py), which every stage's attention needs."""

@@ -12,9 +12,14 @@ For every step of the list, in order:
     F  (micro m, stage s)  input: the micro-batch (first stage) or the received
                            activation, made a leaf that requires grad; output
                            kept for backward; on the last stage the output is
-                           the loss, ``loss_fn(logits, targets) / divisor``
+                           the loss, ``loss_fn(logits, targets) / divisor``;
+                           then what the stage adds to the loss itself
+                           (``stage_loss``: a mixture of experts' auxiliary
+                           losses), taken at once, as the stage's next forward
+                           overwrites what its layers left
     BW / B                 backward from the stage's output with the received
-                           gradient (the last stage: from the scaled loss); the
+                           gradient (the last stage: from the scaled loss) and
+                           from the stage's own loss term, scaled alike; the
                            input's ``.grad`` is what the next transfer sends
                            upstream. B holds the weight gradients back
                            (weight_grad.py) ...
@@ -58,6 +63,7 @@ class PipelineRuntime:
         self.comm, self.group, self.store = comm, group, store
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._own_losses: dict[tuple[int, int], torch.Tensor] = {}  # a stage's loss term, by (micro, stage)
         self._received: dict[tuple[str, int, int], torch.Tensor] = {}
         self._sending: list[tuple[Pending, list[torch.Tensor]]] = []
 
@@ -67,13 +73,17 @@ class PipelineRuntime:
             backward_scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
             forward_context: Callable[[], AbstractContextManager] = nullcontext,
             clock: Callable[[], float] | None = None,
-            versions: WeightVersions | None = None) -> tuple[dict[int, torch.Tensor], list[Span]]:
+            versions: WeightVersions | None = None,
+            stage_loss: Callable[[Stage], torch.Tensor | None] | None = None
+            ) -> tuple[dict[int, torch.Tensor], list[Span]]:
         """Execute this rank's list of ``schedule``. ``inputs(m)`` is micro-batch
         m's input to the first stage, ``documents(m)`` its packed rows' documents (None: not
         packed) for every stage, ``loss(m, output)`` its loss on the last
         (None: forward only, the outputs are returned), ``boundary(m)`` the
         (shape, dtype, device) of its activations between stages; ``versions``:
-        PipeDream-2BW's weights. Returns the last stage's
+        PipeDream-2BW's weights; ``stage_loss(stage)``, called in training right after each
+        forward of ``stage``, what that forward adds to the loss (None: nothing), which the
+        micro-batch's backward on the stage takes with its output. Returns the last stage's
         per-micro-batch losses (or outputs), detached, and with ``clock`` the
         computations' spans in its time."""
         training = loss is not None and torch.is_grad_enabled()
@@ -86,7 +96,7 @@ class PipelineRuntime:
             start = clock() if clock else 0.0
             with versions.computing(step) if versions else nullcontext():
                 if step.kind == "F":
-                    result = self._forward(step, inputs, documents, loss, forward_context, training)
+                    result = self._forward(step, inputs, documents, loss, forward_context, training, stage_loss)
                     if result is not None:
                         results[step.micro] = result
                 elif step.kind in ("BW", "B"):
@@ -98,12 +108,13 @@ class PipelineRuntime:
         for pending, _ in self._sending:
             pending.wait()
         self._sending.clear()
-        if versions is None and (self._inputs or self._outputs or self._received):
+        if versions is None and (self._inputs or self._outputs or self._received or self._own_losses):
             raise RuntimeError(f"schedule {schedule.name} left tensors behind on rank {self.group.rank}")
         return results, spans
 
     # -- computations ----------------------------------------------------------
-    def _forward(self, a: Action, inputs, documents, loss, forward_context, training: bool) -> torch.Tensor | None:
+    def _forward(self, a: Action, inputs, documents, loss, forward_context, training: bool,
+                 stage_loss) -> torch.Tensor | None:
         stage = self.stages[a.stage]
         if stage.is_first:
             x = inputs(a.micro)
@@ -114,6 +125,9 @@ class PipelineRuntime:
                 self._inputs[a.micro, a.stage] = x
         with forward_context():
             y = stage(x, documents(a.micro))
+        own = stage_loss(stage) if training and stage_loss else None
+        if own is not None:
+            self._own_losses[a.micro, a.stage] = own
         if not stage.is_last:
             self._outputs[a.micro, a.stage] = y
             return None
@@ -126,10 +140,16 @@ class PipelineRuntime:
 
     def _backward(self, a: Action, scale, deferred: bool) -> None:
         y = self._outputs.pop((a.micro, a.stage))
-        stage = self.stages[a.stage]
-        grad = None if stage.is_last else self._received.pop(("grad", a.micro, a.stage + 1))
+        own = self._own_losses.pop((a.micro, a.stage), None)
+        if self.stages[a.stage].is_last:  # y is the divided loss: the stage's own term joins it
+            outputs, grads = [scale(y if own is None else y + own)], [None]
+        else:  # the received gradient is of the scaled loss already, so the own term is scaled to match
+            outputs, grads = [y], [self._received.pop(("grad", a.micro, a.stage + 1))]
+            if own is not None:
+                outputs.append(scale(own))
+                grads.append(None)
         with self.store.deferring((a.micro, a.stage)) if deferred else nullcontext():
-            torch.autograd.backward(scale(y) if stage.is_last else y, grad_tensors=grad)
+            torch.autograd.backward(outputs, grad_tensors=grads)
 
     # -- transfers ---------------------------------------------------------------
     def _transfer(self, batch: tuple[Action, ...], boundary, training: bool) -> None:

@@ -20,7 +20,7 @@ import tomli_w
 import tomllib
 
 from scaletrain.errors import UserError
-from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES
+from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES, preset_experts
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.paths import readable_file
 from scaletrain.runtime.mesh import ParallelDims
@@ -447,7 +447,14 @@ def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
             given = given[0]
         if given is not None:
             values[fld.name] = given
-    return (base or Config()).replace(**values)
+    return with_preset_experts((base or Config()).replace(**values))
+
+
+def with_preset_experts(cfg: Config) -> Config:
+    """``cfg`` with its preset's experts (a mixture-of-experts preset, such as mixtral-8x7b) where
+    ``--moe-experts`` gave none, so every check and the planner see them."""
+    experts = preset_experts(cfg.model.name)
+    return cfg.replace(moe_experts=experts) if experts and not cfg.model.moe_experts else cfg
 
 
 def load_run_config(run_dir: Path) -> Config:

@@ -64,3 +64,9 @@ def test_every_field_has_a_flag():
     for section in ("model", "data", "train", "parallel", "run"):
         for name in getattr(Config(), section).__dataclass_fields__:
             assert (name if name != "name" else "model") in flags
+
+
+def test_a_mixture_of_experts_preset_brings_its_experts_unless_the_flag_says_otherwise():
+    assert resolve(_parse("--model", "mixtral-8x7b")).model.moe_experts == 8
+    assert resolve(_parse("--model", "mixtral-8x7b", "--moe-experts", "4")).model.moe_experts == 4
+    assert resolve(_parse("--model", "llama-tiny")).model.moe_experts == 0

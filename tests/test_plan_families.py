@@ -4,7 +4,8 @@ The layouts of tests/test_plan.py run on llama-tiny (RMSNorm, rotary positions,
 grouped-query attention with 2 key/value heads for 4 query heads, a SwiGLU MLP,
 an untied head): memory within 5% of the ledger, collectives exactly. One
 block's saved activations equal the formula of planner/activations.py byte for
-byte, for several key/value head counts and precisions. And the planner weighs
+byte, for several key/value head counts and precisions, and a mixture-of-experts
+block's too. And the planner weighs
 Llama 3 8B and 70B from meta-device builds alone: their weights are their
 parameter counts, and ``scaletrain plan`` recommends a layout for each.
 """
@@ -69,6 +70,18 @@ def test_one_block_saves_what_the_formula_counts(preset, kv_heads, precision):
     model = Planned.of(one, 96, 32)
     x = activations.shape_of(model.shape, model.tensor_plan, 4, 1, False, 1, precision, "fp32")
     assert _saved_peak(two, precision) - _saved_peak(one, precision) == activations.block(x)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_one_mixture_of_experts_block_saves_what_the_formula_counts(preset, precision):
+    """A block whose MLP is a mixture of 4 experts, each token routed to 2: the routing, the
+    rows, each expert's MLP on its rows and the combine, `activations.block` with experts
+    (dropless: the rows are k per position whatever the routing)."""
+    one, two = (ModelConfig(name=preset, n_layers=layers, moe_experts=4, moe_top_k=2) for layers in (1, 2))
+    model = Planned.of(one, 96, 32)
+    x = activations.shape_of(model.shape, model.tensor_plan, 4, 1, False, 1, precision, "fp32")
+    assert _saved_peak(two, precision) - _saved_peak(one, precision) == activations.block(x, experts=True)
 
 
 def test_grouped_query_attention_saves_no_narrower_tensor_but_copies_narrower_weights():

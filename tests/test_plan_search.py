@@ -96,7 +96,7 @@ def test_every_layout_fills_the_world_and_keeps_the_global_batch(experts):
         assert 8 % p.tp == 0  # tp inside a node
         assert p.ep == 1 or experts
         assert p.cp == 1 or 1024 % (2 * p.cp) == 0
-        assert p.zero == 0 or p.dp * p.cp > 1
+        assert p.zero == 0 or p.dp * p.cp * p.ep > 1  # ZeRO shards over the dense weights' copies
         assert not p.sp or p.tp > 1
         assert t.micro_batch & (t.micro_batch - 1) == 0  # a power of two
         if p.pp > 1:
@@ -106,7 +106,8 @@ def test_every_layout_fills_the_world_and_keeps_the_global_batch(experts):
         else:
             assert p.microbatches is None and p.virtual_stages is None
     keys = [(_mesh(c, 16), c.parallel.zero, c.parallel.sp, c.train.recompute, c.train.micro_batch,
-             c.parallel.pp_schedule if c.parallel.pp > 1 else None) for c in found]
+             c.parallel.pp_schedule if c.parallel.pp > 1 else None,
+             c.parallel.zero3_gather if c.parallel.pp > 1 and c.parallel.zero == 3 else None) for c in found]
     assert len(set(keys)) == len(keys)  # nothing weighed twice
     meshes = {_mesh(c, 16) for c in found}
     assert {(16, 1, 1, 1, 1), (2, 8, 1, 1, 1), (1, 2, 2, 4, 1)} <= meshes
@@ -136,11 +137,11 @@ def test_fixed_fields_keep_the_base_value_and_the_rest_is_searched():
 
 # -- refusals --------------------------------------------------------------------
 def test_refusal_is_the_trainers_own_sentence():
-    zero3_pipeline = BASE.replace(dp=2, pp=2, zero=3, microbatches=4)
+    two_bw_zero = BASE.replace(dp=2, pp=2, zero=1, microbatches=4, pp_schedule="pipedream-2bw")
     with pytest.raises(UserError) as trainer:
-        check_values(zero3_pipeline)
-    assert refusal(zero3_pipeline, 4) == str(trainer.value)
-    assert "--zero 3 gathers and frees each layer" in str(trainer.value)
+        check_values(two_bw_zero)
+    assert refusal(two_bw_zero, 4) == str(trainer.value)
+    assert "--pp-schedule pipedream-2bw does not combine with --zero" in str(trainer.value)
     assert "--tp 8 must divide the model's 12 attention heads" in refusal(BASE.replace(dp=1, tp=8), 8)
     interleaved = BASE.replace(dp=1, pp=8, pp_schedule="interleaved", microbatches=8, virtual_stages=2)
     assert "cuts the model into 16 stages, but it has 12 layers" in refusal(interleaved, 8)
@@ -148,12 +149,13 @@ def test_refusal_is_the_trainers_own_sentence():
 
 
 def test_search_counts_refusals_by_reason_and_never_ranks_a_refused_layout():
-    result = search(BASE.replace(zero=3), CLUSTER, VOCAB, BATCH, {"zero"}, stand_in)
+    result = search(BASE.replace(sync_every=2), CLUSTER, VOCAB, BATCH, {"sync_every"}, stand_in)
     reasons = list(result.refused)
-    assert any("--zero 3 gathers and frees" in reason for reason in reasons)
-    assert any("--tp 8 must divide" in reason for reason in reasons)
-    assert len([r for r in reasons if "--zero 3 gathers" in r]) == 1  # one entry per kind, whatever --pp
-    assert result.ranked and all(p.cfg.parallel.zero == 3 and p.cfg.parallel.pp == 1 for p in result.ranked)
+    assert any("--sync-every 2 keeps a whole model and optimizer on every rank, which --zero" in r for r in reasons)
+    assert len([r for r in reasons if "which --zero" in r]) == 1  # one entry per kind, whatever the stage
+    assert any("and under --tp no rank holds one" in reason for reason in reasons)
+    assert result.ranked and all((p.cfg.parallel.zero, p.cfg.parallel.tp, p.cfg.parallel.pp) == (0, 1, 1)
+                                 for p in result.ranked)
     assert all(refusal(p.cfg, 16) is None for p in result.ranked + result.too_big)
 
 

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from scaletrain.config import Config, ModelConfig
+from scaletrain.config import Config, ModelConfig, with_preset_experts
 from scaletrain.errors import UserError
 from scaletrain.models import PLANNED_PRESET, PRESETS
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
@@ -144,7 +144,7 @@ def _base(args: argparse.Namespace, gpu: bool) -> Config:
              "param_dtype": args.param_dtype, "offload": args.offload, "moe_experts": args.moe_experts,
              "moe_top_k": args.moe_top_k}
     fixed = {name: getattr(args, name) for name in FIXED}
-    return Config().replace(**{k: v for k, v in {**model, **fixed}.items() if v is not None})
+    return with_preset_experts(Config().replace(**{k: v for k, v in {**model, **fixed}.items() if v is not None}))
 
 
 def _vocab(args: argparse.Namespace) -> int:

@@ -31,6 +31,12 @@ def spec_for(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
+def preset_experts(name: str) -> int:
+    """The experts of each mixture-of-experts block of preset ``name`` (0: dense), which a run
+    takes unless ``--moe-experts`` says otherwise (config.py `resolve`)."""
+    return PRESETS[name].presets[name].get("moe_experts", 0) if name in PRESETS else 0
+
+
 def spec_of_hf(model_type: str | None) -> ModelSpec | None:
     """The family that reads a Hugging Face folder of ``model_type`` (None: a config.json that
     names none), if any."""

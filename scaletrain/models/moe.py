@@ -201,15 +201,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         routing = self.route(x)
-        self.aux_loss = self._aux_loss(routing)
+        # A forward recomputed inside backward (activation recompute) routes the same rows again:
+        # the first forward's loss and counts stand, and a second graph kept here would hold the
+        # recomputed block's tensors alive until the step ends.
+        recomputed = torch._C._current_graph_task_id() != -1
+        if not recomputed:
+            self.aux_loss = self._aux_loss(routing)
         # The kept assignments, grouped by expert (a stable sort keeps token order within an expert).
         token = torch.arange(b * s, device=x.device).view(b, s, 1).expand_as(routing.experts)[routing.kept]
         expert = routing.experts[routing.kept]
         by_expert = torch.argsort(expert, stable=True)
         token, gate = token[by_expert], routing.gates[routing.kept][by_expert]
         counts = torch.bincount(expert, minlength=self.cfg.experts)
-        self.tokens_per_expert = counts  # indices and counts: outside the graph already
-        self.dropped = routing.kept.numel() - counts.sum()
+        if not recomputed:
+            self.tokens_per_expert = counts  # indices and counts: outside the graph already
+            self.dropped = routing.kept.numel() - counts.sum()
         # the kept rows [n_kept, d_model] in expert order: each expert runs once, on all its rows
         out = self.experts(x.reshape(b * s, d)[token], counts.tolist())
         weighted = out * gate[:, None]

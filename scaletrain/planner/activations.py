@@ -47,6 +47,28 @@ terms + the weight copies. With context parallelism ``s`` is a
 rank's ``s/cp`` positions, and ring attention returns its output laid out
 by heads, so proj's input is a copy: ``+e*b*s*a*d/t``.
 
+A mixture of experts (models/moe.py) in place of the MLP: its T = b*s
+positions (T/t under sp: it lies outside tp's regions) routed to k of E
+experts make N = k*T rows (dropless; an upper bound under a capacity), each
+expert ``f_e`` wide with ``i`` input matrices; the router's fp32 input takes
+the MLP's column inputs' place (4*T*h), and it saves
+
+    routing: logits and probabilities (fp32), the lse of the z-loss, the
+      top-k ids (int64), values, their sum, the kept mask, the balance
+      loss's fractions                                          8*T*E + 8*T + 13*T*k + 4*b*E
+    dispatch and combine: the rows' order and token ids (int64), their
+      gates, the experts' outputs, the gated outputs (fp32)     20*N + e*N*h + 4*N*h
+    the experts on their rows: the rows (fp32: one gathered tensor;
+      autocast: each input matrix its cast), the MLP's tensors  4*N*h or i*e*N*h, + 2*i*e*N*f_e
+    under autocast of fp32 weights: every expert's copies       e*(E/ep)*(i+1)*h*f_e
+    with ep: the arrived rows' order, the outputs in arrival
+      order                                                     8*N + e*N*h
+
+where with ep N is the mean over the ep ranks of the rows their experts
+compute (a rank's own depend on the routing; their ledgers' mean equals
+it). Recomputed, a mixture's forward peaks as it scatters its output back:
+its router input, routing, order, outputs and gated outputs alive.
+
 Outside the blocks: the token ids (int64), and the positions a learned
 position embedding looks up, on the first stage, and on the tp group the
 vocabulary embedding's local ids and mask; on the last stage the final norm,
@@ -80,9 +102,7 @@ its schedule's actions (schedules.py), each forward and backward peaking on
 top of what the rank's other micro-batches hold at that moment.
 
 Left out: dropout (masks and SDPA's math path; the planner assumes
-``--dropout 0``), and the mixture-of-experts layers' routed copies, whose size
-depends on the routing (the planner counts an expert layer as the dense MLP
-it replaces).
+``--dropout 0``).
 """
 
 from __future__ import annotations
@@ -96,15 +116,16 @@ from scaletrain.models.spec import Column, ModelShape, Region, TensorPlan
 @dataclass(frozen=True)
 class Shape:
     """One micro-batch on one rank: ``b`` sequences of ``s`` (the rank's) positions through
-    a model of ``model``'s sizes, whose blocks hold ``columns`` column-parallel layers."""
+    a model of ``model``'s sizes, whose attention holds ``attention_columns`` column-parallel layers."""
 
     b: int
     s: int
     model: ModelShape
-    columns: int
+    attention_columns: int  # a fused qkv: 1; q, k, v: 3 (the MLP's are its inputs)
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    ep: int = 1
     e: int = 4  # bytes of an autocast activation
     cast_weights: bool = False  # autocast saves 16-bit copies of fp32 weights
 
@@ -126,26 +147,34 @@ class Shape:
         return self.b * self.s * self.h
 
     @property
-    def attention_columns(self) -> int:
-        """The attention's column layers (a fused qkv: 1; q, k, v: 3); the MLP's are its inputs."""
-        return self.columns - self.model.ffn_inputs
+    def routed(self) -> int:
+        """The positions a mixture of experts routes on this rank: outside tp's regions it sees
+        the whole sequence, or under sp the rank's chunk of it."""
+        return self.b * self.s // (self.tp if self.sp else 1)
+
+    @property
+    def assignments(self) -> int:
+        """Rows the experts compute: k per routed position (dropless; an upper bound under a
+        capacity), with ep the mean over the ep ranks of those that reach this rank's experts."""
+        return self.routed * self.model.moe_top_k
 
 
-def block_columns(plan: TensorPlan | None, model: ModelShape) -> int:
-    """The column-parallel layers a block's tp regions hold (their patterns lie under a region's);
-    a family without a tensor plan: one fused attention projection and the MLP's inputs."""
+def attention_columns(plan: TensorPlan | None) -> int:
+    """The column-parallel layers of a block's attention: those under the plan's first region
+    (a decoder block's attention comes before its MLP); a family without a tensor plan: one
+    fused projection."""
     if plan is None:
-        return 1 + model.ffn_inputs
+        return 1
     regions = [pattern for pattern, style in plan if isinstance(style, Region)]
-    return sum(1 for pattern, style in plan if isinstance(style, Column)
-               and any(pattern.startswith(region + ".") for region in regions))
+    return sum(1 for pattern, style in plan if isinstance(style, Column) and regions
+               and pattern.startswith(regions[0] + "."))
 
 
 def shape_of(model: ModelShape, plan: TensorPlan | None, micro_batch: int, tp: int, sp: bool, cp: int,
-             precision: str, param_dtype: str) -> Shape:
+             precision: str, param_dtype: str, ep: int = 1) -> Shape:
     autocast = precision in ("bf16", "fp16", "fp8")
-    return Shape(b=micro_batch, s=model.seq_len // cp, model=model, columns=block_columns(plan, model), tp=tp,
-                 sp=sp, cp=cp, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32")
+    return Shape(b=micro_batch, s=model.seq_len // cp, model=model, attention_columns=attention_columns(plan), tp=tp,
+                 sp=sp, cp=cp, ep=ep, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32")
 
 
 def block_input(x: Shape) -> int:
@@ -168,35 +197,60 @@ def column_inputs(x: Shape, columns: int, norms: int) -> int:
     return copies * x.e * x.bsh // (x.tp if x.sp else 1)
 
 
-def block(x: Shape) -> int:
-    """Bytes one block saves for backward (module docstring)."""
+def block(x: Shape, experts: bool = False) -> int:
+    """Bytes one block saves for backward (module docstring); ``experts``: a mixture of experts
+    in place of its MLP."""
     m, t, e = x.model, x.tp, x.e
     rows = x.b * x.s
-    total = 2 * norm(x) + column_inputs(x, x.columns, 2)
+    total = 2 * norm(x) + weight_copies(x, experts)
     total += 3 * e * rows * x.width // t + e * rows * x.width // t + attention_stats(x)  # q, k, v; output; lse
     if not m.learned_positions:
         total += 8 * x.s * m.head_dim  # rotary's cos and sin
-    total += 2 * m.ffn_inputs * e * rows * m.ffn_hidden // t
-    total += weight_copies(x)
     if x.cp > 1:
         total += e * rows * x.width // t  # ring attention's output, copied into proj's layout
-    return total
+    if experts:  # the router saves its fp32 input (the second norm's output) in place of the MLP's columns
+        return total + column_inputs(x, x.attention_columns, 1) + 4 * x.routed * x.h + mixture(x)
+    total += column_inputs(x, x.attention_columns + m.ffn_inputs, 2)
+    return total + 2 * m.ffn_inputs * e * rows * m.ffn_hidden // t
 
 
-def weight_copies(x: Shape) -> int:
+def mixture(x: Shape) -> int:
+    """What a mixture of experts saves beyond its input (module docstring): the routing, the rows
+    each expert computes and its MLP's tensors on them, and the combine."""
+    m, e = x.model, x.e
+    tokens, rows, experts = x.routed, x.assignments, m.moe_experts
+    routing = 8 * tokens * experts + 8 * tokens + 13 * tokens * m.moe_top_k + 4 * x.b * experts
+    combine = 20 * rows + e * rows * x.h + 4 * rows * x.h
+    inputs = m.ffn_inputs * e * rows * x.h if e < 4 else 4 * rows * x.h
+    # with ep the arrived rows' order by expert, and the outputs put back in arrival order (parallel/experts.py)
+    regrouped = (8 + e * x.h) * rows if x.ep > 1 else 0
+    return routing + combine + inputs + regrouped + 2 * m.ffn_inputs * e * rows * m.moe_hidden
+
+
+def weight_copies(x: Shape, experts: bool = False) -> int:
     """One block's autocast copies of its fp32 weights (module docstring); none without them."""
     if not x.cast_weights:
         return 0
     m = x.model
-    projections = x.width * x.h + m.ffn_hidden * x.h  # row-parallel: the attention's and the MLP's proj
-    columns = x.width * x.h + 2 * m.n_kv_heads * m.head_dim * x.h + m.ffn_inputs * x.h * m.ffn_hidden
+    projections = x.width * x.h  # row-parallel: the attention's proj (and the MLP's, below)
+    columns = x.width * x.h + 2 * m.n_kv_heads * m.head_dim * x.h
+    if experts:  # every expert this rank holds, whole: they are no tp layers
+        held = m.moe_experts // x.ep * (m.ffn_inputs + 1) * x.h * m.moe_hidden
+        return x.e * (projections + (0 if x.sp else columns)) // x.tp + x.e * held
+    projections += m.ffn_hidden * x.h
+    columns += m.ffn_inputs * x.h * m.ffn_hidden
     return x.e * (projections + (0 if x.sp else columns)) // x.tp
 
 
-def in_flight(x: Shape) -> int:
+def in_flight(x: Shape, experts: bool = False) -> int:
     """The most a recomputed block's forward holds beyond its input, as the meter sees it: the
     residual stream after the attention, and the MLP's f-wide tensors its last product reads
-    (GELU's output; silu's and up's). Everything else it saved is dropped as soon as made."""
+    (GELU's output; silu's and up's), or a mixture's router input, routing and combine as its
+    last product (the scatter back) runs. Everything else it saved is dropped as soon as made."""
+    if experts:
+        m, tokens, rows = x.model, x.routed, x.assignments
+        routing = 8 * tokens * m.moe_experts + 9 * tokens * m.moe_top_k + 20 * rows  # probs, logits; ids, mask; order
+        return block_input(x) + 4 * tokens * x.h + (x.e + 4) * rows * x.h + routing
     return block_input(x) + x.model.ffn_inputs * x.e * x.b * x.s * x.model.ffn_hidden // x.tp
 
 
@@ -228,48 +282,55 @@ def head_and_loss(x: Shape) -> int:
     return head(x) + loss
 
 
-def chunk_peak(x: Shape, blocks: int, first: bool, last: bool, recompute: str) -> tuple[int, int, int]:
+def chunk_peak(x: Shape, experts: list[bool], first: bool, last: bool, recompute: str) -> tuple[int, int, int]:
     """(bytes alive after a chunk's forward, the most alive at once during it, and while it
-    goes backward) for one micro-batch through ``blocks`` blocks, under ``recompute``.
+    goes backward) for one micro-batch through its blocks, ``experts`` saying of each in order
+    whether it is a mixture of experts, under ``recompute``.
 
     Recomputed blocks drop what they save, but not autocast's copies of their weights:
     autocast keeps every copy it made until the forward leaves it (before the loss), so at
     the end of a recomputed forward each recomputed block holds its input and its copies."""
     ends = (inputs(x) if first else 0) + (head_and_loss(x) if last else 0)
     kept_ids = (inputs(x) if first else 0) + (8 * x.b * x.s if last else 0)  # alive until the end
-    full, one = block(x), block_input(x)
+    full, one, blocks = [block(x, moe) for moe in experts], block_input(x), len(experts)
     if recompute == "none" or blocks == 0:
-        after = blocks * full + ends
+        after = sum(full) + ends
         return after, after, after
     if recompute == "selective":
-        after = blocks * (full - attention_stats(x)) + ends
+        after = sum(full) - blocks * attention_stats(x) + ends
         return after, after, after
-    if recompute == "sqrt":
+    copies = [weight_copies(x, moe) for moe in experts]
+    if recompute == "sqrt":  # each segment's input kept, its blocks rerun together
         segment = math.ceil(math.sqrt(blocks))
-        kept, recomputed = [one] * math.ceil(blocks / segment), blocks
-        during = sum(kept) + segment * full - one + kept_ids
+        kept = [one] * math.ceil(blocks / segment)
+        during = sum(kept) + max(sum(full[i:i + segment]) for i in range(0, blocks, segment)) - one + kept_ids
+        forward = sum(kept) + sum(copies) + max(in_flight(x, moe) for moe in experts)
     else:
         every = 1 if recompute == "full" else int(recompute.split(":")[1])
         checkpointed = [i % every == 0 for i in range(blocks)]
-        kept, recomputed = [one if c else full for c in checkpointed], sum(checkpointed)
+        kept = [one if c else size for c, size in zip(checkpointed, full)]
         # In backward, block i reruns with the blocks before it still holding their share.
-        during = max(sum(kept[:i]) + full + kept_ids for i in range(blocks) if checkpointed[i])
+        during = max(sum(kept[:i]) + full[i] + kept_ids for i in range(blocks) if checkpointed[i])
+        # In forward, a rerun block computes on what the blocks before it hold, with the copies so far.
+        forward = max(sum(kept[:i + 1]) + sum(c for c, rerun in zip(copies[:i + 1], checkpointed) if rerun)
+                      + in_flight(x, experts[i]) for i in range(blocks) if checkpointed[i])
+        copies = [c for c, rerun in zip(copies, checkpointed) if rerun]
     after = sum(kept) + ends
-    forward = sum(kept) + (inputs(x) if first else 0) + recomputed * weight_copies(x) + \
-        max(in_flight(x), head(x) if last else 0)
+    forward = (inputs(x) if first else 0) + max(forward, sum(kept) + sum(copies) + (head(x) if last else 0))
     return after, max(after, forward), max(after, during)
 
 
-def weight_grad_inputs(x: Shape, blocks: int, last: bool) -> int:
+def weight_grad_inputs(x: Shape, experts: list[bool], last: bool) -> int:
     """What a split backward keeps from B to W (parallel/pipeline/weight_grad.py): the inputs of
     the linear layers whose weight gradient waits, attention and MLP projections and,
     unless sp computes them at once with their re-gathered input, the column layers and
-    the head (autocast casts each column layer's input on its own)."""
-    rows = x.e * x.b * x.s
-    per_block = rows * x.width // x.tp + rows * x.model.ffn_hidden // x.tp
-    if not x.sp:
-        per_block += column_inputs(x, x.columns, 2)
-    return blocks * per_block + (rows * x.h if last and not x.sp else 0)
+    the head (autocast casts each column layer's input on its own); of a mixture of experts,
+    the experts' projections' and first layers' inputs, their rows."""
+    m, rows = x.model, x.e * x.b * x.s
+    attention = rows * x.width // x.tp + (0 if x.sp else column_inputs(x, x.attention_columns, 1))
+    mlp = rows * m.ffn_hidden // x.tp + (0 if x.sp else column_inputs(x, m.ffn_inputs, 1))
+    routed = x.e * x.assignments * (m.moe_hidden + (m.ffn_inputs if x.e < 4 else 1) * x.h)
+    return sum(attention + (routed if moe else mlp) for moe in experts) + (rows * x.h if last and not x.sp else 0)
 
 
 def schedule_peak(order: list, stage_bytes: dict[int, tuple[int, int, int, int]]) -> int:

@@ -91,12 +91,13 @@ class RankWeights:
 
     ``params`` are its trainable parameters in ``model.parameters()`` order (the
     order gradient buckets and ZeRO units are cut in), ``experts`` those of
-    them that are experts (averaged over their own group), ``tied`` those a
-    pipeline copies onto another rank (the token embedding the head reuses),
-    ``layers`` the repeated layers ZeRO-3 makes units of, ``stages`` the
-    indices of the transformer blocks of each stage this rank runs, and
-    ``n_stages`` how many stages there are (stage 0 embeds, the last one
-    computes the loss).
+    them that expert parallelism spreads over the ep ranks (averaged and
+    sharded over a group of their own; without ep none, every weight in one
+    group), ``tied`` those a pipeline copies onto another rank (the token
+    embedding the head reuses), ``layers`` the repeated layers ZeRO-3 makes
+    units of, ``stages`` the indices of the transformer blocks of each stage
+    this rank runs, and ``n_stages`` how many stages there are (stage 0
+    embeds, the last one computes the loss).
     """
 
     model: nn.Module
@@ -204,7 +205,7 @@ def rank_weights(model: Planned, split: Split, pp_rank: int) -> RankWeights:
         stages = {s: list(ranges[s]) for s in split.stages_of(pp_rank)}
     params = [p for p in held.parameters() if p.requires_grad]
     named = list(held.named_parameters())
-    experts = {id(p) for name, p in named if ".experts." in name}
+    experts = {id(p) for name, p in named if ".experts." in name} if split.ep > 1 else set()
     replicated = [p for name, p in named if p.requires_grad and name not in sliced] if split.tp > 1 else []
     return RankWeights(held, params, experts, tied, replicated, layer_modules(held), stages,
                        split.pp * split.virtual)

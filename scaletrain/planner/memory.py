@@ -15,10 +15,16 @@ gradient buckets' (``--reduce-dtype``), AdamW:
 
 with the units cut as parallel/zero.py cuts them (gradient buckets of
 ``--bucket-mb``, the tied embedding alone under a pipeline; ZeRO-3: the
-blocks and a root unit of the rest) and ``N`` the ranks sharing the dense
-weights (dp x ep x cp), or with ``--shard-group`` the ranks of a shard group. Every tensor the optimizer steps adds a 4-byte step
-counter. Adafactor keeps row and column sums of each matrix (and full
-statistics of vectors) instead of 8 bytes per element. This is the
+blocks and a root unit of the rest, a tied weight alone) and ``N`` the ranks
+sharing the dense weights (dp x ep x cp), or with ``--shard-group`` the ranks
+of a shard group. With expert parallelism there are two ZeROs, each counted
+so with its own units and ``N`` and the two summed (parallel/zero_experts.py):
+the dense weights over dp x ep x cp as above, and this rank's experts over
+dp x cp, the ranks holding the same experts, in buckets of their own (no
+tied weight) or under ZeRO-3 one unit per MoE layer (no root). Every
+tensor the optimizer steps adds a 4-byte step counter. Adafactor keeps row
+and column sums of each matrix (and full statistics of vectors) instead of
+8 bytes per element. This is the
 familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW
 (``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32. Pure bf16
 (``--masters none``) has no master, and AdamW's moments and SGD's momentum
@@ -34,10 +40,14 @@ optimizer state in host memory: ``host``, not part of what the device must fit.
 ``activations`` is the saved-activation peak of planner/activations.py.
 
 ``other`` is what the ledger does not count but the device must hold, all
-upper bounds: communication buffers (ZeRO-3's gathered units: the root unit
-and the two largest layer units, the one computing and the one prefetched;
-ZeRO-2 and 3's unsharded gradients of the two units whose reduce-scatter is
-in flight), and the loss's temporaries on the last stage (fp32 logits and
+upper bounds: communication buffers, each ZeRO's own (ZeRO-3's gathered
+units: the root unit and the two largest layer units, the one computing and
+the one prefetched, or of the experts the last MoE layer's, which stays
+gathered from forward into backward, and two more; ZeRO-2 and 3's unsharded
+gradients of the two units whose reduce-scatter is in flight; inside
+pipeline stages the held units are the root's and a tied weight's, none of
+the experts', and with ``--zero3-gather round`` every layer is gathered for
+the round), and the loss's temporaries on the last stage (fp32 logits and
 their gradient, ``8*b*s*V/t``; chunked, one chunk's logits, the hidden
 states' gradient and the head's fp32 gradient: kernels/head_loss.py).
 ``allowance`` is 10% of all the rest, for the caching allocator's
@@ -50,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -94,18 +105,70 @@ def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, mome
     return total
 
 
+@dataclass(frozen=True, eq=False)
+class ZeroPart:
+    """One ZeRO instance of a rank (parallel/zero.py): the dense weights, or with expert parallelism
+    this rank's experts (parallel/zero_experts.py), each sharded over its own group. ``units`` as the
+    trainer cuts them; under stage 3 the first ``held`` of them stay gathered for long (without a
+    pipeline from forward into backward, inside pipeline stages for the round), the rest are layers
+    gathered around each use."""
+
+    experts: bool
+    units: list[list[nn.Parameter]]
+    held: int = 0
+
+    def padded(self, n: int) -> list[int]:
+        """Each unit's flat buffer over ``n`` ranks: its elements rounded up to a multiple of ``n``."""
+        return [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in self.units]
+
+
 @functools.lru_cache(maxsize=4096)
-def zero_units(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype: str) -> list[list[nn.Parameter]]:
-    """The parameters of each ZeRO unit, as parallel/zero.py groups them (the memory and the
-    traffic of every layout of a split read them: cached)."""
-    if stage == 3:
-        in_layers = {id(p) for layer in weights.layers for p in layer.parameters()}
-        root = [p for p in weights.params if id(p) not in in_layers]
-        layers = [[p for p in layer.parameters() if p.requires_grad] for layer in weights.layers]
-        return [units for units in (root, *layers) if units]
-    alone = {id(p) for p in weights.tied}
-    rest = [p for p in weights.params[::-1] if id(p) not in alone]
-    return [*plan_buckets(rest, int(bucket_mb * 2**20), compute_dtype(reduce_dtype)), *([p] for p in weights.tied)]
+def zero_parts(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype: str) -> tuple[ZeroPart, ...]:
+    """The rank's ZeRO instances: the dense part, and where it holds experts under expert parallelism
+    the experts' part (cached: the memory and the traffic of every layout of a split read them)."""
+    dense = [p for p in weights.params if id(p) not in weights.experts]
+    experts = [p for p in weights.params if id(p) in weights.experts]
+    parts = [_dense_part(weights, dense, stage, bucket_mb, reduce_dtype)]
+    if experts:
+        parts.append(_experts_part(weights, experts, stage, bucket_mb, reduce_dtype))
+    return tuple(parts)
+
+
+def _buckets(params: list[nn.Parameter], bucket_mb: float, reduce_dtype: str) -> list[list[nn.Parameter]]:
+    """Stages 1 and 2: gradient buckets over ``params`` in reverse, as data parallelism cuts them."""
+    return plan_buckets(params[::-1], int(bucket_mb * 2**20), compute_dtype(reduce_dtype))
+
+
+def _layer_units(weights: RankWeights, mine: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Stage 3: one unit per layer holding any of ``mine``, in forward order."""
+    ids = {id(p) for p in mine}
+    return [unit for layer in weights.layers if (unit := [p for p in layer.parameters() if id(p) in ids])]
+
+
+def _dense_part(weights: RankWeights, params: list[nn.Parameter], stage: int, bucket_mb: float,
+                reduce_dtype: str) -> ZeroPart:
+    """Buckets and each tied weight alone; or under stage 3 the root unit of the weights outside the
+    layers and each tied weight alone (held), then the layers."""
+    tied = {id(p) for p in weights.tied}
+    if stage < 3:
+        rest = [p for p in params if id(p) not in tied]
+        return ZeroPart(False, [*_buckets(rest, bucket_mb, reduce_dtype), *([p] for p in weights.tied)])
+    apart = {id(p) for layer in weights.layers for p in layer.parameters()} | tied
+    held = [unit for unit in ([p for p in params if id(p) not in apart], *([p] for p in weights.tied)) if unit]
+    return ZeroPart(False, [*held, *_layer_units(weights, params)], held=len(held))
+
+
+def _experts_part(weights: RankWeights, params: list[nn.Parameter], stage: int, bucket_mb: float,
+                  reduce_dtype: str) -> ZeroPart:
+    """Buckets; or under stage 3 one unit per MoE layer, no root. Without a pipeline the last of them
+    is held from forward into backward (its forward ends last: parallel/zero3.py), listed first;
+    inside pipeline stages none is held for the round."""
+    if stage < 3:
+        return ZeroPart(True, _buckets(params, bucket_mb, reduce_dtype))
+    layers = _layer_units(weights, params)
+    if weights.n_stages > 1:
+        return ZeroPart(True, layers)
+    return ZeroPart(True, [layers[-1], *layers[:-1]], held=1)
 
 
 def _pieces_on_rank(unit: list[nn.Parameter], shard: int, rank: int) -> list[tuple[int, nn.Parameter]]:
@@ -130,8 +193,9 @@ def _shard_state(cfg: Config, weights: RankWeights, units: list[list[nn.Paramete
                               "adamw" if t.optimizer == "adamw8bit" else t.optimizer, t.momentum))
 
 
-def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device: bool) -> dict[str, int]:
-    """params, grads, optimizer, host and communication buffers of one rank, in bytes (module docstring)."""
+def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], host_is_device: bool) -> dict[str, int]:
+    """params, grads, optimizer, host and communication buffers of one rank, in bytes (module docstring);
+    ``shards``: how many ranks ZeRO shards the dense weights over, and the experts."""
     t, p = cfg.train, cfg.parallel
     w, r = dtype_bytes(t.param_dtype), dtype_bytes(p.reduce_dtype)
     offload = t.offload == "optimizer"
@@ -139,7 +203,12 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
     # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.
     master_grads = r != 4 or (offload and not host_is_device)
     if p.zero:
-        return _zero_memory(cfg, weights, shards, w, r, masters, master_grads, offload and not host_is_device)
+        parts = [_zero_memory(cfg, weights, part, shards[part.experts], w, r, masters, master_grads,
+                              offload and not host_is_device)
+                 for part in zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)]
+        held = {key: sum(part[key] for part in parts) for key in parts[0]}
+        held["params"] += weights.untrained_bytes(w)
+        return held
     n = weights.numel
     state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, weights.tables, 4 if masters else w)
              + (4 * n if masters else 0))
@@ -149,28 +218,28 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: int, host_is_device
             "host": host, "buffers": 0}
 
 
-def _zero_memory(cfg: Config, weights: RankWeights, n: int, w: int, r: int, masters: bool,
+def _zero_memory(cfg: Config, weights: RankWeights, part: ZeroPart, n: int, w: int, r: int, masters: bool,
                  master_grads: bool, offloaded: bool) -> dict[str, int]:
+    """One ZeRO part's bytes on a rank (`weight_memory`'s categories), its units sharded over ``n`` ranks."""
     stage = cfg.parallel.zero
-    units = zero_units(weights, stage, cfg.parallel.bucket_mb, cfg.parallel.reduce_dtype)
-    padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
+    padded = part.padded(n)
     shards = [size // n for size in padded]
     shard_total = sum(shards)
     # The ranks' states differ where 8-bit AdamW keeps some pieces in fp32 (the tables', and the
     # small ones): the fullest rank's is the prediction. Otherwise every rank's is rank 0's.
     ranks = range(n) if cfg.train.optimizer == "adamw8bit" else [0]
-    state = max(_shard_state(cfg, weights, units, shards, rank) for rank in ranks) + (4 * shard_total if masters else 0)
+    state = max(_shard_state(cfg, weights, part.units, shards, rank) for rank in ranks)
+    state += 4 * shard_total if masters else 0
     extra_grads = 4 * shard_total if master_grads else 0
     buffers = 0
     if stage >= 2:
         buffers += IN_FLIGHT_UNITS * r * max(padded)
     if stage == 3:
-        root, *layers = padded
-        buffers += w * (root + sum(sorted(layers)[-ZERO3_GATHERED_LAYERS:]))
-    return {
-        "params": w * (shard_total if stage == 3 else sum(padded)) + weights.untrained_bytes(w),
-        "grads": r * (sum(padded) if stage == 1 else shard_total) + extra_grads,
-        "optimizer": state,
-        "host": state + extra_grads if offloaded else 0,
-        "buffers": buffers,
-    }
+        held, layers = padded[:part.held], padded[part.held:]
+        # gathered at once: the held units, and the layer computing and the one prefetched, or
+        # inside pipeline stages gathered per round, every layer (parallel/zero3.py)
+        per_round = cfg.parallel.pp > 1 and cfg.parallel.zero3_gather == "round"
+        buffers += w * (sum(held) + sum(layers if per_round else sorted(layers)[-ZERO3_GATHERED_LAYERS:]))
+    return {"params": w * (shard_total if stage == 3 else sum(padded)),
+            "grads": r * (sum(padded) if stage == 1 else shard_total) + extra_grads,
+            "optimizer": state, "host": state + extra_grads if offloaded else 0, "buffers": buffers}

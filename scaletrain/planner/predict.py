@@ -24,9 +24,9 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     micro, virtual = p.pipeline_sizes()
     split = Split(tp=p.tp, ep=p.ep, pp=p.pp, virtual=virtual)
     x = activations.shape_of(model.shape, model.tensor_plan, t.micro_batch, p.tp, p.sp, p.cp, t.precision,
-                             t.param_dtype)
+                             t.param_dtype, p.ep)
     groups = Groups.of(cfg, world)
-    shards = groups.sizes[groups.zero_shard]
+    shards = groups.sizes[groups.zero_shard], groups.sizes[groups.experts]  # ZeRO's dense and experts' groups
     host_is_device = cluster.device.name == "cpu"
     # The trainer's rule (train/layout.py): chunked where the head's weight is whole on its rank.
     chunked = (model.shape.vocab > 0 and head_loss.head_is_whole(p.tp, p.pp, p.zero)
@@ -75,10 +75,10 @@ def _rank_memory(held: dict[str, int], saved: int, x: activations.Shape, weights
 def _activation_peak(cfg: Config, weights: RankWeights, x: activations.Shape, micro: int, pp_rank: int) -> int:
     """The saved-activation peak over one round of the rank's schedule (one micro-batch without a pipeline)."""
     p, recompute = cfg.parallel, cfg.train.recompute
-    per_stage = {stage: (*activations.chunk_peak(x, len(blocks), stage == 0, last, recompute),
-                         activations.weight_grad_inputs(x, len(blocks), last))
+    per_stage = {stage: (*activations.chunk_peak(x, experts, stage == 0, last, recompute),
+                         activations.weight_grad_inputs(x, experts, last))
                  for stage, blocks in weights.stages.items()
-                 for last in [stage == weights.n_stages - 1]}
+                 for last, experts in [(stage == weights.n_stages - 1, [x.model.moe_in_block(i) for i in blocks])]}
     if p.pp == 1:
         order = [Action("F", 0, 0), Action("BW", 0, 0)]
     else:

@@ -52,4 +52,6 @@ class Prediction:
             layout.update(shard_group=p.shard_group)
         if p.quantize_weights != "none":
             layout.update(quantize_weights=p.quantize_weights)
+        if p.pp > 1 and p.zero == 3:
+            layout.update(zero3_gather=p.zero3_gather)
         return layout

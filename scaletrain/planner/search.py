@@ -32,6 +32,7 @@ from scaletrain.planner.prediction import Prediction
 
 MESH = ("dp", "tp", "pp", "cp", "ep")
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO3_GATHERS = ("round", "micro-batch")  # inside pipeline stages (parallel/zero3.py)
 RECOMPUTE = ("none", "selective", "full")
 INTERLEAVED_CHUNKS = 2
 GIB, MIB = 2**30, 2**20
@@ -89,6 +90,7 @@ def layout_text(p: Prediction) -> str:
     parts.append(f"zero{lay['zero']}")
     parts += [f"shard{lay['shard_group']}"] if "shard_group" in lay else []
     parts += [f"qw{lay['quantize_weights']}"] if "quantize_weights" in lay else []
+    parts += [f"gather-{lay['zero3_gather']}"] if "zero3_gather" in lay else []
     if lay["sp"]:
         parts.append("sp")
     parts += [f"recompute={lay['recompute']}", f"mb{lay['micro_batch']}"]
@@ -217,12 +219,17 @@ def _batch_ladders(base: Config, mesh: dict[str, int], global_batch: int,
             yield ladder
 
 
-def _sharding(base: Config, mesh: dict[str, int], fixed: set[str]) -> Iterator[tuple[int, bool]]:
-    """(zero, sp): ZeRO needs replicas to shard over (dp x cp > 1), sp a tp group."""
-    zero = ZERO_STAGES if mesh["dp"] * mesh["cp"] > 1 else (0,)
+def _sharding(base: Config, mesh: dict[str, int], fixed: set[str]) -> Iterator[dict]:
+    """zero, sp and ZeRO-3's gathers: ZeRO needs copies to shard over (dp x cp x ep > 1: the
+    dense weights' group), sp a tp group, the choice of gathering per round or per micro-batch a
+    pipeline under ZeRO-3."""
+    zero = ZERO_STAGES if mesh["dp"] * mesh["cp"] * mesh["ep"] > 1 else (0,)
     sp = (False, True) if mesh["tp"] > 1 else (False,)
-    yield from itertools.product(_choices("zero", zero, base.parallel.zero, fixed),
-                                 _choices("sp", sp, base.parallel.sp, fixed))
+    for stage, split in itertools.product(_choices("zero", zero, base.parallel.zero, fixed),
+                                          _choices("sp", sp, base.parallel.sp, fixed)):
+        gathers = ZERO3_GATHERS if stage == 3 and mesh["pp"] > 1 else (base.parallel.zero3_gather,)
+        for gather in _choices("zero3_gather", gathers, base.parallel.zero3_gather, fixed):
+            yield {"zero": stage, "sp": split, "zero3_gather": gather}
 
 
 Ladder = list[list[Config]]
@@ -238,9 +245,9 @@ def _ladders(base: Config, world: int, gpus_per_node: int, global_batch: int,
     """
     recompute = _choices("recompute", RECOMPUTE, base.train.recompute, fixed)
     for mesh in meshes(base, world, gpus_per_node, fixed):
-        for (zero, sp), ladder in itertools.product(_sharding(base, mesh, fixed),
-                                                    _batch_ladders(base, mesh, global_batch, fixed)):
-            yield [[base.replace(**mesh, zero=zero, sp=sp, recompute=policy, **split) for policy in recompute]
+        for sharding, ladder in itertools.product(_sharding(base, mesh, fixed),
+                                                  _batch_ladders(base, mesh, global_batch, fixed)):
+            yield [[base.replace(**mesh, **sharding, recompute=policy, **split) for policy in recompute]
                    for split in ladder]
 
 

@@ -13,13 +13,23 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 an all-gather per unit after the step (``w`` x the padded unit);
                 ZeRO-2: the reduce-scatters every micro-batch; ZeRO-3, every
                 micro-batch: the root unit gathered once, every layer unit twice
-                (forward and backward), every unit reduce-scattered. The loss: a
+                (forward and backward), every unit reduce-scattered; inside
+                pipeline stages the root and tied units once per round, the
+                layers once per round (``--zero3-gather round``) or twice per
+                micro-batch. The loss: a
                 4-byte average over the same group. With ``--shard-group N`` all of
                 ZeRO's collectives run in the shard group (units padded to N), and
                 each reduce-scatter is followed by an all-reduce of the rank's shard
                 (``r`` x unit / N) over the replica group (parallel/hybrid.py); with
                 ``--quantize-weights int8`` or ``fp8`` ZeRO-3's gathers move N x
-                ``quantized_shard_bytes(unit / N)``.
+                ``quantized_shard_bytes(unit / N)``. With expert parallelism two
+                ZeROs, each with these collectives over its own group and units
+                padded to its own size (parallel/zero_experts.py): the dense
+                weights' over dp x ep x cp, this rank's experts' over dp x cp,
+                in buckets of their own, or under ZeRO-3 a unit per MoE layer
+                and no root, the last of them held from forward into backward
+                (gathered once per micro-batch, the others twice); inside
+                pipeline stages the experts' layers as the dense ones, none held.
 tensor parallel per micro-batch and block, two regions (parallel/tensor.py): the
                 attention, and the MLP unless a mixture of experts replaces it.
                 Forward all-reduces of each region's output (``e*b*s*h``), backward
@@ -52,9 +62,12 @@ experts         per micro-batch and expert layer (the blocks ``ModelShape.moe_in
                 backward) of the routed rows. How many rows a rank sends depends on
                 the router; the planner gives the mean over the ep ranks,
                 ``e*b*s*k*h`` each, which their ledgers' average equals. The routing
-                statistics are summed over the batch group once per step.
-gradient norm   4 bytes over each of tp, pp, ep (and the ZeRO shard group) that is larger
-                than one; the non-finite flag over the world (train/nonfinite.py).
+                statistics of every MoE layer of the model are summed once per step
+                over pp (each stage fills its layers' rows) and the batch group.
+gradient norm   4 bytes over each of tp, pp and ep that is larger than one, under ZeRO
+                its shard group in place of ep (train/layout.py ``norm_groups``: the
+                dense shards span the ep ranks, whose experts differ); the
+                non-finite flag over the world (train/nonfinite.py).
 
 Evaluation, sampling and checkpoints are not part of a step and not counted.
 """
@@ -70,7 +83,7 @@ from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import quantized_shard_bytes
 from scaletrain.planner.activations import Shape
 from scaletrain.planner.inventory import RankWeights
-from scaletrain.planner.memory import dtype_bytes, zero_units
+from scaletrain.planner.memory import ZeroPart, dtype_bytes, zero_parts
 from scaletrain.runtime.comm import FIELDS, wire_bytes_of
 from scaletrain.runtime.mesh import group_name, hybrid_group_name
 from scaletrain.techniques.precision import compute_dtype
@@ -97,7 +110,9 @@ class Traffic:
 class Groups:
     """Every group the trainer talks over: ``sizes`` by ledger name, the names of
     the three replica groups of train/replicas.py (dims of size one left out but dp),
-    and of the groups ZeRO shards over and replicates across (`hybrid.zero_groups`)."""
+    and of the groups ZeRO shards the dense weights over and replicates them across
+    (`hybrid.zero_groups`); with expert parallelism ZeRO shards the experts over
+    ``experts`` (parallel/zero_experts.py)."""
 
     sizes: dict[str, int]
     batch: str
@@ -150,9 +165,11 @@ def step_traffic(cfg: Config, world: int, weights: RankWeights, x: Shape, stages
         traffic.add("all_gather", "ep", p.ep * m.moe_experts * 8, calls=k * moe_layers)
         rows = x.b * x.s * m.moe_top_k * x.h * x.e
         traffic.add("all_to_all", "ep", rows, calls=4 * k * moe_layers)
-    if moe_layers:
-        traffic.add("all_reduce", batch, 8 * (moe_layers * m.moe_experts + moe_layers))
-        traffic.add("all_reduce", batch, 4)
+    model_moe_layers = sum(1 for i in range(m.n_layers) if m.moe_in_block(i))
+    if model_moe_layers:  # the routing record: a row per MoE layer of the model, on every rank (train/routing.py)
+        for group in ("pp", batch):
+            traffic.add("all_reduce", group, 8 * (model_moe_layers * m.moe_experts + model_moe_layers))
+            traffic.add("all_reduce", group, 4)
     if p.pp > 1:
         boundary = 4 * x.b * x.s * x.h // (x.tp if x.sp else 1)
         for stage in stages:
@@ -172,8 +189,10 @@ def step_traffic(cfg: Config, world: int, weights: RankWeights, x: Shape, stages
         for group, params in ((dense, mine), (experts_group, theirs)):
             for bucket in plan_buckets(params[::-1], int(p.bucket_mb * 2**20), compute_dtype(p.reduce_dtype)):
                 traffic.add("all_reduce", group, r * sum(q.numel() for q in bucket))
-    for group in ("tp", "pp", "ep", *([groups.zero_shard] if p.zero else [])):
-        traffic.add("all_reduce", group, 4)  # the gradient norm's sum of squares
+    # The gradient norm's sum of squares: under ZeRO its group's shards (with ep, the dense group's,
+    # which spans the ep ranks' experts) hold every element once, else the ep ranks' experts do.
+    for group in ("tp", "pp", groups.zero_shard if p.zero else "ep"):
+        traffic.add("all_reduce", group, 4)
     traffic.add("all_reduce", "world", 4)  # the non-finite flag
     traffic.add("all_reduce", dense, 4)  # the loss
     return traffic.entries
@@ -224,11 +243,19 @@ def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: i
 
 
 def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, groups: Groups, k: int, w: int, r: int) -> None:
+    """Every ZeRO part's collectives, each over its own group: the dense weights' over the shard
+    group, the experts' over the experts' group (parallel/zero_experts.py)."""
     p = cfg.parallel
-    group, replica = groups.zero_shard, groups.zero_replica
+    for part in zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype):
+        group, replica = (groups.experts, None) if part.experts else (groups.zero_shard, groups.zero_replica)
+        _zero_part(traffic, cfg, part, group, replica, k, w, r)
+
+
+def _zero_part(traffic: Traffic, cfg: Config, part: ZeroPart, group: str, replica: str | None, k: int, w: int,
+               r: int) -> None:
+    p = cfg.parallel
     stage, n = p.zero, traffic.sizes[group]
-    units = zero_units(weights, stage, p.bucket_mb, p.reduce_dtype)
-    padded = [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in units]
+    padded = part.padded(n)
     scatters = 1 if stage == 1 else k
     # Units of one size (a model's equal blocks) are added at once: the ledger sums them alike.
     for size, count in Counter(padded).items():
@@ -243,7 +270,14 @@ def _zero(traffic: Traffic, cfg: Config, weights: RankWeights, groups: Groups, k
     def gathered(size: int) -> int:
         return n * quantized_shard_bytes(size // n) if p.quantize_weights != "none" else w * size
 
-    root, *layers = padded
-    traffic.add("all_gather", group, gathered(root), calls=k)
+    held, layers = padded[:part.held], padded[part.held:]
+    # A pipeline gathers its held units once per round, and its layers once per round or for
+    # each micro-batch's forward and backward (parallel/zero3.py); without one, every micro-batch
+    # gathers the held unit once (the root, or the experts' last layer: held into backward) and
+    # each other layer twice.
+    rounds = cfg.train.grad_accum if p.pp > 1 else k
+    per_layer = rounds if p.pp > 1 and p.zero3_gather == "round" else 2 * k
+    for size, count in Counter(held).items():
+        traffic.add("all_gather", group, gathered(size), calls=rounds * count)
     for size, count in Counter(layers).items():
-        traffic.add("all_gather", group, gathered(size), calls=2 * k * count)
+        traffic.add("all_gather", group, gathered(size), calls=per_layer * count)

@@ -451,7 +451,7 @@ def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
 
 
 def with_preset_experts(cfg: Config) -> Config:
-    """``cfg`` with its preset's experts (a mixture-of-experts preset, such as mixtral-8x7b) where
+    """``cfg`` with its preset's experts (a mixture-of-experts preset) where
     ``--moe-experts`` gave none, so every check and the planner see them."""
     experts = preset_experts(cfg.model.name)
     return cfg.replace(moe_experts=experts) if experts and not cfg.model.moe_experts else cfg

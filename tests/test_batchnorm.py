@@ -41,7 +41,8 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 # -- (a) a layout with synchronized statistics is one process with the global batch ----------------
-@pytest.mark.parametrize("options", [dict(), dict(grad_accum=2), dict(zero=3)])
+@pytest.mark.parametrize("options", [dict(), pytest.param(dict(grad_accum=2), marks=pytest.mark.slow),
+                                     pytest.param(dict(zero=3), marks=pytest.mark.slow)])
 def test_synced_batchnorm_under_dp_matches_one_process(options):
     report = scaletrain.check_parity(cnn, image_batch, mean_cross_entropy, nproc=2, steps=3, lr=0.05,
                                      warmup_steps=1, sync_batchnorm=True, **options)

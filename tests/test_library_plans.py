@@ -153,7 +153,7 @@ def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("make_model, nproc, options", [
     (hf_llama, 2, dict(tp=2)),
     (hf_qwen2_tied, 2, dict(tp=2)),
-    (hf_mistral, 2, dict(tp=2)),
+    pytest.param(hf_mistral, 2, dict(tp=2), marks=pytest.mark.slow),  # Llama's architecture under a third name
     (hf_llama, 2, dict(tp=2, sp=True)),
     pytest.param(hf_llama, 4, dict(tp=2, zero=3), marks=pytest.mark.slow),
 ], ids=["llama-tp2", "qwen2-tied-tp2", "mistral-tp2", "llama-tp2-sp", "llama-tp2-dp2-zero3"])

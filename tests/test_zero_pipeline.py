@@ -17,8 +17,11 @@ from tests.trainers import assert_resumes_both_ways
 LAYOUT = dict(nproc=4, pp=2, dp=2, zero=3, microbatches=4, steps=3)
 
 PARITY = [
-    ("gpt-tiny", "1f1b", "round", {}),
-    ("llama-tiny", "zb-h1", "micro-batch", {}),  # ZB-H1's W pass after the block was freed again
+    # in CI: per micro-batch, with ZB-H1's weight pass after the block was freed again (per round:
+    # the resume test below, and the ledger's in tests/test_plan.py)
+    ("gpt-tiny", "zb-h1", "micro-batch", {}),
+    pytest.param("gpt-tiny", "1f1b", "round", {}, marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "zb-h1", "micro-batch", {}, marks=pytest.mark.slow),
     pytest.param("gpt-tiny", "gpipe", "micro-batch", {}, marks=pytest.mark.slow),
     pytest.param("gpt-tiny", "zb-h1", "round", {}, marks=pytest.mark.slow),
     pytest.param("gpt-tiny", "interleaved", "micro-batch", {"n_layers": 4}, marks=pytest.mark.slow),
@@ -52,6 +55,7 @@ def test_zero3_with_tensor_and_sequence_parallelism_inside_the_stages(tiny_cfg, 
     assert report.passed, report.to_json()
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero2_inside_pipeline_stages_reproduces_one_device(tiny_cfg):
     report = run_parity(tiny_cfg.replace(**{**LAYOUT, "zero": 2}, pp_schedule="zb-h1"), tolerance=1e-5)

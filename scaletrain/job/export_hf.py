@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,12 +60,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_folder_target(target: Path, force: bool) -> None:
+def check_folder_target(target: Path, force: bool, form: str = "hf") -> None:
     if target.suffix == ".safetensors":
-        raise UserError(f"--to {target} names a file, but --format hf writes a folder; give a folder name.")
+        raise UserError(f"--to {target} names a file, but --format {form} writes a folder; give a folder name.")
     writable_dir("--to", target.parent if not target.exists() else target)
     if target.exists() and not target.is_dir():
-        raise UserError(f"--to {target} is a file; give a folder name for --format hf.")
+        raise UserError(f"--to {target} is a file; give a folder name for --format {form}.")
     if target.exists() and any(target.iterdir()) and not force:
         raise UserError(f"--to {target} already holds files; add --force to replace the folder, or choose "
                         f"another name.")
@@ -163,6 +165,23 @@ def write_tokenizer(run_dir: Path, folder: Path) -> dict:
     return {}
 
 
+@contextmanager
+def folder_in_place(target: Path) -> Iterator[Path]:
+    """A temporary folder beside ``target`` to write into, renamed to ``target`` when the writing
+    is done (replacing it), removed if it fails: nothing half-written under the target's name."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        yield partial
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
 def export_hf(source: Path, target: Path, dtype: str | None = None, force: bool = False) -> Exported:
     """Write the model of ``source`` (a checkpoint or a run folder) as a Hugging Face folder ``target``."""
     check_folder_target(target, force)
@@ -177,10 +196,7 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, force: bool 
     step, ours = _read(checkpoint)
     ours = without_adapters(ours, checkpoint)
     tensors = _prepared(hf_tensors(ours, family.hf.names(family_cfg)), DTYPES[dtype] if dtype else None)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    try:
+    with folder_in_place(target) as partial:
         special = write_tokenizer(run_dir, partial)
         config = {**family.hf.config_to_hf(family_cfg), **special}
         config["torch_dtype"] = DTYPE_NAMES[next(iter(tensors.values())).dtype]
@@ -188,12 +204,6 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, force: bool 
         generation = {"max_length": family_cfg.positions, **special}
         (partial / "generation_config.json").write_text(json.dumps(generation, indent=2))
         write_weights(tensors, partial)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(partial, target)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return Exported(path=target, step=step, tensors=len(tensors),
                     parameters=sum(t.numel() for t in tensors.values()),
                     bytes=sum(f.stat().st_size for f in target.iterdir()))

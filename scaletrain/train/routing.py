@@ -14,7 +14,7 @@ the same on every rank, with each stage's share of the auxiliary loss added.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ class RoutingStats:
     dropped: torch.Tensor  # [MoE layers of the whole model], assignments past capacity
     aux: torch.Tensor  # the auxiliary loss, summed over micro-batches / micro-batches per step
     rows: dict[MoE, int]  # each MoE layer this rank holds -> its row
+    _indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # rows of the layers `add` met
 
     @classmethod
     def empty(cls, rows: RouterRows, model: nn.Module, device: torch.device) -> RoutingStats:
@@ -62,7 +63,10 @@ class RoutingStats:
 
     def add(self, layers: list[MoE], aux: torch.Tensor) -> None:
         """Count the micro-batch ``layers`` just routed, and its (scaled) auxiliary loss."""
-        index = torch.tensor([self.rows[layer] for layer in layers], device=self.tokens.device)
+        key = tuple(map(id, layers))
+        if key not in self._indices:  # the rows of one set of layers, sent to the device once a step
+            self._indices[key] = torch.tensor([self.rows[layer] for layer in layers], device=self.tokens.device)
+        index = self._indices[key]
         self.tokens.index_add_(0, index, torch.stack([layer.tokens_per_expert for layer in layers]))
         self.dropped.index_add_(0, index, torch.stack([layer.dropped for layer in layers]))
         self.aux += aux.detach()

@@ -217,11 +217,14 @@ class Stepper:
         per_round = layout.micro_batches
         per_step = self.train.grad_accum * per_round
         routing = RoutingStats.empty(self.router_rows, layout.model, self.device) if self.router_rows else None
+        # each stage's MoE layers, found once for the step's every forward
+        stage_layers = {stage.index: [layer for module in stage.modules() for layer in moe_layers(module)]
+                        for stage in layout.pipeline.stages} if routing else {}
 
         def auxiliary(stage: Stage) -> torch.Tensor | None:
             """The auxiliary loss the stage's MoE layers left in the forward just run, divided by the
             step's micro-batches as one device divides it (`backward_micro_batch`), and counted."""
-            layers = [layer for module in stage.modules() for layer in moe_layers(module)]
+            layers = stage_layers[stage.index]
             if not layers:
                 return None
             aux = torch.stack([layer.aux_loss for layer in layers]).sum() / per_step

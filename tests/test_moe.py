@@ -192,6 +192,23 @@ def test_model_helpers_gather_every_layer():
     assert expert_token_counts(dense).shape == (0, 0)
 
 
+def test_a_recomputed_forward_keeps_the_first_forwards_loss_and_counts():
+    """Under full recompute each MoE block's forward runs again in backward: the checkpoint still
+    finds the tensors the first forward saved, and the layer keeps that forward's loss and counts
+    (a second graph kept by the layer would hold the recomputed block alive until the step ends)."""
+    from scaletrain.techniques.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    moe = MoEConfig(experts=E, top_k=2, hidden=32, every=1)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=S, n_layers=2, n_heads=2, d_model=D, moe=moe))
+    apply_recompute(model, "full")
+    logits = model(torch.randint(0, 32, (B, S), generator=torch.Generator().manual_seed(2)))
+    first = [(layer.aux_loss, layer.tokens_per_expert) for layer in moe_layers(model)]
+    (F.cross_entropy(logits.flatten(0, 1), torch.zeros(B * S, dtype=torch.long)) + auxiliary_loss(model)).backward()
+    assert all(layer.aux_loss is loss and layer.tokens_per_expert is counts
+               for layer, (loss, counts) in zip(moe_layers(model), first))
+
+
 # -- expert parallelism ------------------------------------------------------------------
 
 

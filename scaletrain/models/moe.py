@@ -203,10 +203,12 @@ class MoE(nn.Module):
         routing = self.route(x)
         # A forward recomputed inside backward (activation recompute) routes the same rows again:
         # the first forward's loss and counts stand, and a second graph kept here would hold the
-        # recomputed block's tensors alive until the step ends.
+        # recomputed block's tensors alive until the step ends. The loss is still computed, so the
+        # recomputation saves the tensors the first forward saved (torch.utils.checkpoint checks).
         recomputed = torch._C._current_graph_task_id() != -1
+        aux_loss = self._aux_loss(routing)
         if not recomputed:
-            self.aux_loss = self._aux_loss(routing)
+            self.aux_loss = aux_loss
         # The kept assignments, grouped by expert (a stable sort keeps token order within an expert).
         token = torch.arange(b * s, device=x.device).view(b, s, 1).expand_as(routing.experts)[routing.kept]
         expert = routing.experts[routing.kept]

@@ -4,8 +4,8 @@ PEFT keeps a LoRA adapter apart from its base model, in a folder that
 ``peft.PeftModel.from_pretrained(base, DIR)`` loads over the base:
 
     adapter_config.json          peft_type LORA, r, lora_alpha, lora_dropout, target_modules (the
-                                 base's module names), fan_in_fan_out (GPT-2's Conv1D layers store
-                                 their weights transposed), the base folder the run started from
+                                 base's module names), fan_in_fan_out (true where the family's
+                                 layers store their weights transposed, as Conv1D does), the base folder the run started from
     adapter_model.safetensors    base_model.model.<module>.lora_A.weight [r, d_in] and
                                  .lora_B.weight [d_out, r] for every adapted layer
 

@@ -130,6 +130,12 @@ class TrainConfig:
     seed: int = _opt(1234, "random seed for initialization, data order and dropout")
     eval_every: int = _opt(100, "steps between validation passes (0: only at the end)")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
+    eval_tasks: str | None = _opt(None, "lm-evaluation-harness tasks, comma-separated, run on the model during "
+                                        "training (docs/evaluation.md; needs the [eval] extra)")
+    eval_tasks_every: int = _opt(0, "with --eval-tasks: steps between harness runs (0: only at the end)")
+    eval_tasks_include: str | None = _opt(None, "with --eval-tasks: a folder of the harness's YAML task files "
+                                                "to find tasks in besides its registry")
+    eval_tasks_limit: int | None = _opt(None, "with --eval-tasks: at most this many documents per task")
     precision: str = _opt("fp32", "compute precision: fp32, bf16 autocast, fp16 autocast with dynamic loss "
                                   "scaling, or fp8: bf16 autocast with the blocks' linear products in float8 "
                                   "(docs/techniques.md)", choices=("fp32", "bf16", "fp16", "fp8"))
@@ -283,6 +289,8 @@ class RunConfig:
                                        "one transfer, so the host never waits for the device mid-run (records stay "
                                        "per step; default: 10 on a GPU, 1 on a CPU)")
     sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
+    force: bool = _opt(False, "start even where the planner predicts the run does not fit this machine's "
+                              "memory (planner/gate.py)")
 
 
 @dataclass
@@ -297,6 +305,9 @@ class FinetuneConfig:
                                             "attention's and the MLP's)")
     quantize: str = _opt("none", "store the frozen base weights as 4-bit NormalFloat with double "
                                  "quantization (QLoRA; needs --lora-rank)", choices=("none", "nf4"))
+    adapter: str | None = _opt(None, "a PEFT LoRA adapter folder (adapter_config.json, "
+                                     "adapter_model.safetensors) over the --from base to continue from: its rank, "
+                                     "alpha, dropout, target layers and weights")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,

@@ -52,6 +52,7 @@ def check_values(cfg: Config) -> None:
     _check_experts(cfg)
     _check_fp8(cfg)
     _check_peak(cfg.train.peak_tflops)
+    _check_adapter(cfg)
 
 
 def setting_warnings(cfg: Config, given: Collection[str] = ()) -> list[str]:
@@ -69,6 +70,14 @@ def setting_warnings(cfg: Config, given: Collection[str] = ()) -> list[str]:
         said.append("powersgd_rank sets PowerSGD's rank, but compress is not 'powersgd'; drop it or set "
                     "compress='powersgd'.")
     return said
+
+
+def _check_adapter(cfg: Config) -> None:
+    """``--adapter`` continues a PEFT adapter over the base it was made for; the folder itself is
+    read with the base (job/base_model.py)."""
+    if cfg.finetune.adapter and not cfg.finetune.base:
+        raise UserError(f"--adapter {cfg.finetune.adapter} continues a PEFT adapter over the model it was made "
+                        f"for; add --from with that base (a Hugging Face model folder, or one of our runs).")
 
 
 def _check_fp8(cfg: Config) -> None:

@@ -1,5 +1,7 @@
 """A LoRA fine-tune's adapters as a PEFT folder (job/export_peft.py): ``PeftModel.from_pretrained``
-over the base folder computes the logits of the run, as its merged ``--format hf`` export does."""
+over the base folder computes the logits of the run, as its merged ``--format hf`` export does, and
+``finetune --adapter`` takes the folder back (finetune/peft_adapter.py), starting from exactly those
+adapters."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from scaletrain.commands.cli import main
+from tests.test_finetune_adapter import continue_from, exported_adapter
 from tests.test_llama_hf import PROSE, SEQ, make_folder, relative, their_logits
 
 transformers = pytest.importorskip("transformers", reason="loading the folders needs the dev extra")
@@ -20,7 +24,7 @@ FINETUNE = ["--lora-rank", "4", "--lora-alpha", "8", "--steps", "3", "--seq-len"
 
 
 @pytest.mark.numerics
-def test_the_adapters_load_in_peft_over_the_base_and_give_the_runs_logits(tmp_path, capsys):
+def test_the_adapters_load_in_peft_over_the_base_give_the_runs_logits_and_come_back(tmp_path, capsys):
     base = make_folder(tmp_path / "base", "llama")
     prose, run = tmp_path / "prose.txt", tmp_path / "run"
     prose.write_text(PROSE)
@@ -40,6 +44,16 @@ def test_the_adapters_load_in_peft_over_the_base_and_give_the_runs_logits(tmp_pa
         merged = their_logits(tmp_path / "merged", ids)
         assert relative(adapted(ids).logits, merged) < 1e-5
         assert relative(their_logits(base, ids), merged) > 1e-3  # the adapters moved the logits
+    # And back: a fine-tune continued from the folder starts from exactly its adapters, as the
+    # model PeftModel computes (a step that moves nothing: tests/test_finetune_adapter.py).
+    assert continue_from(base, tmp_path / "adapter", tmp_path / "continued") == 0
+    assert main(["export", "--from", str(tmp_path / "continued"), "--to", str(tmp_path / "continued-merged"),
+                 "--format", "hf"]) == 0
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    back = exported_adapter(tmp_path / "continued")
+    assert back.keys() == saved.keys() and all(torch.equal(back[key], saved[key]) for key in saved)
+    with torch.no_grad():
+        assert relative(adapted(ids).logits, their_logits(tmp_path / "continued-merged", ids)) < 1e-5
 
 
 def test_a_run_without_adapters_is_refused_in_one_sentence(tiny_cfg, capsys, tmp_path):

@@ -104,6 +104,17 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
             if key.rsplit(".", 1)[-1] in ADAPTER_PARAMS}
 
 
+@torch.no_grad()
+def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Set every adapter of ``model`` from ``tensors`` (by `adapter_state` key, one for each), in
+    place: a fine-tune that continues from saved adapters (peft_adapter.py)."""
+    params = dict(model.named_parameters())
+    if tensors.keys() != adapter_state(model).keys():
+        raise ValueError(f"the tensors {sorted(tensors)} are not the model's adapters {sorted(adapter_state(model))}")
+    for key, value in tensors.items():
+        params[key].copy_(value)
+
+
 def save_adapters(model: nn.Module, path: Path, metadata: dict[str, str]) -> int:
     """The adapters alone in one safetensors file (written beside, then renamed into place); their bytes."""
     tensors = {key: value.contiguous() for key, value in adapter_state(model).items()}

@@ -16,6 +16,15 @@ touches it; then the base is frozen and adapters are put beside the target
 layers (``--lora-rank``), its weights stored in 4 bits first with
 ``--quantize nf4``. The data-parallel and ZeRO wrappers that follow see only
 the adapters as trainable.
+
+``--adapter DIR`` continues a PEFT LoRA adapter over the base
+(finetune/peft_adapter.py): its rank, alpha, dropout and target layers become
+the run's ``--lora-*`` settings, set before anything is written (a flag that
+says otherwise is refused; a ``--lora-dropout`` of the user's own stands, as
+it shapes training only), and its A and B replace the fresh adapters' initial
+values as soon as they are added, before any wrapper sees them. A flag counts
+as given when it differs from its default: the configuration keeps values,
+not where they came from.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from scaletrain.finetune.hf import (
     read_hf_model,
     read_hf_weights,
 )
+from scaletrain.finetune.lora import load_adapters
+from scaletrain.finetune.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter
 from scaletrain.job.export import find_checkpoint, without_adapters
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelSpec
@@ -57,6 +68,8 @@ def as_finetune(cfg: Config) -> Config:
     if not cfg.finetune.base:
         return cfg
     cfg = with_base(cfg)
+    if cfg.finetune.adapter:
+        cfg = with_adapter(cfg)
     check_layout(cfg)
     return cfg
 
@@ -98,6 +111,32 @@ def with_hf_base(cfg: Config, folder: Path) -> Config:
     return cfg
 
 
+def with_adapter(cfg: Config) -> Config:
+    """``cfg`` with the LoRA settings of its ``--adapter`` folder, checked over the base's model
+    (built on the meta device) before anything is written."""
+    f, default = cfg.finetune, FinetuneConfig()
+    folder = readable_dir("--adapter", f.adapter, f"a PEFT adapter folder, with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    family = spec_for(cfg.model.name)
+    family_cfg = family.configure(cfg.model, 1, cfg.data.seq_len)  # the adapted layers' shapes need no vocabulary
+    with torch.device("meta"):
+        model = family.build(family_cfg)
+    adapter = read_adapter(folder, model, family, family_cfg)
+    for flag, given, unset, theirs in (("--lora-rank", f.lora_rank, default.lora_rank, adapter.rank),
+                                       ("--lora-alpha", f.lora_alpha, default.lora_alpha, adapter.alpha),
+                                       ("--lora-targets", f.lora_targets, default.lora_targets, adapter.targets)):
+        if not (_agree(given, unset) or _agree(given, theirs)):
+            raise UserError(f"{flag} {given} contradicts the adapter in {folder}, which sets it to {theirs}; drop "
+                            f"{flag}.")
+    dropout = f.lora_dropout if f.lora_dropout != default.lora_dropout else adapter.dropout
+    return cfg.replace(lora_rank=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=dropout,
+                       lora_targets=adapter.targets)
+
+
+def _agree(given: object, other: object) -> bool:
+    """Two values of one ``--lora-*`` flag mean the same: ``--lora-targets`` words in any order."""
+    return set(given.split(",")) == set(other.split(",")) if isinstance(given, str) else given == other
+
+
 def check_layout(cfg: Config) -> None:
     """A full fine-tune takes any layout (the base loads before the model is split); adapters
     compose with data parallelism and ZeRO-1/2: one sentence for anything else."""
@@ -111,7 +150,7 @@ def check_layout(cfg: Config) -> None:
                                 f"fine-tune.")
     if f.quantize == "nf4" and f.lora_rank < 1:
         raise UserError("--quantize nf4 freezes the base in 4 bits, so only adapters can train; add --lora-rank.")
-    words = spec_for(cfg.model.name).lora_aliases
+    words = spec_for(cfg.model.name).lora_words()
     unknown = set(f.lora_targets.split(",")) - set(words)
     if unknown:
         raise UserError(f"--lora-targets {f.lora_targets} names {', '.join(sorted(unknown))}; choose among "
@@ -121,7 +160,7 @@ def check_layout(cfg: Config) -> None:
 @torch.no_grad()
 def start_from_base(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
     """Load the base weights into ``model``; with ``--lora-rank``, freeze them (in 4 bits
-    with ``--quantize nf4``) and add the adapters."""
+    with ``--quantize nf4``) and add the adapters, set from ``--adapter``'s folder if given."""
     source = Path(finetune.base)
     if is_hf_folder(source):
         tensors = read_hf_weights(read_hf_model(source), model.cfg)
@@ -129,4 +168,8 @@ def start_from_base(model: nn.Module, finetune: FinetuneConfig, family: ModelSpe
         checkpoint = base_checkpoint(finetune)
         tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
     model.load_state_dict(tensors)
+    # Read over the plain model, whose layers the folder's modules name.
+    adapter = read_adapter(Path(finetune.adapter), model, family, model.cfg) if finetune.adapter else None
     add_adapters(model, finetune, family)
+    if adapter:
+        load_adapters(model, adapter.tensors)

@@ -5,14 +5,16 @@ PEFT keeps a LoRA adapter apart from its base model, in a folder that
 
     adapter_config.json          peft_type LORA, r, lora_alpha, lora_dropout, target_modules (the
                                  base's module names), fan_in_fan_out (true where the family's
-                                 layers store their weights transposed, as Conv1D does), the base folder the run started from
+                                 layers store their weights transposed, as Conv1D does), the
+                                 base folder the run started from
     adapter_model.safetensors    base_model.model.<module>.lora_A.weight [r, d_in] and
                                  .lora_B.weight [d_out, r] for every adapted layer
 
 PEFT's update is finetune/lora.py's, ``(alpha / r) x A^T B^T`` beside the frozen weight, with
 A and B of the same shapes, so the adapters cross as they are, renamed: each adapted layer's
 module is named as the family's spec names its weight in a Hugging Face folder
-(``HFAdapter.names``; ``blocks.0.attn.q`` is ``model.layers.0.self_attn.q_proj``). Over the base
+(``HFAdapter.names``; ``blocks.0.attn.q`` is ``model.layers.0.self_attn.q_proj``), the mapping
+finetune/peft_adapter.py reads such a folder back with (``finetune --adapter``). Over the base
 the run fine-tuned (its ``--from`` folder, or ``--format hf``'s export of a base of our own) the
 adapted model computes the logits of the run's, which ``--format hf`` merges into one folder.
 """
@@ -27,12 +29,12 @@ from safetensors.torch import save_file
 from scaletrain.config import load_run_config
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder
+from scaletrain.finetune.lora import ADAPTER_PARAMS
+from scaletrain.finetune.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, adapter_key, hf_modules
 from scaletrain.job.data_setup import run_tokenizer
 from scaletrain.job.export import DTYPES, Exported, _prepared, _read, find_checkpoint
 from scaletrain.job.export_hf import check_folder_target, folder_in_place
 from scaletrain.models import spec_for
-
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
 def export_peft(source: Path, target: Path, dtype: str | None = None, force: bool = False) -> Exported:
@@ -47,15 +49,14 @@ def export_peft(source: Path, target: Path, dtype: str | None = None, force: boo
                         f"every weight (no --lora-rank); export it with --format hf.")
     family = spec_for(cfg.model.name)
     family_cfg = family.configure(cfg.model, run_tokenizer(run_dir).vocab_size, cfg.data.seq_len)
-    folder_name = {ours: (hf, transposed) for hf, (ours, transposed) in family.hf.names(family_cfg).items()}
+    modules_of = hf_modules(family, family_cfg)
     step, ours = _read(checkpoint)
     tensors, modules, transposed = {}, set(), set()
     for key in sorted(k for k in ours if k.endswith(".lora_A")):
         layer = key.removesuffix(".lora_A")
-        name, flipped = folder_name[f"{layer}.weight"]
-        module = name.removesuffix(".weight")
-        tensors[f"base_model.model.{module}.lora_A.weight"] = ours[f"{layer}.lora_A"]
-        tensors[f"base_model.model.{module}.lora_B.weight"] = ours[f"{layer}.lora_B"]
+        module, flipped = modules_of[layer]
+        for part in ADAPTER_PARAMS:
+            tensors[adapter_key(module, part)] = ours[f"{layer}.{part}"]
         modules.add(module.rsplit(".", 1)[-1])
         transposed.add(flipped)
     if len(transposed) > 1:  # PEFT takes one fan_in_fan_out for all of an adapter's layers

@@ -209,9 +209,15 @@ class ModelSpec:
                          width=self.shape(cfg).d_model if self.shape else None,
                          position_modules=self.position_modules)
 
+    def lora_words(self) -> tuple[str, ...]:
+        """The ``--lora-targets`` words: each alias, and each layer an alias groups by its own name
+        (``q`` of ``qkv``: an adapter on some of a group's layers, as PEFT's q_proj, v_proj)."""
+        layers = (name for names in self.lora_aliases.values() for name in names)
+        return tuple(dict.fromkeys([*self.lora_aliases, *layers]))
+
     def lora_layers(self, targets: list[str]) -> list[str]:
         """``--lora-targets`` words -> this family's layer names."""
-        return [name for word in targets for name in self.lora_aliases[word]]
+        return [name for word in targets for name in self.lora_aliases.get(word, (word,))]
 
 
 def matmul_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int,

@@ -302,7 +302,8 @@ class FinetuneConfig:
     lora_alpha: float = _opt(16.0, "LoRA scaling numerator: the update is alpha / r x B A")
     lora_dropout: float = _opt(0.0, "dropout on the adapters' input")
     lora_targets: str = _opt("qkv,proj,fc", "the linear layers that get adapters, by name (proj: both the "
-                                            "attention's and the MLP's)")
+                                            "attention's and the MLP's; a group's layers also one by one, "
+                                            "such as q,v)")
     quantize: str = _opt("none", "store the frozen base weights as 4-bit NormalFloat with double "
                                  "quantization (QLoRA; needs --lora-rank)", choices=("none", "nf4"))
     adapter: str | None = _opt(None, "a PEFT LoRA adapter folder (adapter_config.json, "

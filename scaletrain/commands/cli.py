@@ -1,6 +1,6 @@
 """The ``scaletrain`` command: one verb per module of commands/ (train and finetune, parity,
-bench, schedule, plan, export, generate, prepare, run, sweep), each adding its parser and naming
-the function that runs it.
+bench, schedule, plan, export, generate, eval, prepare, run, sweep), each adding its parser and
+naming the function that runs it.
 
 User mistakes (a ``UserError``, a bad flag) print one sentence on stderr and
 exit with code 2, without a traceback; see CLI.md for the contract. A job
@@ -25,6 +25,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from scaletrain.commands import (  # noqa: E402
     bench,
+    evaluate,
     export,
     generate,
     parity,
@@ -37,7 +38,7 @@ from scaletrain.commands import (  # noqa: E402
 )
 from scaletrain.errors import JobFailed, UserError  # noqa: E402
 
-VERBS = (train, parity, bench, schedule, plan, export, prepare, run, sweep, generate)  # in --help's order
+VERBS = (train, parity, bench, schedule, plan, export, prepare, run, sweep, generate, evaluate)  # in --help's order
 
 
 class _Parser(argparse.ArgumentParser):

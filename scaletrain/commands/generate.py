@@ -1,14 +1,10 @@
 """``scaletrain generate``: text from a model.
 
-``--from`` names a Hugging Face model folder (finetune/hf.py reads its
-weights and tokenizer; nothing is downloaded), a run folder (its latest
-complete checkpoint) or one of its ``checkpoints/step_NNNNNN`` folders. A
-checkpoint holds weights only, so the model is rebuilt from the run's
-``config.toml`` (a fine-tuned folder's architecture, positions and
-vocabulary included) and the text goes through the run's tokenizer: the
-``tokenizer.json`` training saved in the run folder (job/data_setup.py;
-for runs older than that file, bytes or the BPE training cached beside the
-run folders, found by its corpus's fingerprint).
+``--from`` names a Hugging Face model folder, a run folder (its latest
+complete checkpoint) or one of its ``checkpoints/step_NNNNNN`` folders, read
+by job/model_source.py (which ``scaletrain eval`` shares): a checkpoint's
+model rebuilt from its run's ``config.toml``, a LoRA fine-tune's adapters
+merged, the text through the run's own tokenizer.
 
 With ``--chat`` the prompt is a user's question rendered by the model's chat
 template (a fine-tune with ``--sft`` learned to answer in it: docs/data.md),
@@ -29,18 +25,11 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from scaletrain.config import load_run_config
 from scaletrain.data.chat import BUILTIN_TEMPLATE, END_OF_TURN, ChatTemplate
 from scaletrain.errors import UserError
-from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
-from scaletrain.finetune.sliced import load_hf_model
-from scaletrain.job.data_setup import AnyTokenizer, run_tokenizer
-from scaletrain.job.export import find_checkpoint, without_adapters
-from scaletrain.models import CLASSIFIER, build_model
-from scaletrain.paths import readable_dir
-from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
+from scaletrain.job.data_setup import AnyTokenizer
+from scaletrain.job.model_source import load_model, load_run_model  # noqa: F401 - load_run_model: tests import it here
 
 
 def add_parser(commands) -> None:
@@ -83,54 +72,6 @@ def check_options(prompt: str, tokens: int, temperature: float, top_k: int) -> N
         raise UserError(f"--temperature must be 0 (the most likely token) or a positive number, not {temperature}.")
     if top_k < 0:
         raise UserError(f"--top-k must not be negative, not {top_k} (0 samples among every token).")
-
-
-def _check_fits(model: nn.Module, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    saved = {name: tuple(t.shape) for name, t in tensors.items()}
-    differing = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
-    if differing:
-        name = differing[0]
-        raise UserError(f"checkpoint {checkpoint} does not fit the model its run's config.toml describes ({name}: "
-                        f"saved {saved.get(name)}, built {expected.get(name)}); generate from the run that saved it.")
-
-
-def load_run_model(checkpoint: Path) -> tuple[nn.Module, AnyTokenizer]:
-    """A checkpoint's model, rebuilt from its run's config.toml, and the run's tokenizer."""
-    run_dir = checkpoint.parent.parent  # RUN/checkpoints/step_NNNNNN
-    if not (run_dir / "config.toml").is_file():
-        raise UserError(f"checkpoint {checkpoint} is not inside its run folder (no {run_dir / 'config.toml'}); "
-                        f"give it where training wrote it.")
-    cfg = load_run_config(run_dir)
-    if cfg.model.name == CLASSIFIER:
-        raise UserError(f"--from {checkpoint} is a run of the mlp classifier, which writes no text; give a "
-                        f"language model's run.")
-    tokenizer = run_tokenizer(run_dir)
-    model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len)
-    try:
-        tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
-    except READ_ERRORS as exc:
-        raise UserError(f"checkpoint {checkpoint} cannot be read ({failure_reason(exc)}); give an earlier "
-                        f"one.") from None
-    _check_fits(model, tensors, checkpoint)
-    model.load_state_dict(tensors)
-    return model.eval(), tokenizer
-
-
-def load_model(source: Path) -> tuple[nn.Module, AnyTokenizer]:
-    """The model and tokenizer that ``--from`` names."""
-    readable_dir("--from", source, "a Hugging Face model folder, a run folder or one of its checkpoints/step_NNNNNN "
-                                   "folders")
-    if is_hf_folder(source):
-        tokenizer = load_hf_tokenizer(source)  # the small files first: a mistake costs no weights read
-        return load_hf_model(source)[0], tokenizer
-    try:
-        checkpoint = find_checkpoint(source)
-    except UserError:  # it exists: what it lacks is a checkpoint
-        raise UserError(f"--from {source} is neither a Hugging Face model folder (it has no config.json) nor "
-                        f"a run folder with a complete checkpoint; give one of those, or a checkpoints/"
-                        f"step_NNNNNN folder.") from None
-    return load_run_model(checkpoint)
 
 
 def chat_prompt(tokenizer: AnyTokenizer, prompt: str) -> tuple[list[int], str | None]:

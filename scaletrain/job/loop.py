@@ -3,8 +3,12 @@
 Each step is queued on the device (``Trainer.queue_step``) and its numbers
 are read a window of ``--log-every`` steps at a time (train/step_window.py);
 an evaluation or a checkpoint ends a window early, so each sees its own
-step's weights and a non-finite step is found before either. The records go
-to ``metrics.jsonl`` and TensorBoard, one per step; the run ends with a
+step's weights and a non-finite step is found before either. With
+``--eval-tasks``, a step the harness runs at (every ``--eval-tasks-every``
+steps, and the last) is saved as a checkpoint first, which every rank then
+reads whole and scores its share of the tasks' documents on (job/harness.py);
+the metrics join that step's record as ``eval/<task>/<metric>``. The records
+go to ``metrics.jsonl`` and the trackers, one per step; the run ends with a
 sample of text that every rank takes part in generating (train/sampling.py).
 """
 
@@ -54,7 +58,8 @@ def fit(trainer: Trainer) -> RunSummary:
             window.add(trainer.queue_step(step, record=done == end))
             evaluating = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == end
             saving = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == end
-            if not (window.due(done) or evaluating or saving):
+            tasks_due = trainer.tasks_due(done)
+            if not (window.due(done) or evaluating or saving or tasks_due):
                 continue
             read = window.read()
             memory = step_memory_bytes(trainer.device)
@@ -65,6 +70,11 @@ def fit(trainer: Trainer) -> RunSummary:
                     raise trainer.late_stop(record)
                 record.update(mfu=mfu(record["tokens_per_s"], trainer.flops_per_token, trainer.peak,
                                       trainer.runtime.env.world_size), mem_bytes=memory)
+                if tasks_due and record is read[-1].record:  # the harness reads this step's checkpoint
+                    saved, saving = trainer.save(done), False
+                    trainer.where = f"in the --eval-tasks run after step {done}"
+                    record.update(trainer.evaluate_tasks(saved))
+                    trainer.where = f"in step {done}"
                 if writer:
                     writer.write(record)
             bar.update(len(read))

@@ -30,6 +30,7 @@ from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.finetune.sliced import FolderSource, folder_source
 from scaletrain.job.base_model import start_from_base
 from scaletrain.job.data_setup import PreparedData, open_data
+from scaletrain.job.eval_tasks import training_tasks
 from scaletrain.job.metrics import peak_tflops
 from scaletrain.models import CLASSIFIER, build_model, spec_for
 from scaletrain.models.spec import ModelPlan
@@ -112,6 +113,15 @@ class Trainer:
         if latest:  # (none: a job restarted before its first checkpoint, commands/train.py)
             self.start_step = self.stepper.load_checkpoint(latest)["step"]
         self.peak = peak_tflops(t.peak_tflops, self.device)
+        # --eval-tasks' tasks (job/eval_tasks.py), every name checked and every data set read before the
+        # first step, by every rank for itself. None without --eval-tasks.
+        self.tasks = training_tasks(t)
+
+    def tasks_due(self, step: int) -> bool:
+        """Whether --eval-tasks run after ``step`` (counted from 1): every --eval-tasks-every steps,
+        and at the run's last step."""
+        every = self.cfg.train.eval_tasks_every
+        return self.tasks is not None and ((every > 0 and step % every == 0) or step == self.cfg.train.steps)
 
     @property
     def layout(self) -> Layout:
@@ -197,6 +207,27 @@ class Trainer:
         if layout.context_parallel:  # each cp rank has its positions' share
             self.comm.all_reduce(totals, layout.cp_group)
         return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def evaluate_tasks(self, checkpoint: Path) -> dict[str, float]:
+        """--eval-tasks on the model ``checkpoint`` holds: saved at this step by every rank, whatever
+        the layout, and read back whole by each (job/model_source.py, as ``scaletrain eval --from``
+        reads it), each rank scoring its share of the documents (job/harness.py). The metrics, as
+        ``eval/<task>/<metric>``, on the main rank; {} on the others."""
+        from scaletrain.job import eval_tasks
+        from scaletrain.job.harness import ScaletrainLM
+        from scaletrain.job.model_source import load_run_model
+
+        t = self.cfg.train
+        model, tokenizer = load_run_model(checkpoint)
+        lm = ScaletrainLM(model, tokenizer, batch_size=t.micro_batch, device=self.device, precision=t.precision,
+                          comm=self.comm, group=self.mesh.group("world"), name=str(checkpoint), seed=t.seed)
+        results = eval_tasks.evaluate(lm, self.tasks, limit=t.eval_tasks_limit, bootstrap_iters=0, seed=t.seed,
+                                      quiet=True)
+        del lm, model
+        if self.device.type == "cuda":  # the copy gone, the next steps' peak memory is training's own
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return eval_tasks.metrics(results) if results is not None else {}
 
     def sample(self) -> str | None:
         """A continuation of a line from the validation text (language models only; train/sampling.py)."""

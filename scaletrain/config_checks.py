@@ -16,6 +16,7 @@ import torch
 
 from scaletrain.config import AUTO, Config, ParallelConfig
 from scaletrain.errors import UserError
+from scaletrain.job.eval_tasks import check_settings as check_eval_tasks
 from scaletrain.job.trackers import TRACKERS
 from scaletrain.job.trackers import names as tracker_names
 from scaletrain.kernels import unavailable
@@ -53,6 +54,7 @@ def check_values(cfg: Config) -> None:
     _check_fp8(cfg)
     _check_peak(cfg.train.peak_tflops)
     _check_adapter(cfg)
+    check_eval_tasks(cfg.train)
 
 
 def setting_warnings(cfg: Config, given: Collection[str] = ()) -> list[str]:

@@ -176,8 +176,10 @@ def run_parity(cfg: Config, tolerance: float) -> ParityReport:
     if tolerance <= 0:
         raise UserError(f"--tolerance must be positive, not {tolerance}.")
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
+        # Parity compares training; the harness's tasks would only run twice.
         quiet = dict(progress=False, sample_tokens=0, resume=False, checkpoint_every=0, stop_at=None,
-                     report_comm=False)
+                     report_comm=False, eval_tasks=None, eval_tasks_every=0, eval_tasks_include=None,
+                     eval_tasks_limit=None)
         layout_cfg, dims = resolve_layout(cfg.replace(out=str(Path(tmp, "layout")), **quiet),
                                           world_size_for(cfg, env))
         reference_cfg = reference_config(layout_cfg, dims, Path(tmp, "reference"))

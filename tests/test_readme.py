@@ -77,6 +77,18 @@ def _alpaca(ws: Path) -> None:
     (ws / "alpaca.json").write_text(json.dumps(records))
 
 
+def _tasks(ws: Path) -> None:
+    """A multiple-choice task of the harness's YAML over a local JSONL file (docs/evaluation.md)."""
+    (ws / "tasks").mkdir()
+    rows = [{"question": f"The fox number {i} jumps over the lazy dog", "choices": [f" {i % 7} times", " never"],
+             "label": 0} for i in range(8)]
+    (ws / "tasks" / "my_mc.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (ws / "tasks" / "my_mc.yaml").write_text(
+        f"task: my_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {ws / 'tasks' / 'my_mc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_target: label\n"
+        "doc_to_choice: choices\nmetric_list:\n  - metric: acc\n")
+
+
 def _toml(ws: Path) -> None:
     (ws / "run.toml").write_text('[model]\nname = "gpt-tiny"\n\n[train]\nsteps = 2\nlr = 1e-3\n')
 
@@ -136,7 +148,7 @@ def _folder(name: str, link: str) -> Callable[[Path, Path], None]:
 # command's run, produced once per session by running that README command.
 MAKERS: dict[str, Callable[[Path], None]] = {
     "prose.txt": _text, "books": _books, "corpus.jsonl": _jsonl, "code.parquet": _parquet,
-    "alpaca.json": _alpaca, "run.toml": _toml, "my_train.py": _script,
+    "alpaca.json": _alpaca, "run.toml": _toml, "my_train.py": _script, "tasks": _tasks,
 }
 FOLDERS = {"HF_DIR": _folder("llama", "models/chat-llama"), "gpt2": _folder("gpt2", "models/gpt2"),
            "TinyLlama": _folder("llama", "models/TinyLlama-1.1B")}
@@ -170,6 +182,7 @@ RUNS = {
                 f"--steps 2 --out runs/ft {SMALL}"),
     "runs/sft": ("scaletrain finetune --from HF_DIR --data alpaca.json --sft --lora-rank 16",
                  f"--steps 2 --seq-len 64 --out runs/sft {SMALL}"),
+    "sft-adapter": ("scaletrain export --from runs/sft --to sft-adapter --format peft", ""),
     "prepared": ("scaletrain prepare --data corpus.jsonl --text-field body --out prepared/ --workers 8", "--workers 2"),
 }
 
@@ -238,6 +251,16 @@ EXAMPLES = [
     Example(*RUNS["runs/ft"], needs=("TinyLlama", "prose.txt"), trains=True),
     Example("scaletrain export --from runs/ft --to tinyllama-ft --format hf", needs=("runs/ft",),
             writes=("tinyllama-ft/config.json", "tinyllama-ft/model.safetensors", "tinyllama-ft/tokenizer.json")),
+    Example(*RUNS["sft-adapter"], needs=("runs/sft",),
+            writes=("sft-adapter/adapter_config.json", "sft-adapter/adapter_model.safetensors")),
+    Example("scaletrain finetune --from HF_DIR --adapter sft-adapter --data alpaca.json --sft",
+            f"--steps 2 --seq-len 64 {SMALL}", needs=("HF_DIR", "sft-adapter", "alpaca.json"), trains=True),
+    Example("scaletrain eval --from runs/sft --tasks my_mc --include tasks/", needs=("runs/sft", "tasks"),
+            says=("my_mc", "acc")),
+    Example("scaletrain eval --from runs/sft --tasks my_mc --include tasks/ --nproc 2", needs=("runs/sft", "tasks"),
+            says=("my_mc", "acc")),
+    _train("scaletrain train --data prose.txt --eval-tasks my_mc --eval-tasks-include tasks/ --eval-tasks-every 100",
+           needs=("prose.txt", "tasks"), says=("my_mc",)),
     Example("scaletrain bench load --model tinyllama-1.1b --nproc 2 --tp 2", "--model llama-tiny",
             says=("ours / peer",)),
     Example('scaletrain generate --from runs/a --prompt "def "', "--tokens 20", needs=("runs/a",), says=("def ",)),

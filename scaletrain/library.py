@@ -60,8 +60,10 @@ from scaletrain.library_checks import (
 from scaletrain.models.hf_plans import ready_plan
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
+from scaletrain.planner.gate import Machine, check_module
 from scaletrain.runtime.launch import (
     DistRuntime,
+    check_backend,
     connect,
     detect_environment,
     init_distributed,
@@ -75,7 +77,8 @@ from scaletrain.train.stepper import Stepper
 
 
 def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | None = None,
-          sample: torch.Tensor | None = None, sync_batchnorm: bool = False, **options: Any) -> Engine:
+          sample: torch.Tensor | None = None, sync_batchnorm: bool = False, force: bool = False,
+          **options: Any) -> Engine:
     """Join the job and put ``model`` under the layout ``options`` describe (module docstring).
 
     ``options`` are fields of ``scaletrain train`` by name: the layout (``dp``, ``tp``, ``sp``,
@@ -85,13 +88,22 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     ``seed``. ``plan`` says how tp, pp and cp may split the model; ``seq_len`` is every sequence's
     length (cp); ``sample``, one micro-batch of inputs, is what ``pp_balance="time"`` times.
     ``sync_batchnorm=True`` makes every BatchNorm normalize by the statistics of the whole
-    data-parallel batch, not each rank's own (parallel/batchnorm.py)."""
+    data-parallel batch, not each rank's own (parallel/batchnorm.py).
+
+    Before anything is allocated the planner prices the module on this rank: its weights,
+    gradients and optimizer state under the layout, ZeRO's shards included, from its parameters
+    (planner/gate.py). Its activations, which only its forward knows, are not priced, so only a
+    module whose known part already exceeds the device's memory (a GPU's, or this machine's shared
+    by its processes) is refused, in one sentence naming a setting that fits; ``force=True`` skips it."""
     cfg = engine_config(options)
     env = detect_environment()
     dims = layout_for_world(cfg, env.world_size)
     plan = plan if plan is not None else ready_plan(model, dims.tp, cfg.parallel.sp)  # models/hf_plans.py
     check_plan(model, plan, dims, cfg, seq_len, sample)
-    check_combinations(cfg, model, seq_len, sync_batchnorm)
+    checked = check_combinations(cfg, model, seq_len, sync_batchnorm)
+    if not force:
+        gpu = check_backend(cfg.parallel.backend, env) == "nccl"
+        check_module(model, checked, dims, Machine.here(gpu, env.local_world_size, env.local_rank))
     if env.rank == 0:  # settings that do nothing, said once for the job
         for sentence in setting_warnings(cfg, options):
             warnings.warn(sentence, stacklevel=2)

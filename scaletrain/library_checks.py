@@ -53,16 +53,18 @@ def engine_config(options: dict[str, Any]) -> Config:
     return cfg
 
 
-def check_combinations(cfg: Config, model: nn.Module, seq_len: int | None, sync_batchnorm: bool = False) -> None:
+def check_combinations(cfg: Config, model: nn.Module, seq_len: int | None, sync_batchnorm: bool = False) -> Config:
     """The command's checks of options that contradict each other (config_checks.py), told what
     the command would know from its flags: the model's experts and dropout, the sequence length;
-    and what ``sync_batchnorm`` needs (parallel/batchnorm.py)."""
+    and what ``sync_batchnorm`` needs (parallel/batchnorm.py). The configuration so told, checked."""
     if sync_batchnorm:
         check_synchronizable(model, cfg.parallel.allreduce == "ring" or cfg.parallel.compress != "none")
     experts = moe_layers(model)
     facts = dict(dropout=model_dropout(model), moe_experts=experts[0].cfg.experts if experts else 0,
                  moe_top_k=experts[0].cfg.top_k if experts else 1)
-    check_values(cfg.replace(**facts, **({"seq_len": seq_len} if seq_len else {})))
+    told = cfg.replace(**facts, **({"seq_len": seq_len} if seq_len else {}))
+    check_values(told)
+    return told
 
 
 def layout_for_world(cfg: Config, world_size: int) -> ParallelDims:

@@ -316,4 +316,4 @@ def test_training_eval_task_mistakes_are_one_sentence(made, tmp_path, capsys, ar
                  "--seq-len", str(SEQ), "--micro-batch", "4", "--cache-dir", str(made["root"] / "cache"), *QUIET,
                  "--out", str(tmp_path / "run"), *[arg.format(tasks=made["tasks"]) for arg in args]])
     _one_sentence(code, capsys.readouterr().err, phrase)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made

@@ -1,5 +1,10 @@
 """``scaletrain plan``: every layout of a model on a cluster weighed, the ones that fit ranked by
-predicted tokens/s (planner/, docs/planner.md)."""
+predicted tokens/s (planner/, docs/planner.md).
+
+The training flags that change memory or time are scaletrain train's own, each
+made from its configuration field (config.py `add_field_flag`): one definition
+for both commands. They are fixed for every layout the search weighs.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,13 @@ import json
 import os
 from pathlib import Path
 
-from scaletrain.config import Config, ModelConfig, with_preset_experts
+from scaletrain.config import Config, ModelConfig, add_field_flag, field_of, with_preset_experts
 from scaletrain.errors import UserError
 from scaletrain.models import PLANNED_PRESET, PRESETS
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.paths import writable_file
 from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device, parse_size
+from scaletrain.planner.prediction import TRAINING_OPTIONS
 from scaletrain.planner.search import RECOMPUTE as PLANNED_RECOMPUTE
 
 FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
@@ -22,6 +28,16 @@ PLANNED_VOCAB = 50304  # a 50257-token byte-level BPE, rounded up to a multiple 
 POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
             "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
             "moe_top_k", "shard_group")
+NON_NEGATIVE = ("moe_experts", "lora_rank")
+# scaletrain train's fields that change what a rank holds or how long its step takes
+TRAINING_FIELDS = ("precision", "offload", *TRAINING_OPTIONS)
+TRAINING_NOTE = ("As scaletrain train takes them, fixed for every layout, but for two defaults: --precision is bf16 "
+                 "on a GPU, and --reduce-dtype bf16 with --masters none (which needs it). --lora-rank prices a "
+                 "fine-tune of the preset: its base frozen (in 4 bits with --quantize nf4), adapters beside it. Their "
+                 "memory is predicted, and of their time fp8's products, the optimizer's state traffic, a frozen "
+                 "base's skipped weight gradients and compression's passes; not modelled: --stochastic-rounding, "
+                 "--fused (priced as torch's fused AdamW), --offload's host step and transfers, a 4-bit base's "
+                 "dequantization (docs/planner.md).")
 LAYOUT_FLAGS = (("dp", "data-parallel size"), ("tp", "tensor-parallel size (searched within a node)"),
                 ("pp", "pipeline stages"), ("cp", "context-parallel size"), ("ep", "expert-parallel size"),
                 ("micro-batch", "sequences per rank per micro-batch (searched in powers of two)"),
@@ -51,10 +67,10 @@ def add_parser(commands) -> None:
                        help="sequence parallelism inside the tp group")
     fixed.add_argument("--recompute", choices=PLANNED_RECOMPUTE, help="activation checkpointing")
     fixed.add_argument("--pp-schedule", choices=SCHEDULES, help="pipeline schedule")
-    model = plan.add_argument_group("model and precision options")
-    model.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="[bf16 on a GPU, fp32 on cpu]")
-    model.add_argument("--param-dtype", choices=("fp32", "bf16"), help="working weights' dtype [fp32]")
-    model.add_argument("--offload", choices=("none", "optimizer"), help="optimizer state in host memory [none]")
+    training = plan.add_argument_group("training options", TRAINING_NOTE)
+    for name in TRAINING_FIELDS:
+        add_field_flag(training, field_of(name), None)
+    model = plan.add_argument_group("model options")
     model.add_argument("--moe-experts", type=int, metavar="E", help="experts per MoE block [0: dense]")
     model.add_argument("--moe-top-k", type=int, metavar="K", help="experts per token [2]")
     plan.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown [5]")
@@ -91,13 +107,14 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.planner.predict import predict
     from scaletrain.planner.search import derived_global_batch, search
 
-    for name in POSITIVE:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
+    for names, least, wanted in ((POSITIVE, 1, "be at least 1"), (NON_NEGATIVE, 0, "not be negative")):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and value < least:
+                raise UserError(f"--{name.replace('_', '-')} must {wanted}, not {value}.")
     if args.png:
         writable_file("--png", args.png)
-    base = _base(args, gpu=args.gpu != "cpu")
+    base = base_config(args, gpu=args.gpu != "cpu")
     cluster = _cluster(args)
     fixed = {name for name in FIXED if getattr(args, name) is not None}
     global_batch = args.global_batch or derived_global_batch(base, cluster.gpus, fixed)
@@ -128,7 +145,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return cluster.with_memory(parse_size(args.gpu_memory)) if args.gpu_memory else cluster
 
 
-def _base(args: argparse.Namespace, gpu: bool) -> Config:
+def base_config(args: argparse.Namespace, gpu: bool) -> Config:
     """The model, precision and fixed layout choices as one Config; the search fills in the rest."""
     if args.model not in PRESETS:
         raise UserError(f"--model {args.model} is not a model preset; choose one of {', '.join(PRESETS)}.")
@@ -137,14 +154,15 @@ def _base(args: argparse.Namespace, gpu: bool) -> Config:
     heads, width = args.heads or preset.n_heads, args.hidden or preset.d_model
     if width % heads:
         raise UserError(f"--hidden {width} is not divisible by --heads {heads}; choose sizes where it is.")
-    if args.moe_experts is not None and args.moe_experts < 0:
-        raise UserError(f"--moe-experts must not be negative, not {args.moe_experts}.")
     model = {"name": args.model, "n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
-             "seq_len": args.seq, "precision": args.precision or ("bf16" if gpu else "fp32"),
-             "param_dtype": args.param_dtype, "offload": args.offload, "moe_experts": args.moe_experts,
-             "moe_top_k": args.moe_top_k}
+             "seq_len": args.seq, "moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k}
+    training = {name: getattr(args, name) for name in TRAINING_FIELDS}
+    training["precision"] = args.precision or ("bf16" if gpu else "fp32")
+    if args.masters == "none" and args.reduce_dtype is None:
+        training["reduce_dtype"] = "bf16"
     fixed = {name: getattr(args, name) for name in FIXED}
-    return with_preset_experts(Config().replace(**{k: v for k, v in {**model, **fixed}.items() if v is not None}))
+    given = {**model, **training, **fixed}
+    return with_preset_experts(Config().replace(**{k: v for k, v in given.items() if v is not None}))
 
 
 def _vocab(args: argparse.Namespace) -> int:

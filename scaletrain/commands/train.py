@@ -28,6 +28,7 @@ from scaletrain.finetune.adapters import add_adapters
 from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
 from scaletrain.job.base_model import as_finetune
 from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_tokenizer
+from scaletrain.job.eval_tasks import training_tasks
 from scaletrain.job.loop import RunSummary, fit
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
@@ -38,6 +39,7 @@ from scaletrain.planner.fit import (
     largest_fitting,
     measured_sentence,
 )
+from scaletrain.planner.gate import Machine, check_run
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.debug import (
     RankLog,
@@ -208,10 +210,15 @@ def launch(cfg: Config) -> RunSummary:
         cfg = cfg.replace(out=default_out(cfg))
     env = detect_environment()
     check_values(cfg)
+    training_tasks(cfg.train)  # the harness's tasks found and their data read before the run folder is made
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     timeout = CLUSTER_TIMEOUT_S
     if cfg.parallel.launcher == "local":  # Ray's workers, not this process, have the devices to check
-        timeout = default_timeout(check_backend(cfg.parallel.backend, env), env)
+        backend = check_backend(cfg.parallel.backend, env)
+        timeout = default_timeout(backend, env)
+        # a run predicted not to fit this machine's memory stops here, in one sentence (planner/gate.py)
+        check_run(cfg, dims.world_size, Machine.here(backend == "nccl", max(cfg.parallel.nproc, env.local_world_size),
+                                                     env.local_rank))
     if cfg.parallel.timeout is None:  # the number in config.toml, the same in every worker
         cfg = cfg.replace(timeout=timeout)
     if cfg.parallel.debug_dist:

@@ -8,6 +8,8 @@
     hardware.py     devices and links
     predict.py      one layout
     search.py       every layout of a cluster, ranked; report.py prints them
+    fit.py          --micro-batch auto: the largest micro-batch that fits this machine
+    gate.py         train's and setup()'s check: a run that cannot fit stops before it starts
 
 A model is read through its family's spec alone (models/spec.py): built on
 the meta device by ``build``, cut by its tensor and stage plans, sized by its

@@ -101,16 +101,56 @@ A pipeline rank holds several micro-batches at once: `schedule_peak` walks
 its schedule's actions (schedules.py), each forward and backward peaking on
 top of what the rank's other micro-batches hold at that moment.
 
+Chunked head and loss (kernels/head_loss.py: on a GPU by default, or with
+``--fused triton``): the final norm, and the gradients the kernel computes in
+the forward, of its fp32 input ``4*b*s*h`` and, unless frozen, of the head's
+weight ``4*V*h``; no logits, no targets.
+
+Compressed (``--compress-activations``, techniques/compress_activations.py):
+each saved tensor of at least 1024 elements that requires a gradient (not the
+ids, the norms' statistics, the log-sum-exp, rotary's tables, autocast's
+weight copies) is stored in bf16 (an fp32 one: 2 bytes an element) or as int8
+blocks of 128 with an fp32 scale each (1 + 4/128 bytes an element); what a
+recomputed block holds while it runs, and saves again in backward, is not.
+
+A LoRA fine-tune (finetune/adapters.py: the base frozen, ``r`` the rank): a
+frozen RMSNorm keeps no x/rms and a frozen head no input (neither has a weight
+gradient to compute), the embeddings no ids and the first block's first norm
+nothing (their inputs need no gradient; what the attention's columns save of
+them stays uncompressed), and each adapter keeps its ``x A^T``, ``e*b*s*r``.
+A column layer without an adapter keeps no input, nor the MLP's output
+projection its own. Autocast caches no copy of a frozen weight: recomputed,
+the copies go with their block. Where the attention's columns have no
+adapters (``--lora-targets`` without qkv), nothing before the first block's
+first adapter needs a gradient, so it saves nothing there either, which the
+planner does not subtract: an overestimate of up to one block's attention.
+
 Left out: dropout (masks and SDPA's math path; the planner assumes
 ``--dropout 0``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from scaletrain.models.spec import Column, ModelShape, Region, TensorPlan
+from scaletrain.techniques.compress_activations import BLOCK as INT8_BLOCK
+from scaletrain.techniques.compress_activations import MIN_ELEMENTS
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A LoRA fine-tune's adapters in each block, its base frozen (none: ``rank`` 0): the block's
+    adapted ``layers``, of them the attention's and the MLP's column layers, and whether the MLP's
+    row layer (its output projection, whose input nothing else saves) is one."""
+
+    rank: int = 0
+    layers: int = 0
+    attention_columns: int = 0
+    mlp_columns: int = 0
+    mlp_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +168,9 @@ class Shape:
     ep: int = 1
     e: int = 4  # bytes of an autocast activation
     cast_weights: bool = False  # autocast saves 16-bit copies of fp32 weights
+    compress: str = "none"  # --compress-activations: how the forward stores what it saves
+    chunked_loss: bool = False  # the head and loss run a chunk of rows at a time (kernels/head_loss.py)
+    lora: Adapters = Adapters()
 
     @property
     def h(self) -> int:
@@ -158,6 +201,33 @@ class Shape:
         capacity), with ep the mean over the ep ranks of those that reach this rank's experts."""
         return self.routed * self.model.moe_top_k
 
+    def stored(self, numel: int, element: int, count: int = 1) -> int:
+        """Bytes of ``count`` saved activations of ``numel`` elements of ``element`` bytes each, as the
+        forward stores them under ``--compress-activations`` (module docstring)."""
+        if self.compress == "none" or numel < MIN_ELEMENTS or (self.compress == "bf16" and element <= 2):
+            return count * numel * element
+        if self.compress == "bf16":
+            return count * 2 * numel
+        blocks = -(-numel // INT8_BLOCK)
+        return count * (blocks * INT8_BLOCK + 4 * blocks)  # int8 codes, an fp32 scale per block
+
+    @property
+    def frozen(self) -> bool:
+        """A LoRA fine-tune's: its base trains nothing."""
+        return self.lora.rank > 0
+
+    def columns(self, attention: bool) -> int:
+        """The attention's or the MLP's column layers that save their input: every one, or of a
+        frozen base those with adapters beside them (a frozen weight needs no input for its gradient)."""
+        if self.frozen:
+            return self.lora.attention_columns if attention else self.lora.mlp_columns
+        return self.attention_columns if attention else self.model.ffn_inputs
+
+    @property
+    def plain(self) -> Shape:
+        """The same micro-batch stored as it is: what a recomputation in backward saves."""
+        return dataclasses.replace(self, compress="none")
+
 
 def attention_columns(plan: TensorPlan | None) -> int:
     """The column-parallel layers of a block's attention: those under the plan's first region
@@ -171,30 +241,34 @@ def attention_columns(plan: TensorPlan | None) -> int:
 
 
 def shape_of(model: ModelShape, plan: TensorPlan | None, micro_batch: int, tp: int, sp: bool, cp: int,
-             precision: str, param_dtype: str, ep: int = 1) -> Shape:
+             precision: str, param_dtype: str, ep: int = 1, compress: str = "none", chunked_loss: bool = False,
+             lora: Adapters = Adapters()) -> Shape:
+    """One micro-batch of ``micro_batch`` sequences under a layout (``lora``: a fine-tune's adapters)."""
     autocast = precision in ("bf16", "fp16", "fp8")
     return Shape(b=micro_batch, s=model.seq_len // cp, model=model, attention_columns=attention_columns(plan), tp=tp,
-                 sp=sp, cp=cp, ep=ep, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32")
+                 sp=sp, cp=cp, ep=ep, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32",
+                 compress=compress, chunked_loss=chunked_loss, lora=lora)
 
 
 def block_input(x: Shape) -> int:
     """The residual stream entering a block: all full recomputation keeps of it."""
-    return 4 * x.bsh // (x.tp if x.sp else 1)
+    return x.stored(x.bsh // (x.tp if x.sp else 1), 4)
 
 
 def norm(x: Shape) -> int:
     """One norm's saved tensors on the fp32 residual stream (module docstring)."""
     rows = x.b * x.s // (x.tp if x.sp else 1)
     if x.model.norm_with_mean:
-        return 4 * rows * x.h + 8 * rows
-    return 8 * rows * x.h + 4 * rows
+        return x.stored(rows * x.h, 4) + 8 * rows  # the mean and 1/std are outside the graph: kept as they are
+    # x/rms is kept for the weight's gradient, which a frozen weight has none of
+    return x.stored(rows * x.h, 4, count=1 if x.frozen else 2) + x.stored(rows, 4)
 
 
 def column_inputs(x: Shape, columns: int, norms: int) -> int:
     """What ``columns`` column layers reading ``norms`` norms' outputs save of their inputs:
     one shared fp32 tensor per norm, or under autocast or sp each layer its own copy."""
-    copies = columns if x.e < 4 or x.sp else norms
-    return copies * x.e * x.bsh // (x.tp if x.sp else 1)
+    copies = columns if x.e < 4 or x.sp else min(norms, columns)
+    return x.stored(x.bsh // (x.tp if x.sp else 1), x.e, count=copies)
 
 
 def block(x: Shape, experts: bool = False) -> int:
@@ -203,15 +277,18 @@ def block(x: Shape, experts: bool = False) -> int:
     m, t, e = x.model, x.tp, x.e
     rows = x.b * x.s
     total = 2 * norm(x) + weight_copies(x, experts)
-    total += 3 * e * rows * x.width // t + e * rows * x.width // t + attention_stats(x)  # q, k, v; output; lse
+    total += x.stored(rows * x.width // t, e, count=4) + attention_stats(x)  # q, k, v and the output; lse
     if not m.learned_positions:
         total += 8 * x.s * m.head_dim  # rotary's cos and sin
     if x.cp > 1:
-        total += e * rows * x.width // t  # ring attention's output, copied into proj's layout
+        total += x.stored(rows * x.width // t, e)  # ring attention's output, copied into proj's layout
+    total += x.stored(rows * x.lora.rank, e, count=x.lora.layers)  # each adapter's x A^T, for B's gradient
     if experts:  # the router saves its fp32 input (the second norm's output) in place of the MLP's columns
-        return total + column_inputs(x, x.attention_columns, 1) + 4 * x.routed * x.h + mixture(x)
-    total += column_inputs(x, x.attention_columns + m.ffn_inputs, 2)
-    return total + 2 * m.ffn_inputs * e * rows * m.ffn_hidden // t
+        return total + column_inputs(x, x.columns(True), 1) + x.stored(x.routed * x.h, 4) + mixture(x)
+    total += column_inputs(x, x.columns(True), 1) + column_inputs(x, x.columns(False), 1)
+    # the last f-wide tensor is the output projection's input, which a frozen one without an adapter keeps not
+    tensors = 2 * m.ffn_inputs - (1 if x.frozen and not x.lora.mlp_row else 0)
+    return total + x.stored(rows * m.ffn_hidden // t, e, count=tensors)
 
 
 def mixture(x: Shape) -> int:
@@ -220,11 +297,11 @@ def mixture(x: Shape) -> int:
     m, e = x.model, x.e
     tokens, rows, experts = x.routed, x.assignments, m.moe_experts
     routing = 8 * tokens * experts + 8 * tokens + 13 * tokens * m.moe_top_k + 4 * x.b * experts
-    combine = 20 * rows + e * rows * x.h + 4 * rows * x.h
-    inputs = m.ffn_inputs * e * rows * x.h if e < 4 else 4 * rows * x.h
+    combine = 20 * rows + x.stored(rows * x.h, e) + x.stored(rows * x.h, 4)
+    inputs = x.stored(rows * x.h, e, count=m.ffn_inputs) if e < 4 else x.stored(rows * x.h, 4)
     # with ep the arrived rows' order by expert, and the outputs put back in arrival order (parallel/experts.py)
-    regrouped = (8 + e * x.h) * rows if x.ep > 1 else 0
-    return routing + combine + inputs + regrouped + 2 * m.ffn_inputs * e * rows * m.moe_hidden
+    regrouped = 8 * rows + x.stored(rows * x.h, e) if x.ep > 1 else 0
+    return routing + combine + inputs + regrouped + x.stored(rows * m.moe_hidden, e, count=2 * m.ffn_inputs)
 
 
 def weight_copies(x: Shape, experts: bool = False) -> int:
@@ -269,15 +346,26 @@ def inputs(x: Shape) -> int:
 
 
 def head(x: Shape) -> int:
-    """The last stage's final norm and head input (and the head's weight copy)."""
+    """The last stage's final norm and head input (and the head's weight copy); a frozen head
+    keeps no input, having no weight gradient to compute."""
     weight = x.e * x.vocab * x.h // x.tp if x.cast_weights and not x.sp else 0
-    return norm(x) + column_inputs(x, 1, 1) + weight
+    return norm(x) + (0 if x.frozen else column_inputs(x, 1, 1)) + weight
+
+
+def loss_gradients(x: Shape) -> int:
+    """What the chunked head and loss save: the gradients they compute in the forward, of the
+    final norm's fp32 output and, unless it is frozen, of the head's weight in fp32
+    (kernels/cross_entropy.py)."""
+    return 4 * x.b * x.s * x.h + (0 if x.frozen else 4 * x.vocab * x.h)
 
 
 def head_and_loss(x: Shape) -> int:
-    """The last stage's `head` and loss (module docstring), targets included."""
+    """The last stage's `head` and loss (module docstring), targets included; chunked, the final
+    norm and `loss_gradients`."""
+    if x.chunked_loss:
+        return norm(x) + loss_gradients(x)
     rows = x.b * x.s
-    loss = 4 * rows * math.ceil(x.vocab / x.tp) + 8 * rows
+    loss = x.stored(rows * math.ceil(x.vocab / x.tp), 4) + 8 * rows
     loss += 9 * rows if x.tp > 1 else 4  # local ids and mask; or nll's total weight
     return head(x) + loss
 
@@ -289,34 +377,45 @@ def chunk_peak(x: Shape, experts: list[bool], first: bool, last: bool, recompute
 
     Recomputed blocks drop what they save, but not autocast's copies of their weights:
     autocast keeps every copy it made until the forward leaves it (before the loss), so at
-    the end of a recomputed forward each recomputed block holds its input and its copies."""
-    ends = (inputs(x) if first else 0) + (head_and_loss(x) if last else 0)
-    kept_ids = (inputs(x) if first else 0) + (8 * x.b * x.s if last else 0)  # alive until the end
+    the end of a recomputed forward each recomputed block holds its input and its copies.
+    What a recomputed block holds while it runs, in the forward and again in backward, is
+    held as it is: compression stores only what the forward saves through its hooks."""
+    # A frozen embedding (a LoRA fine-tune's) keeps no ids, and the first block's first norm no input,
+    # which needs no gradient.
+    ids = inputs(x) if first and not x.frozen else 0
+    ends = ids + (head_and_loss(x) if last else 0)
+    targets = 8 * x.b * x.s if last and not x.chunked_loss else 0  # saved by the loss, alive until the end
+    kept_ids = ids + targets
     full, one, blocks = [block(x, moe) for moe in experts], block_input(x), len(experts)
+    rerun = [block(x.plain, moe) for moe in experts]  # a block as its recomputation in backward saves it
+    if first and x.frozen and blocks:  # and what its attention's columns save of it stays uncompressed
+        below = norm(x) + column_inputs(x, x.columns(True), 1) - column_inputs(x.plain, x.columns(True), 1)
+        full[0], rerun[0] = full[0] - below, rerun[0] - norm(x.plain)
     if recompute == "none" or blocks == 0:
         after = sum(full) + ends
         return after, after, after
     if recompute == "selective":
         after = sum(full) - blocks * attention_stats(x) + ends
         return after, after, after
-    copies = [weight_copies(x, moe) for moe in experts]
+    # autocast caches the copies of trained weights only: a frozen base's go with the block
+    copies = [0 if x.frozen else weight_copies(x, moe) for moe in experts]
     if recompute == "sqrt":  # each segment's input kept, its blocks rerun together
         segment = math.ceil(math.sqrt(blocks))
         kept = [one] * math.ceil(blocks / segment)
-        during = sum(kept) + max(sum(full[i:i + segment]) for i in range(0, blocks, segment)) - one + kept_ids
-        forward = sum(kept) + sum(copies) + max(in_flight(x, moe) for moe in experts)
+        during = sum(kept) + max(sum(rerun[i:i + segment]) for i in range(0, blocks, segment)) - one + kept_ids
+        forward = sum(kept) + sum(copies) + max(in_flight(x.plain, moe) for moe in experts)
     else:
         every = 1 if recompute == "full" else int(recompute.split(":")[1])
         checkpointed = [i % every == 0 for i in range(blocks)]
         kept = [one if c else size for c, size in zip(checkpointed, full)]
         # In backward, block i reruns with the blocks before it still holding their share.
-        during = max(sum(kept[:i]) + full[i] + kept_ids for i in range(blocks) if checkpointed[i])
+        during = max(sum(kept[:i]) + rerun[i] + kept_ids for i in range(blocks) if checkpointed[i])
         # In forward, a rerun block computes on what the blocks before it hold, with the copies so far.
-        forward = max(sum(kept[:i + 1]) + sum(c for c, rerun in zip(copies[:i + 1], checkpointed) if rerun)
-                      + in_flight(x, experts[i]) for i in range(blocks) if checkpointed[i])
-        copies = [c for c, rerun in zip(copies, checkpointed) if rerun]
+        forward = max(sum(kept[:i + 1]) + sum(c for c, again in zip(copies[:i + 1], checkpointed) if again)
+                      + in_flight(x.plain, experts[i]) for i in range(blocks) if checkpointed[i])
+        copies = [c for c, again in zip(copies, checkpointed) if again]
     after = sum(kept) + ends
-    forward = (inputs(x) if first else 0) + max(forward, sum(kept) + sum(copies) + (head(x) if last else 0))
+    forward = ids + max(forward, sum(kept) + sum(copies) + (head(x) if last else 0))
     return after, max(after, forward), max(after, during)
 
 

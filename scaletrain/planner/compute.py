@@ -41,11 +41,21 @@ memory's datasheet bandwidth (torch's fused AdamW moved 3.28 of the H200's
 the clock gives our 1.1B model's H200 step within 2%, docs/performance.md);
 the rest is measured kernel by kernel, and docs/planner.md checks the whole
 against published tables it was not set against.
+
+Activation compression (``--compress-activations``) adds its own memory-bound
+work, not measured but counted the same way: each saved tensor is read and its
+bf16 or int8 copy written in the forward, and the copy read and the tensor
+written again in backward,
+
+    compress_bytes = COMPRESSION_PASSES * blocks * (block_bytes + stored_block_bytes)
+
+per micro-batch (an upper bound: it counts the few tensors kept as they are too).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -68,6 +78,7 @@ MEASURED_PEAK_TFLOPS = 989.4
 ATTENTION_SHARE = 0.36
 MEMORY_SHARE = 0.68
 ELEMENTWISE_PASSES = 4.0
+COMPRESSION_PASSES = 2  # --compress-activations: a saved tensor and its stored copy, moved in forward and backward
 
 
 def matmul_share(m: int, k: int, n: int) -> float:
@@ -136,7 +147,13 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
         rate = peak * cluster.device.efficiency
         return Clock(rate, rate, 0.0)
     tokens = x.b * x.s
-    passes = ELEMENTWISE_PASSES * (blocks * activations.block(x) + (activations.head_and_loss(x) if last else 0))
+    # the elementwise work is on the tensors as computed: whole logits' worth of loss, however they
+    # are stored (compressed) or chunked
+    computed = dataclasses.replace(x, compress="none", chunked_loss=False)
+    passes = ELEMENTWISE_PASSES * (blocks * activations.block(computed)
+                                   + (activations.head_and_loss(computed) if last else 0))
+    if x.compress != "none":  # each tensor read and its copy written in forward, the reverse in backward
+        passes += COMPRESSION_PASSES * blocks * (activations.block(computed) + activations.block(x))
     bandwidth = cluster.device.memory_gbps * 1e9 * MEMORY_SHARE
     return Clock(matmul_flops_s=peak * matmul_rate_share(m, tokens, x.tp),
                  attention_flops_s=2 * attention_peak * ATTENTION_SHARE,  # the formula's square, the kernel's half

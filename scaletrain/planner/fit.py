@@ -30,17 +30,24 @@ LARGEST = 1024  # sequences: past this a step is long whatever the device holds
 
 
 def device_memory(device: torch.device, processes_here: int) -> int:
-    """Bytes one rank may fill: its GPU's, or its share of this machine's memory."""
+    """Bytes one rank may fill: its GPU's (read from its properties, which makes no CUDA context in a
+    process that only launches the workers), or its share of this machine's memory."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
+        return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(processes_here, 1)
+
+
+def machine_cluster(world: int, memory: int, on_gpu: bool) -> Cluster:
+    """``world`` ranks of ``memory`` bytes each, as the planner weighs their memory (a GPU's own, or on a
+    CPU the host's, where offloaded state counts too); its time model is not read."""
+    device = DEVICES["H100"] if on_gpu else cpu_device(1.0, memory)
+    return Cluster(device, world, world).with_memory(memory)
 
 
 def largest_fitting(cfg: Config, world: int, vocab_size: int, memory: int, on_gpu: bool) -> tuple[int, dict]:
     """(the micro-batch, its predicted bytes on the busiest rank by row) for ``cfg``'s layout on ``world``
     ranks of ``memory`` bytes each; one sentence where not even one sequence fits."""
-    device = DEVICES["H100"] if on_gpu else cpu_device(1.0, memory)  # the time model is not read here
-    cluster = Cluster(device, world, world).with_memory(memory)
+    cluster = machine_cluster(world, memory, on_gpu)
     chosen = None
     size = 1
     while size <= LARGEST:

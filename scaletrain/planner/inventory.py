@@ -22,17 +22,20 @@ group, and every rank of the pipeline, whose stages differ.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from scaletrain.config import FinetuneConfig, ModelConfig
 from scaletrain.finetune.adapters import add_adapters
+from scaletrain.finetune.lora import LoRALinear
 from scaletrain.models import spec_for
-from scaletrain.models.spec import ModelShape, ModelSpec, TensorPlan
+from scaletrain.models.spec import Column, ModelShape, ModelSpec, Region, Row, TensorPlan
 from scaletrain.parallel.experts import parallelize_experts
 from scaletrain.parallel.pipeline.partition import (
     balance,
@@ -42,6 +45,7 @@ from scaletrain.parallel.pipeline.partition import (
 )
 from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.parallel.zero import layer_modules
+from scaletrain.planner.activations import Adapters
 from scaletrain.runtime.mesh import Group
 
 
@@ -69,6 +73,35 @@ class Planned:
     @property
     def tensor_plan(self) -> TensorPlan | None:
         return self.spec.tensor_plan(self.cfg) if self.spec.tensor_plan else None
+
+    @functools.cached_property
+    def lora(self) -> Adapters:
+        """A LoRA fine-tune's adapters in each block, found in the first block and sorted by the part of
+        the tensor plan each sits in (the attention's region is the plan's first, as a decoder's is);
+        none without adapters."""
+        if not self.adapters:
+            return Adapters()
+        stack = self.spec.stages.stack
+        plan = self.tensor_plan or ()
+        region = next((pattern for pattern, style in plan if isinstance(style, Region)), None)
+        found = {"attention": 0, "mlp": 0, "mlp_row": False, "layers": 0}
+        for name, module in getattr(whole_model(self), stack)[0].named_modules(prefix=f"{stack}.0"):
+            if not isinstance(module, LoRALinear):
+                continue
+            style = next((style for pattern, style in plan if fnmatch.fnmatchcase(name, pattern)), None)
+            attention = region is not None and fnmatch.fnmatchcase(name, f"{region}.*")
+            found["layers"] += 1
+            if isinstance(style, Column):
+                found["attention" if attention else "mlp"] += 1
+            elif isinstance(style, Row) and not attention:
+                found["mlp_row"] = True
+        return Adapters(self.adapters[0], found["layers"], found["attention"], found["mlp"], found["mlp_row"])
+
+    @property
+    def adapted_head(self) -> bool:
+        """Whether a fine-tune's adapters or 4-bit weights sit on the head, which then keeps its own
+        forward rather than the chunked head and loss (train/layout.py)."""
+        return not isinstance(getattr(whole_model(self), "head", None), nn.Linear)
 
 
 @dataclass(frozen=True)
@@ -108,6 +141,7 @@ class RankWeights:
     layers: list[nn.Module]
     stages: dict[int, list[int]]
     n_stages: int
+    zero_cuts: dict = field(default_factory=dict)  # ZeRO's units by stage and bucket size (planner/memory.py)
 
     @property
     def blocks(self) -> list[int]:
@@ -143,6 +177,20 @@ class RankWeights:
         return frozenset(id(q) for m in self.model.modules() if isinstance(m, nn.Embedding) for q in m.parameters())
 
 
+class _NoInitOnMeta(TorchFunctionMode):
+    """torch.nn.init's functions skipped for meta tensors, which have nothing to write: their Python
+    decompositions import torch's compiler on first use, a second of startup for a process (one
+    that only checks a run before launching its workers, say) that never compiles."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def _first_rank(name: str, size: int) -> Group:
     """Rank 0's view of a group of ``size``: enough for the transforms, which talk only later."""
     return Group(name, tuple(range(size)), 0)
@@ -152,7 +200,7 @@ def _first_rank(name: str, size: int) -> Group:
 def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset[str]]:
     """The whole model as tp rank 0 and ep rank 0 hold it, on the meta device,
     and the names of the weights tp slices."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         whole = model.spec.build(model.cfg)
         if model.adapters:  # the trainer's own adapters, and its 4-bit base's buffers at their sizes
             rank, targets, quantize = model.adapters

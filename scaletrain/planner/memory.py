@@ -29,13 +29,19 @@ familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW
 (``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32. Pure bf16
 (``--masters none``) has no master, and AdamW's moments and SGD's momentum
 take the weights' 2 bytes: 2 + 2 + 4 = 8. SGD keeps one momentum buffer (or
-none), 8-bit AdamW 2 bytes and two fp32 scales per block of 2048 (fp32
-moments for tensors under 4096 elements and the embedding tables). A LoRA
+none), 8-bit AdamW 2 bytes and two fp32 scales per block of 2048, the
+codes of a partial last block padded (fp32 moments for tensors under 4096
+elements and the embedding tables, whatever the weights' dtype). A LoRA
 fine-tune's frozen base (and a 4-bit base's codes and scales, which are
 buffers) counts under ``params`` whole on every rank, its adapters as above.
 
 ``--offload optimizer`` keeps the masters, their gradients and the
 optimizer state in host memory: ``host``, not part of what the device must fit.
+
+A rank with no data-parallel copy (and no compression) and gradients in the
+weights' dtype reduces nothing, so it has no bucket: with masters its
+``grads`` are the masters' alone, and autograd's own gradients, alive from
+backward until the step copies them into the masters', count under ``other``.
 
 ``activations`` is the saved-activation peak of planner/activations.py.
 
@@ -58,7 +64,6 @@ and outside the figures here.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -93,14 +98,15 @@ def optimizer_bytes(params: list[nn.Parameter] | list[int], optimizer: str, mome
         if optimizer == "sgd":
             total += state_bytes * numel if momentum else 0
             continue
-        if optimizer == "adamw8bit" and numel >= MIN_8BIT and id(p) not in fp32_state:  # codes, two scales a block
-            total += 2 * numel + 8 * -(-numel // BLOCK)
+        if optimizer == "adamw8bit" and numel >= MIN_8BIT and id(p) not in fp32_state:
+            blocks = -(-numel // BLOCK)  # each moment's codes keep their storage padded to whole blocks
+            total += 2 * BLOCK * blocks + 8 * blocks  # and two fp32 scales a block
         elif optimizer == "adafactor" and len(shape) >= 2:
             total += 4 * (numel // shape[-1] + numel // shape[-2])
         elif optimizer == "adafactor":
             total += 4 * numel
-        else:
-            total += 2 * state_bytes * numel
+        else:  # AdamW's moments; 8-bit AdamW's unquantized ones are fp32 whatever the weight
+            total += 2 * (4 if optimizer == "adamw8bit" else state_bytes) * numel
         total += STEP_COUNTER
     return total
 
@@ -122,16 +128,19 @@ class ZeroPart:
         return [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in self.units]
 
 
-@functools.lru_cache(maxsize=4096)
 def zero_parts(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype: str) -> tuple[ZeroPart, ...]:
     """The rank's ZeRO instances: the dense part, and where it holds experts under expert parallelism
-    the experts' part (cached: the memory and the traffic of every layout of a split read them)."""
-    dense = [p for p in weights.params if id(p) not in weights.experts]
-    experts = [p for p in weights.params if id(p) in weights.experts]
-    parts = [_dense_part(weights, dense, stage, bucket_mb, reduce_dtype)]
-    if experts:
-        parts.append(_experts_part(weights, experts, stage, bucket_mb, reduce_dtype))
-    return tuple(parts)
+    the experts' part (kept on ``weights``: the memory and the traffic of every layout of a split read
+    them, and they go when the weights do, a library user's module among them)."""
+    key = (stage, bucket_mb, reduce_dtype)
+    if key not in weights.zero_cuts:
+        dense = [p for p in weights.params if id(p) not in weights.experts]
+        experts = [p for p in weights.params if id(p) in weights.experts]
+        parts = [_dense_part(weights, dense, stage, bucket_mb, reduce_dtype)]
+        if experts:
+            parts.append(_experts_part(weights, experts, stage, bucket_mb, reduce_dtype))
+        weights.zero_cuts[key] = tuple(parts)
+    return weights.zero_cuts[key]
 
 
 def _buckets(params: list[nn.Parameter], bucket_mb: float, reduce_dtype: str) -> list[list[nn.Parameter]]:
@@ -214,8 +223,13 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
              + (4 * n if masters else 0))
     extra_grads = 4 * n if masters and master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
-    return {"params": w * n + weights.untrained_bytes(w), "grads": r * n + extra_grads, "optimizer": state,
-            "host": host, "buffers": 0}
+    grads, transient = r * n + extra_grads, 0
+    if masters and master_grads and shards[0] == 1 and p.compress == "none" and p.reduce_dtype == t.param_dtype:
+        # Nothing to reduce, so no bucket (parallel/data.py): autograd's gradients, copied into the
+        # masters' at the step and freed there, are the device's only until then.
+        grads, transient = extra_grads, r * n
+    return {"params": w * n + weights.untrained_bytes(w), "grads": grads, "optimizer": state, "host": host,
+            "buffers": transient}
 
 
 def _zero_memory(cfg: Config, weights: RankWeights, part: ZeroPart, n: int, w: int, r: int, masters: bool,

@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from scaletrain.config import Config
+from scaletrain.config import Config, field_of
 
 MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "other", "total")
+# What a layout is trained with beside its own choices and its precision and offload (scaletrain plan's training
+# flags), shown where not scaletrain train's default
+TRAINING_OPTIONS = ("param_dtype", "masters", "reduce_dtype", "stochastic_rounding", "optimizer", "momentum",
+                    "compress_activations", "fused", "lora_rank", "lora_targets", "quantize")
+
+
+def training_options(cfg: Config) -> dict[str, Any]:
+    """The options of `TRAINING_OPTIONS` ``cfg`` sets otherwise than scaletrain train's defaults."""
+    given, default = cfg.flat(), Config().flat()
+    return {name: given[name] for name in TRAINING_OPTIONS if given[name] != default[name]}
+
+
+def as_flags(changes: dict[str, Any]) -> str:
+    """Configuration fields as the flags a user types: ``{"zero": 3, "sp": True}`` is ``--zero 3 --sp``."""
+    words = []
+    for name, value in changes.items():
+        flag = "--" + (field_of(name).metadata.get("flag") or name).replace("_", "-")
+        words.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+    return " ".join(words)
 
 
 @dataclass
@@ -54,4 +74,4 @@ class Prediction:
             layout.update(quantize_weights=p.quantize_weights)
         if p.pp > 1 and p.zero == 3:
             layout.update(zero3_gather=p.zero3_gather)
-        return layout
+        return {**layout, **training_options(self.cfg)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaletrain.planner.hardware import Cluster
-from scaletrain.planner.prediction import MEMORY_ROWS, Prediction
+from scaletrain.planner.prediction import MEMORY_ROWS, Prediction, as_flags, training_options
 from scaletrain.planner.search import GIB, MIB, SearchResult, layout_text, size_text
 
 SHORT_ROWS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
@@ -54,6 +54,12 @@ def format_table(result: SearchResult, top: int, cluster: Cluster) -> str:
     width = max([len("layout"), *map(len, layouts)])
     lines = [(f"{result.considered} layouts on {_cluster_text(cluster)}, {result.global_batch} sequences per step; "
               f"{len(result.ranked)} predicted to fit, best first. Memory per rank in {unit}.")]
+    predicted = result.ranked + result.too_big
+    if predicted:  # the training options are the same for every layout
+        cfg = predicted[0].cfg
+        offload = {"offload": cfg.train.offload} if cfg.train.offload != "none" else {}
+        options = {"precision": cfg.train.precision, **offload, **training_options(cfg)}
+        lines.append(f"Trained with {as_flags(options)}.")
     if shown:
         lines.append(f"{'#':>3}  {'layout':<{width}}" + "".join(f"{SHORT_ROWS[r]:>8}" for r in MEMORY_ROWS)
                      + f"{'step s':>10}{'tokens/s':>14}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from scaletrain.config import Config
 from scaletrain.config_checks import check_values, resolve_layout
 from scaletrain.errors import UserError
+from scaletrain.job.base_model import check_layout
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.planner.hardware import Cluster
 from scaletrain.planner.prediction import Prediction
@@ -267,11 +268,15 @@ def refusal(cfg: Config, world: int) -> str | None:
     """The sentence with which ``scaletrain train`` would refuse ``cfg`` on ``world`` ranks, or None.
 
     The trainer's own gates, in its order: the range checks, then the layout
-    against the world and the model (heads, layers, stages, experts).
+    against the world and the model (heads, layers, stages, experts), and a
+    fine-tune's adapters against the layouts they compose with.
     """
     try:
         check_values(cfg)
-        resolve_layout(cfg, world)
+        # whether this machine can run --fused triton's kernels is no question of the cluster planned for
+        resolve_layout(cfg.replace(fused="none"), world)
+        if cfg.finetune.lora_rank or cfg.finetune.quantize != "none":
+            check_layout(cfg)
     except UserError as exc:
         return str(exc)
     return None

@@ -192,6 +192,22 @@ def test_two_processes_give_one_process_results(made, compared, tmp_path):
         assert_same_answers(split, single, task)
 
 
+@pytest.mark.numerics  # tp sums each product's slices in another order: log-likelihoods within 1e-5
+@pytest.mark.parametrize("source", ["ft", "ft_hf"], ids=["run", "hf-folder"])
+def test_a_model_split_over_two_processes_gives_one_process_results(made, compared, tmp_path, source):
+    """--nproc 2 --tp 2: one copy of the model, each process reading only its slices (the run's
+    checkpoint through DCP, the export's folder slice by slice), scores as one process scores the
+    run: every log-likelihood, greedy flag and generated text, and the whole model's size."""
+    single, _ = compared["ft"]
+    split = ours(made["root"] / source, made["tasks"], "toy_mc,toy_ppl,toy_gen", tmp_path / "tp.json",
+                 "--nproc", "2", "--tp", "2")
+    assert split["config"]["processes"] == 2 and split["config"]["tensor_parallel"] == 2
+    assert split["config"]["model_num_parameters"] == single["config"]["model_num_parameters"]
+    for task in ("toy_mc", "toy_ppl", "toy_gen"):
+        assert_same_metrics(split, single, task)
+        assert_same_answers(split, single, task)
+
+
 def test_the_results_go_into_the_run_folder_and_the_table_is_printed(made, capsys):
     assert main(["eval", "--from", str(made["bytes"]), "--tasks", "toy_mc", "--include", str(made["tasks"]),
                  "--limit", "3"]) == 0
@@ -203,7 +219,7 @@ def test_the_results_go_into_the_run_folder_and_the_table_is_printed(made, capsy
     assert results["n-samples"]["toy_mc"]["effective"] == 3 and "samples" not in results
 
 
-def test_a_qlora_fine_tune_is_scored_with_its_adapters_merged(made, tmp_path):
+def test_a_qlora_fine_tune_is_scored_with_its_adapters_merged(made, tmp_path, capsys):
     """LoRA adapters over an NF4 base: scored as the export (adapters merged into the dequantized
     base) scores under the hf backend."""
     run = tmp_path / "qlora"
@@ -215,6 +231,12 @@ def test_a_qlora_fine_tune_is_scored_with_its_adapters_merged(made, tmp_path):
     hf = theirs(tmp_path / "qlora_hf", made["tasks"], "toy_mc", "prefix_token_id=10", limit=6)
     assert_same_answers(mine, hf, "toy_mc")
     assert_same_metrics(mine, hf, "toy_mc")
+    # Its adapters are merged into whole weights: split, it is refused, and its export offered instead.
+    capsys.readouterr()  # the progress bars so far
+    code = main(["eval", "--from", str(run), "--tasks", "toy_mc", "--include", str(made["tasks"]), "--nproc", "2",
+                 "--tp", "2", "--out", str(tmp_path / "refused.json")])
+    _one_sentence(code, capsys.readouterr().err, "is a LoRA fine-tune whose adapters are merged whole; scaletrain "
+                                                 "export --format hf it")
 
 
 def test_the_chat_template_is_rendered_as_transformers_renders_it(made):
@@ -264,7 +286,8 @@ def test_evaluating_during_training_leaves_the_training_unchanged(made, tmp_path
         assert main(["train", "--model", "llama-tiny", "--steps", "3", "--dropout", "0.1", "--data",
                      str(made["root"] / "prose.txt"), "--seq-len", str(SEQ), "--micro-batch", "4", "--cache-dir",
                      str(made["root"] / "cache"), *QUIET, "--out", str(tmp_path / name), *extra]) == 0
-        losses.append([json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+        records = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(line)["loss"] for line in records])
     assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
@@ -282,11 +305,13 @@ def _one_sentence(code: int, stderr: str, phrase: str) -> None:
     (["--tasks", " , "], "--tasks names no task"),
     (["--batch-size", "0"], "--batch-size must be at least 1, not 0"),
     (["--limit", "0"], "--limit must be at least 1, not 0"),
-    (["--tp", "2"], "a model split with --tp 2 --pp 1 is not offered"),
+    (["--pp", "2"], "--pp 2 is not offered, use --pp 1"),
+    (["--tp", "2"], "--tp 2 must divide --nproc 1"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3 splits attention into 3 groups of heads, but the model has 4 query heads"),
     (["--fewshot-as-multiturn"], "add --apply-chat-template or drop it"),
     (["--tasks", "toy_missing", "--include", "{tmp}/broken"], "task toy_missing cannot be loaded"),
-], ids=["unknown-task", "no-include-folder", "no-model", "no-tasks", "batch-size", "limit", "tp", "multiturn",
-        "missing-data"])
+], ids=["unknown-task", "no-include-folder", "no-model", "no-tasks", "batch-size", "limit", "pp", "tp-nproc",
+        "tp-heads", "multiturn", "missing-data"])
 def test_eval_mistakes_are_one_sentence(made, tmp_path, capsys, args, phrase):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -19,8 +19,10 @@ the current folder.
 CPUs or NCCL on one GPU each; each holds the whole model and answers its share of the harness's
 requests, and the answers are gathered in order (job/harness.py), so the results are one
 process's.
-A model split over processes (tensor or pipeline parallel) is not offered: ``--tp`` and ``--pp``
-above 1 are refused.
+``--tp T`` splits the model too: the N processes form N / T groups of T, each group one copy of
+the model split by tensor parallelism, each rank reading only its slices of the weights
+(job/eval_layout.py), for a model that does not fit one device; the requests are split over the
+groups. Pipeline parallelism is not offered: ``--pp`` above 1 is refused.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def add_parser(commands) -> None:
     evaluate.add_argument("--batch-size", type=int, default=8, metavar="B",
                           help="requests per forward [8]")
     evaluate.add_argument("--nproc", type=int, default=1, metavar="N",
-                          help="local processes that split the requests, each with the whole model [1]")
+                          help="local processes: N / --tp copies of the model that split the requests [1]")
     evaluate.add_argument("--out", metavar="FILE.json",
                           help="where the results' JSON goes [RUN/eval/step_NNNNNN-TIME.json; for a Hugging "
                                "Face folder eval/FOLDER_NAME/results-TIME.json here]")
@@ -76,8 +78,10 @@ def add_parser(commands) -> None:
                           help="resamples for the standard errors that need them (0: no standard errors) [100000]")
     evaluate.add_argument("--seed", type=int, default=1234, metavar="N",
                           help="seed of the few-shot draws and of sampling tasks [1234]")
-    evaluate.add_argument("--tp", type=int, default=1, metavar="N", help="not offered: only 1 [1]")
-    evaluate.add_argument("--pp", type=int, default=1, metavar="N", help="not offered: only 1 [1]")
+    evaluate.add_argument("--tp", type=int, default=1, metavar="N",
+                          help="processes each copy of the model is split over by tensor parallelism, each "
+                               "reading only its slices of the weights; must divide --nproc [1]")
+    evaluate.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline parallel: not offered, only 1 [1]")
     evaluate.add_argument("--timeout", type=float, metavar="SECONDS",
                           help="with --nproc: how long a rank waits for the others at a gather [600]")
     evaluate.set_defaults(handler=run)
@@ -100,6 +104,7 @@ class EvalJob:
     precision: str = "fp32"
     bootstrap_iters: int = 100000
     seed: int = 1234
+    tp: int = 1  # processes per copy of the model: tensor parallel
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,15 +120,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--nproc", args.nproc, 1),
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--nproc", args.nproc, 1), ("--tp", args.tp, 1),
                                ("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
                                ("--bootstrap-iters", args.bootstrap_iters, 0)):
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, not {value}.")
-    if args.tp != 1 or args.pp != 1:
-        raise UserError(f"scaletrain eval holds the whole model on each process (--nproc splits the requests, not "
-                        f"the model); a model split with --tp {args.tp} --pp {args.pp} is not offered, use "
-                        f"--tp 1 --pp 1.")
+    if args.pp != 1:
+        raise UserError(f"scaletrain eval splits a model by tensor parallelism only; --pp {args.pp} is not offered, "
+                        f"use --pp 1 (and --tp to split the model).")
     if args.timeout is not None and not args.timeout > 0:
         raise UserError(f"--timeout must be a positive number of seconds, not {args.timeout}.")
     if args.fewshot_as_multiturn and not args.apply_chat_template:
@@ -144,11 +148,15 @@ def prepare(args: argparse.Namespace) -> tuple[EvalJob, Path, dict]:
     eval_tasks.require_lm_eval()
     source = Path(args.source)
     checkpoint = find_model(source)
+    if args.tp > 1:
+        from scaletrain.job.eval_layout import check_split
+
+        check_split(source, checkpoint, args.tp, args.nproc)
     out = results_path(args.out, source, checkpoint)
     tasks = eval_tasks.load_tasks(eval_tasks.find_tasks(names, args.include), names)
     job = EvalJob(source, checkpoint, tuple(names), args.include, args.num_fewshot, args.limit, args.batch_size,
                   args.log_samples, args.apply_chat_template, args.fewshot_as_multiturn, args.precision,
-                  args.bootstrap_iters, args.seed)
+                  args.bootstrap_iters, args.seed, args.tp)
     return job, out, tasks
 
 
@@ -176,16 +184,24 @@ def evaluate(job: EvalJob, nproc: int = 1, timeout_s: float | None = None, tasks
     return spawn_local(nproc, _worker, (job, timeout_s or CLUSTER_TIMEOUT_S))[0]
 
 
-def _evaluate(job: EvalJob, device: torch.device, comm=None, group=None, tasks: dict | None = None) -> dict | None:
+def _evaluate(job: EvalJob, device: torch.device, comm=None, mesh=None, tasks: dict | None = None) -> dict | None:
+    """The harness's results on the main rank (None elsewhere): this process alone, or a rank of
+    ``mesh``, whose dp groups split the requests and whose tp groups split the model."""
     from scaletrain.job import eval_tasks
     from scaletrain.job.harness import ScaletrainLM
     from scaletrain.job.model_source import load_found
 
     names = list(job.tasks)
     tasks = tasks or eval_tasks.load_tasks(eval_tasks.find_tasks(names, job.include), names)
-    model, tokenizer = load_found(job.source, job.checkpoint)
+    if job.tp > 1:
+        from scaletrain.job.eval_layout import load_split
+
+        model, tokenizer, tensor_parallel = load_split(job.source, job.checkpoint, mesh, comm, device)
+    else:
+        (model, tokenizer), tensor_parallel = load_found(job.source, job.checkpoint), None
     lm = ScaletrainLM(model, tokenizer, batch_size=job.batch_size, device=device, precision=job.precision,
-                              comm=comm, group=group, name=str(job.source), seed=job.seed)
+                      comm=comm, group=mesh.group("dp") if mesh is not None else None,
+                      tensor_parallel=tensor_parallel, name=str(job.source), seed=job.seed)
     results = eval_tasks.evaluate(lm, tasks, num_fewshot=job.num_fewshot, limit=job.limit,
                                log_samples=job.log_samples, apply_chat_template=job.apply_chat_template,
                                fewshot_as_multiturn=job.fewshot_as_multiturn, bootstrap_iters=job.bootstrap_iters,
@@ -197,16 +213,16 @@ def _evaluate(job: EvalJob, device: torch.device, comm=None, group=None, tasks: 
 
 
 def _worker(job: EvalJob, timeout_s: float) -> dict | None:
-    """One of ``--nproc`` processes: the requests of its share of the documents; rank 0's results."""
-    from scaletrain.runtime.comm import Comm
-    from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
-    from scaletrain.runtime.mesh import Mesh, ParallelDims
+    """One of ``--nproc`` processes: its tp group's slices of the model, the requests of its dp
+    group's share of the documents; rank 0's results."""
+    from scaletrain.runtime.launch import connect, detect_environment, init_distributed, shutdown
+    from scaletrain.runtime.mesh import ParallelDims
 
     env = detect_environment()
     runtime = init_distributed(env, timeout_s)
     try:
-        group = Mesh.build(ParallelDims(dp=env.world_size), env.rank, env.world_size).group("world")
-        return _evaluate(job, runtime.device, Comm(), group)
+        mesh, comm = connect(runtime, ParallelDims(dp=env.world_size // job.tp, tp=job.tp))
+        return _evaluate(job, runtime.device, comm, mesh)
     finally:
         shutdown(runtime)
 

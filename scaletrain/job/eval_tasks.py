@@ -169,17 +169,17 @@ def evaluate(lm, tasks: dict, *, num_fewshot: int | None = None,
              limit: int | None = None, log_samples: bool = False, apply_chat_template: bool = False,
              fewshot_as_multiturn: bool = False, bootstrap_iters: int = 100000, seed: int = 1234,
              quiet: bool = False) -> dict | None:
-    """The harness's evaluation of ``tasks`` (`load_tasks`) on ``lm``: its results on rank 0 of
-    ``lm``'s group, None on the other ranks, which all call it (and skip the standard errors'
-    resampling).
+    """The harness's evaluation of ``tasks`` (`load_tasks`) on ``lm``: its results on ``lm``'s
+    main rank (``lm.is_main``), None on the other ranks, which all call it (and skip the standard
+    errors' resampling).
 
     What ``lm_eval.simple_evaluate`` does around the harness's ``evaluate`` is done here: the
     seeds (``seed`` for the few-shot draws, the harness's default 1234), ``num_fewshot`` over each
     task's own (0 where a task names none, and never over a task that fixes 0); not its git,
     environment and tokenizer records, which cost seconds and print git's complaints outside a
     repository. The global random states it seeds are put back after (training reseeds its own
-    each step, train/stepper.py; a user's loop may not). ``quiet``: the harness's progress bars held back (training's output
-    stays readable; the other ranks' always are)."""
+    each step, train/stepper.py; a user's loop may not). ``quiet``: the harness's progress bars
+    held back (training's output stays readable; the other ranks' always are)."""
     from lm_eval.evaluator import evaluate as harness_evaluate
 
     for task in tasks["tasks"].values():
@@ -189,7 +189,7 @@ def evaluate(lm, tasks: dict, *, num_fewshot: int | None = None,
         elif fixed is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=seed)
-    main = lm.group is None or lm.group.rank == 0
+    main = lm.is_main
     with _random_states_kept(lm.device), _quiet_harness(), \
             contextlib.redirect_stderr(io.StringIO()) if quiet or not main else contextlib.nullcontext():
         random.seed(seed)
@@ -204,7 +204,7 @@ def evaluate(lm, tasks: dict, *, num_fewshot: int | None = None,
         results["config"] = {"model": "scaletrain", "model_args": lm.name, **lm.get_model_info(),
                              "batch_size": lm.batch_size, "limit": limit, "bootstrap_iters": bootstrap_iters,
                              "num_fewshot": num_fewshot, "fewshot_seed": seed, "random_seed": seed,
-                             "processes": lm.group.size if lm.group is not None else 1}
+                             "processes": lm.processes, "tensor_parallel": lm.tp_size}
         results["date"] = time.time()
     return results
 

@@ -3,8 +3,9 @@
 
 `ScaletrainLM` is the harness's language model (``lm_eval.api.model.TemplateLM``, the ``LM``
 that tokenizes requests the way its Hugging Face backend does) over any model of ours, whole on
-one device, with the run's own tokenizer. It answers the harness's three kinds of request the
-way the harness's ``hf`` backend (lm_eval/models/huggingface.py) does, so the numbers are the ones
+one device or split over a tensor-parallel group, with the run's own tokenizer. It answers the
+harness's three kinds of request the way the harness's ``hf`` backend
+(lm_eval/models/huggingface.py) does, so the numbers are the ones
 ``lm_eval --model hf`` gives on the ``scaletrain export --format hf`` folder of the same weights:
 
 - ``loglikelihood(context, continuation)``: context and continuation tokenized together, the
@@ -38,12 +39,15 @@ template or the built-in one a fine-tune with ``--sft`` learned (data/chat.py), 
 ``scaletrain generate --chat`` does; an assistant's message to continue is cut where it ends,
 as transformers' ``continue_final_message``.
 
-Distributed (``--nproc``, and every rank of a training run): each rank holds the whole model
-and runs the harness whole (its documents, few-shot contexts, filters and metrics, all cheap
-and the same on every rank); only the model's work is split. Each of this class's three
-request methods takes its rank's contiguous share of the requests it is handed, answers them,
-and gathers every rank's answers in order (runtime/comm.py's ``all_gather_object``, the one
-door: gloo on CPUs, NCCL on GPUs), so every rank holds what one process would have computed.
+Distributed (``--nproc``, and every rank of a training run): each rank holds the whole model,
+or with ``--tp`` its slices of it (job/eval_layout.py), and runs the harness whole (its
+documents, few-shot contexts, filters and metrics, all cheap and the same on every rank); only
+the model's work is split. Each of this class's three request methods takes its share of the
+requests it is handed (the contiguous share of its rank in ``group``, the ranks that split the
+requests; the ranks of one tp group, which compute one model together, answer the same share,
+each forward under the split's generation mode: whole logits on every one of them), answers
+them, and gathers every share's answers in order (runtime/comm.py's ``all_gather_object``, the
+one door: gloo on CPUs, NCCL on GPUs), so every rank holds what one process would have computed.
 The harness's own split (``lm.rank``/``lm.world_size``: every ``world_size``-th document to a
 rank, its request lists padded to equal length, per-document metrics gathered on rank 0) is not
 used: it draws each rank's few-shot examples from one seeded stream over that rank's documents
@@ -52,6 +56,9 @@ and the score, would depend on the number of processes.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -82,15 +89,17 @@ def _special_id(tokenizer, token: str | None) -> int | None:
 
 
 class ScaletrainLM(TemplateLM):
-    """The harness's language model over ``model`` (a whole decoder of ours: ``model(ids)`` gives
+    """The harness's language model over ``model`` (a decoder of ours: ``model(ids)`` gives
     logits, ``model.cfg`` its ``positions`` and ``vocab_size``) and its tokenizer
     (data/tokenizer.py); see the module docstring. ``comm`` and ``group``: the ranks that split
-    the requests (None: this process alone)."""
+    the requests (None: this process alone); ``tensor_parallel``: the split of a model whose
+    slices this rank holds (job/eval_layout.py), None for a whole one."""
 
     backend = "causal"
 
     def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 8, device: torch.device | None = None,
-                 precision: str = "fp32", comm=None, group=None, name: str = "scaletrain", seed: int = 1234):
+                 precision: str = "fp32", comm=None, group=None, tensor_parallel=None, name: str = "scaletrain",
+                 seed: int = 1234):
         require_lm_eval()
         super().__init__()
         self._device = device or next(model.parameters()).device
@@ -100,7 +109,7 @@ class ScaletrainLM(TemplateLM):
         self.precision = precision
         self.name = name
         self.seed = seed
-        self.comm, self.group = comm, group
+        self.comm, self.group, self.tensor_parallel = comm, group, tensor_parallel
         config = getattr(tokenizer, "config", None)
         self.bos_text = config.bos_token if config is not None else None
         bos = _special_id(tokenizer, self.bos_text)
@@ -137,8 +146,29 @@ class ScaletrainLM(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         return self.template.source if chat_template else None
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank reports the results: the first of the first tp group."""
+        first_tp_rank = self.tensor_parallel is None or self.tensor_parallel.group.rank == 0
+        return first_tp_rank and (self.group is None or self.group.rank == 0)
+
+    @property
+    def processes(self) -> int:
+        """The processes that evaluate: the request-splitting groups times the ranks of each model."""
+        return (self.group.size if self.group is not None else 1) * self.tp_size
+
+    @property
+    def tp_size(self) -> int:
+        """The ranks that hold the model together (1: a whole model)."""
+        return self.tensor_parallel.group.size if self.tensor_parallel is not None else 1
+
+    def _whole_numel(self, param: nn.Parameter) -> int:
+        """Elements of the whole weight ``param`` is (a tp slice: the full tensor's)."""
+        split = self.tensor_parallel.splits.get(param) if self.tensor_parallel is not None else None
+        return math.prod(split.full_shape) if split is not None else param.numel()
+
     def get_model_info(self) -> dict:
-        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+        return {"model_num_parameters": sum(self._whole_numel(p) for p in self.model.parameters()),
                 "model_dtype": str(next(self.model.parameters()).dtype), "model_source": self.name,
                 "prefix_token_id": self._prefix, "max_length": self.max_length, "precision": self.precision}
 
@@ -166,8 +196,10 @@ class ScaletrainLM(TemplateLM):
 
     @torch.no_grad()
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [batch, seq, rows of the head] of ``ids`` [batch, seq]."""
-        with autocast(self.precision, self._device):
+        """fp32 logits [batch, seq, rows of the head] of ``ids`` [batch, seq]; whole on every rank of
+        a tp group (its generation mode gathers the vocabulary slices)."""
+        whole = self.tensor_parallel.generation() if self.tensor_parallel is not None else contextlib.nullcontext()
+        with whole, autocast(self.precision, self._device):
             return self.model(ids.to(self._device)).float()
 
     # -- loglikelihood --------------------------------------------------------------
@@ -243,8 +275,12 @@ class ScaletrainLM(TemplateLM):
         return self._shared(requests, self._generate_until)
 
     def _generate_until(self, requests) -> list[str]:
-        from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, \
-            postprocess_generated_text
+        from lm_eval.models.utils import (
+            Collator,
+            handle_stop_sequences,
+            normalize_gen_kwargs,
+            postprocess_generated_text,
+        )
 
         reordered = Collator([request.args for request in requests],
                              sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from scaletrain.config import load_run_config
+from scaletrain.config import Config, load_run_config
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.finetune.sliced import load_hf_model
@@ -29,9 +28,10 @@ from scaletrain.paths import readable_dir
 from scaletrain.train.checkpoint import READ_ERRORS, failure_reason, read_model_tensors
 
 
-def _check_fits(model: nn.Module, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
+def check_fits(model: nn.Module, saved: dict[str, tuple[int, ...]], checkpoint: Path) -> None:
+    """The checkpoint's tensors (``saved``: their full shapes by name) are ``model``'s: one
+    sentence otherwise."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    saved = {name: tuple(t.shape) for name, t in tensors.items()}
     differing = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
     if differing:
         name = differing[0]
@@ -39,9 +39,9 @@ def _check_fits(model: nn.Module, tensors: dict[str, torch.Tensor], checkpoint: 
                         f"saved {saved.get(name)}, built {expected.get(name)}); give the run that saved it.")
 
 
-def load_run_model(checkpoint: Path) -> tuple[nn.Module, AnyTokenizer]:
-    """A checkpoint's model (fp32 on the CPU, in eval mode), rebuilt from its run's config.toml,
-    and the run's tokenizer."""
+def run_config(checkpoint: Path) -> Config:
+    """The configuration of the run that saved ``checkpoint``: one sentence where the checkpoint
+    is not inside its run folder, or the run is not a language model's."""
     run_dir = checkpoint.parent.parent  # RUN/checkpoints/step_NNNNNN
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"checkpoint {checkpoint} is not inside its run folder (no {run_dir / 'config.toml'}); "
@@ -50,14 +50,21 @@ def load_run_model(checkpoint: Path) -> tuple[nn.Module, AnyTokenizer]:
     if cfg.model.name == CLASSIFIER:
         raise UserError(f"--from {checkpoint} is a run of the mlp classifier, which writes no text; give a "
                         f"language model's run.")
-    tokenizer = run_tokenizer(run_dir)
+    return cfg
+
+
+def load_run_model(checkpoint: Path) -> tuple[nn.Module, AnyTokenizer]:
+    """A checkpoint's model (fp32 on the CPU, in eval mode), rebuilt from its run's config.toml,
+    and the run's tokenizer."""
+    cfg = run_config(checkpoint)
+    tokenizer = run_tokenizer(checkpoint.parent.parent)
     model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seq_len=cfg.data.seq_len)
     try:
         tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
     except READ_ERRORS as exc:
         raise UserError(f"checkpoint {checkpoint} cannot be read ({failure_reason(exc)}); give an earlier "
                         f"one.") from None
-    _check_fits(model, tensors, checkpoint)
+    check_fits(model, {name: tuple(t.shape) for name, t in tensors.items()}, checkpoint)
     model.load_state_dict(tensors)
     return model.eval(), tokenizer
 

@@ -322,7 +322,7 @@ def _per_rank(value: Any, group: Group) -> Any:
     return _sharded_tensor((group.size, *value.shape), value, rows)
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None,
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, masters: MasterWeights | None,
                 zero: ZeroDataParallel | JointZero | None, tensor_parallel: TensorParallel | None,
                 own_optimizer: Group | None = None) -> dict[str, Any]:
     """Model weights and per-parameter optimizer state, both by parameter name.
@@ -348,7 +348,7 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Mas
 
         names = {id(stepped(p)): name for name, p in model.named_parameters()}
         optim = {names[id(p)]: dict(optimizer.state[p])
-                 for group in optimizer.param_groups for p in group["params"]}
+                 for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else {}
         weights = {key: stepped(t).detach() for key, t in model.state_dict(keep_vars=True).items()}
     splits = {} if tensor_parallel is None else {
         name: tensor_parallel.splits[p] for name, p in model.named_parameters(remove_duplicate=False)
@@ -462,14 +462,16 @@ def failure_reason(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     masters: MasterWeights | None = None, zero: ZeroDataParallel | JointZero | None = None,
                     tensor_parallel: TensorParallel | None = None, own_optimizer: Group | None = None
                     ) -> dict[str, Any]:
-    """Fill model (and masters) and optimizer in place; return the trainer state."""
+    """Fill model (and masters) and optimizer in place (no optimizer: the weights alone, as
+    ``scaletrain eval --tp`` reads them); return the trainer state."""
     try:
         trainer_state = json.loads((path / STATE_FILE).read_text())
-        materialize_optimizer_state(optimizer)
+        if optimizer is not None:
+            materialize_optimizer_state(optimizer)
         with _quiet(), _unpacked(optimizer):
             dcp.load(_state_dict(model, optimizer, masters, zero, tensor_parallel, own_optimizer),
                      storage_reader=SafeFileSystemReader(path))

@@ -208,6 +208,22 @@ def test_a_model_split_over_two_processes_gives_one_process_results(made, compar
         assert_same_answers(split, single, task)
 
 
+@pytest.mark.numerics  # each stage runs one device's arithmetic (equal to the bit); held to tp's 1e-5
+def test_a_model_cut_into_two_stages_gives_one_process_results(made, compared, tmp_path):
+    """--nproc 2 --pp 2: one copy of the model, each process reading only its stage's weights from
+    the run's checkpoint, every forward one round of the pipeline whose logits both stages score,
+    as one process scores the run: every log-likelihood, greedy flag and generated text, and the
+    whole model's size."""
+    single, _ = compared["ft"]
+    split = ours(made["ft"], made["tasks"], "toy_mc,toy_ppl,toy_gen", tmp_path / "pp.json", "--nproc", "2",
+                 "--pp", "2")
+    assert split["config"]["processes"] == 2 and split["config"]["tensor_parallel"] == 1
+    assert split["config"]["model_num_parameters"] == single["config"]["model_num_parameters"]
+    for task in ("toy_mc", "toy_ppl", "toy_gen"):
+        assert_same_metrics(split, single, task)
+        assert_same_answers(split, single, task)
+
+
 def test_the_results_go_into_the_run_folder_and_the_table_is_printed(made, capsys):
     assert main(["eval", "--from", str(made["bytes"]), "--tasks", "toy_mc", "--include", str(made["tasks"]),
                  "--limit", "3"]) == 0
@@ -305,12 +321,12 @@ def _one_sentence(code: int, stderr: str, phrase: str) -> None:
     (["--tasks", " , "], "--tasks names no task"),
     (["--batch-size", "0"], "--batch-size must be at least 1, not 0"),
     (["--limit", "0"], "--limit must be at least 1, not 0"),
-    (["--pp", "2"], "--pp 2 is not offered, use --pp 1"),
+    (["--nproc", "3", "--pp", "3"], "--pp 3 needs at least 3 layers, but the model has 2"),
     (["--tp", "2"], "--tp 2 must divide --nproc 1"),
     (["--nproc", "3", "--tp", "3"], "--tp 3 splits attention into 3 groups of heads, but the model has 4 query heads"),
     (["--fewshot-as-multiturn"], "add --apply-chat-template or drop it"),
     (["--tasks", "toy_missing", "--include", "{tmp}/broken"], "task toy_missing cannot be loaded"),
-], ids=["unknown-task", "no-include-folder", "no-model", "no-tasks", "batch-size", "limit", "pp", "tp-nproc",
+], ids=["unknown-task", "no-include-folder", "no-model", "no-tasks", "batch-size", "limit", "pp-layers", "tp-nproc",
         "tp-heads", "multiturn", "missing-data"])
 def test_eval_mistakes_are_one_sentence(made, tmp_path, capsys, args, phrase):
     broken = tmp_path / "broken"

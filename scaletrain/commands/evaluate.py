@@ -19,10 +19,10 @@ the current folder.
 CPUs or NCCL on one GPU each; each holds the whole model and answers its share of the harness's
 requests, and the answers are gathered in order (job/harness.py), so the results are one
 process's.
-``--tp T`` splits the model too: the N processes form N / T groups of T, each group one copy of
-the model split by tensor parallelism, each rank reading only its slices of the weights
-(job/eval_layout.py), for a model that does not fit one device; the requests are split over the
-groups. Pipeline parallelism is not offered: ``--pp`` above 1 is refused.
+``--tp T`` and ``--pp P`` split the model too: the N processes form N / (T x P) groups of T x P,
+each group one copy of the model split by tensor parallelism into slices and by pipeline
+parallelism into stages, each rank reading only the slices of its stages (job/eval_layout.py),
+for a model that does not fit one device; the requests are split over the groups.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def add_parser(commands) -> None:
     evaluate.add_argument("--tp", type=int, default=1, metavar="N",
                           help="processes each copy of the model is split over by tensor parallelism, each "
                                "reading only its slices of the weights; must divide --nproc [1]")
-    evaluate.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline parallel: not offered, only 1 [1]")
+    evaluate.add_argument("--pp", type=int, default=1, metavar="N",
+                          help="pipeline stages each copy of the model is cut into, one process each, each "
+                               "reading only its stages' weights; --tp x --pp must divide --nproc [1]")
     evaluate.add_argument("--timeout", type=float, metavar="SECONDS",
                           help="with --nproc: how long a rank waits for the others at a gather [600]")
     evaluate.set_defaults(handler=run)
@@ -104,7 +106,8 @@ class EvalJob:
     precision: str = "fp32"
     bootstrap_iters: int = 100000
     seed: int = 1234
-    tp: int = 1  # processes per copy of the model: tensor parallel
+    tp: int = 1  # tensor-parallel ranks per copy of the model
+    pp: int = 1  # pipeline stages per copy of the model, a rank each
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,13 +124,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     for flag, value, least in (("--batch-size", args.batch_size, 1), ("--nproc", args.nproc, 1), ("--tp", args.tp, 1),
+                               ("--pp", args.pp, 1),
                                ("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
                                ("--bootstrap-iters", args.bootstrap_iters, 0)):
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, not {value}.")
-    if args.pp != 1:
-        raise UserError(f"scaletrain eval splits a model by tensor parallelism only; --pp {args.pp} is not offered, "
-                        f"use --pp 1 (and --tp to split the model).")
     if args.timeout is not None and not args.timeout > 0:
         raise UserError(f"--timeout must be a positive number of seconds, not {args.timeout}.")
     if args.fewshot_as_multiturn and not args.apply_chat_template:
@@ -148,15 +149,15 @@ def prepare(args: argparse.Namespace) -> tuple[EvalJob, Path, dict]:
     eval_tasks.require_lm_eval()
     source = Path(args.source)
     checkpoint = find_model(source)
-    if args.tp > 1:
+    if args.tp > 1 or args.pp > 1:
         from scaletrain.job.eval_layout import check_split
 
-        check_split(source, checkpoint, args.tp, args.nproc)
+        check_split(source, checkpoint, args.tp, args.pp, args.nproc)
     out = results_path(args.out, source, checkpoint)
     tasks = eval_tasks.load_tasks(eval_tasks.find_tasks(names, args.include), names)
     job = EvalJob(source, checkpoint, tuple(names), args.include, args.num_fewshot, args.limit, args.batch_size,
                   args.log_samples, args.apply_chat_template, args.fewshot_as_multiturn, args.precision,
-                  args.bootstrap_iters, args.seed, args.tp)
+                  args.bootstrap_iters, args.seed, args.tp, args.pp)
     return job, out, tasks
 
 
@@ -186,22 +187,25 @@ def evaluate(job: EvalJob, nproc: int = 1, timeout_s: float | None = None, tasks
 
 def _evaluate(job: EvalJob, device: torch.device, comm=None, mesh=None, tasks: dict | None = None) -> dict | None:
     """The harness's results on the main rank (None elsewhere): this process alone, or a rank of
-    ``mesh``, whose dp groups split the requests and whose tp groups split the model."""
+    ``mesh``, whose dp groups split the requests and whose tp and pp groups split the model."""
     from scaletrain.job import eval_tasks
     from scaletrain.job.harness import ScaletrainLM
     from scaletrain.job.model_source import load_found
 
     names = list(job.tasks)
     tasks = tasks or eval_tasks.load_tasks(eval_tasks.find_tasks(names, job.include), names)
-    if job.tp > 1:
+    group = mesh.group("dp") if mesh is not None else None
+    if job.tp > 1 or job.pp > 1:
         from scaletrain.job.eval_layout import load_split
 
-        model, tokenizer, tensor_parallel = load_split(job.source, job.checkpoint, mesh, comm, device)
+        split = load_split(job.source, job.checkpoint, mesh, comm, device)
+        lm = ScaletrainLM(split.model, split.tokenizer, batch_size=job.batch_size, device=device,
+                          precision=job.precision, comm=comm, group=group, tensor_parallel=split.tensor,
+                          pipeline=split.pipeline, head_rows=split.head_rows, name=str(job.source), seed=job.seed)
     else:
-        (model, tokenizer), tensor_parallel = load_found(job.source, job.checkpoint), None
-    lm = ScaletrainLM(model, tokenizer, batch_size=job.batch_size, device=device, precision=job.precision,
-                      comm=comm, group=mesh.group("dp") if mesh is not None else None,
-                      tensor_parallel=tensor_parallel, name=str(job.source), seed=job.seed)
+        model, tokenizer = load_found(job.source, job.checkpoint)
+        lm = ScaletrainLM(model, tokenizer, batch_size=job.batch_size, device=device, precision=job.precision,
+                          comm=comm, group=group, name=str(job.source), seed=job.seed)
     results = eval_tasks.evaluate(lm, tasks, num_fewshot=job.num_fewshot, limit=job.limit,
                                log_samples=job.log_samples, apply_chat_template=job.apply_chat_template,
                                fewshot_as_multiturn=job.fewshot_as_multiturn, bootstrap_iters=job.bootstrap_iters,
@@ -213,7 +217,7 @@ def _evaluate(job: EvalJob, device: torch.device, comm=None, mesh=None, tasks: d
 
 
 def _worker(job: EvalJob, timeout_s: float) -> dict | None:
-    """One of ``--nproc`` processes: its tp group's slices of the model, the requests of its dp
+    """One of ``--nproc`` processes: its slices of its stages of the model, the requests of its dp
     group's share of the documents; rank 0's results."""
     from scaletrain.runtime.launch import connect, detect_environment, init_distributed, shutdown
     from scaletrain.runtime.mesh import ParallelDims
@@ -221,7 +225,8 @@ def _worker(job: EvalJob, timeout_s: float) -> dict | None:
     env = detect_environment()
     runtime = init_distributed(env, timeout_s)
     try:
-        mesh, comm = connect(runtime, ParallelDims(dp=env.world_size // job.tp, tp=job.tp))
+        mesh, comm = connect(runtime, ParallelDims(dp=env.world_size // (job.tp * job.pp), tp=job.tp,
+                                                        pp=job.pp))
         return _evaluate(job, runtime.device, comm, mesh)
     finally:
         shutdown(runtime)

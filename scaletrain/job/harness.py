@@ -3,8 +3,8 @@
 
 `ScaletrainLM` is the harness's language model (``lm_eval.api.model.TemplateLM``, the ``LM``
 that tokenizes requests the way its Hugging Face backend does) over any model of ours, whole on
-one device or split over a tensor-parallel group, with the run's own tokenizer. It answers the
-harness's three kinds of request the way the harness's ``hf`` backend
+one device or split over tensor-parallel and pipeline ranks, with the run's own tokenizer. It
+answers the harness's three kinds of request the way the harness's ``hf`` backend
 (lm_eval/models/huggingface.py) does, so the numbers are the ones
 ``lm_eval --model hf`` gives on the ``scaletrain export --format hf`` folder of the same weights:
 
@@ -40,14 +40,16 @@ template or the built-in one a fine-tune with ``--sft`` learned (data/chat.py), 
 as transformers' ``continue_final_message``.
 
 Distributed (``--nproc``, and every rank of a training run): each rank holds the whole model,
-or with ``--tp`` its slices of it (job/eval_layout.py), and runs the harness whole (its
-documents, few-shot contexts, filters and metrics, all cheap and the same on every rank); only
-the model's work is split. Each of this class's three request methods takes its share of the
-requests it is handed (the contiguous share of its rank in ``group``, the ranks that split the
-requests; the ranks of one tp group, which compute one model together, answer the same share,
-each forward under the split's generation mode: whole logits on every one of them), answers
-them, and gathers every share's answers in order (runtime/comm.py's ``all_gather_object``, the
-one door: gloo on CPUs, NCCL on GPUs), so every rank holds what one process would have computed.
+or with ``--tp`` and ``--pp`` its slices of its stages (job/eval_layout.py), and runs the harness
+whole (its documents, few-shot contexts, filters and metrics, all cheap and the same on every
+rank); only the model's work is split. Each of this class's three request methods takes its share
+of the requests it is handed (the contiguous share of its rank in ``group``, the ranks that split
+the requests; the tp and pp ranks of one copy of the model, which compute it together, answer the
+same share, each forward under the tp split's generation mode and, with a pipeline, one
+forward-only round whose last stage's logits it sends to every stage: whole logits on every one
+of them), answers them, and gathers every share's answers in order (runtime/comm.py's
+``all_gather_object``, the one door: gloo on CPUs, NCCL on GPUs), so every rank holds what one
+process would have computed.
 The harness's own split (``lm.rank``/``lm.world_size``: every ``world_size``-th document to a
 rank, its request lists padded to equal length, per-document metrics gathered on rank 0) is not
 used: it draws each rank's few-shot examples from one seeded stream over that rank's documents
@@ -93,13 +95,15 @@ class ScaletrainLM(TemplateLM):
     logits, ``model.cfg`` its ``positions`` and ``vocab_size``) and its tokenizer
     (data/tokenizer.py); see the module docstring. ``comm`` and ``group``: the ranks that split
     the requests (None: this process alone); ``tensor_parallel``: the split of a model whose
-    slices this rank holds (job/eval_layout.py), None for a whole one."""
+    slices this rank holds (job/eval_layout.py), None for a whole one; ``pipeline``: the stages
+    this rank holds, None for all of them, and ``head_rows`` the rows of the head, which the
+    stages without it need to receive its logits."""
 
     backend = "causal"
 
     def __init__(self, model: nn.Module, tokenizer, *, batch_size: int = 8, device: torch.device | None = None,
-                 precision: str = "fp32", comm=None, group=None, tensor_parallel=None, name: str = "scaletrain",
-                 seed: int = 1234):
+                 precision: str = "fp32", comm=None, group=None, tensor_parallel=None, pipeline=None,
+                 head_rows: int | None = None, name: str = "scaletrain", seed: int = 1234):
         require_lm_eval()
         super().__init__()
         self._device = device or next(model.parameters()).device
@@ -109,7 +113,9 @@ class ScaletrainLM(TemplateLM):
         self.precision = precision
         self.name = name
         self.seed = seed
-        self.comm, self.group, self.tensor_parallel = comm, group, tensor_parallel
+        self.comm, self.group, self.tensor_parallel, self.pipeline = comm, group, tensor_parallel, pipeline
+        self.head_rows = head_rows
+        self.parameter_count = self._count_parameters()  # on every rank: under pp the stages add theirs
         config = getattr(tokenizer, "config", None)
         self.bos_text = config.bos_token if config is not None else None
         bos = _special_id(tokenizer, self.bos_text)
@@ -148,19 +154,34 @@ class ScaletrainLM(TemplateLM):
 
     @property
     def is_main(self) -> bool:
-        """Whether this rank reports the results: the first of the first tp group."""
+        """Whether this rank reports the results: the first tp and pp rank of the first copy of the model."""
         first_tp_rank = self.tensor_parallel is None or self.tensor_parallel.group.rank == 0
-        return first_tp_rank and (self.group is None or self.group.rank == 0)
+        first_stage = self.pipeline is None or self.pipeline.group.rank == 0
+        return first_tp_rank and first_stage and (self.group is None or self.group.rank == 0)
 
     @property
     def processes(self) -> int:
         """The processes that evaluate: the request-splitting groups times the ranks of each model."""
-        return (self.group.size if self.group is not None else 1) * self.tp_size
+        return (self.group.size if self.group is not None else 1) * self.tp_size * self.pp_size
 
     @property
     def tp_size(self) -> int:
         """The ranks that hold the model together (1: a whole model)."""
         return self.tensor_parallel.group.size if self.tensor_parallel is not None else 1
+
+    @property
+    def pp_size(self) -> int:
+        """The pipeline stages' ranks (1: every stage here)."""
+        return self.pipeline.group.size if self.pipeline is not None else 1
+
+    def _count_parameters(self) -> int:
+        """The whole model's parameters: under pp each stage's, summed over the pipeline group, a
+        tied weight counted on its first holder only."""
+        held = [p for p in self.model.parameters() if self.pipeline is None or self.pipeline.counts(p)]
+        count = torch.tensor(sum(self._whole_numel(p) for p in held), dtype=torch.int64, device=self._device)
+        if self.pipeline is not None:
+            self.comm.all_reduce(count, self.pipeline.group)
+        return int(count)
 
     def _whole_numel(self, param: nn.Parameter) -> int:
         """Elements of the whole weight ``param`` is (a tp slice: the full tensor's)."""
@@ -168,7 +189,7 @@ class ScaletrainLM(TemplateLM):
         return math.prod(split.full_shape) if split is not None else param.numel()
 
     def get_model_info(self) -> dict:
-        return {"model_num_parameters": sum(self._whole_numel(p) for p in self.model.parameters()),
+        return {"model_num_parameters": self.parameter_count,
                 "model_dtype": str(next(self.model.parameters()).dtype), "model_source": self.name,
                 "prefix_token_id": self._prefix, "max_length": self.max_length, "precision": self.precision}
 
@@ -197,10 +218,16 @@ class ScaletrainLM(TemplateLM):
     @torch.no_grad()
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 logits [batch, seq, rows of the head] of ``ids`` [batch, seq]; whole on every rank of
-        a tp group (its generation mode gathers the vocabulary slices)."""
+        a tp group (its generation mode gathers the vocabulary slices) and of a pipeline (the last
+        stage's, sent to the others)."""
         whole = self.tensor_parallel.generation() if self.tensor_parallel is not None else contextlib.nullcontext()
-        with whole, autocast(self.precision, self._device):
-            return self.model(ids.to(self._device)).float()
+        ids = ids.to(self._device)
+        with whole:
+            if self.pipeline is not None:
+                return self.pipeline.logits(ids, self.head_rows,
+                                            forward_context=lambda: autocast(self.precision, self._device))
+            with autocast(self.precision, self._device):
+                return self.model(ids).float()
 
     # -- loglikelihood --------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

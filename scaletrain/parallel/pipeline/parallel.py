@@ -210,17 +210,34 @@ class PipelineParallel:
                  forward_context: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
         """Sample ``new_tokens`` continuations of ``idx`` [batch, seq], the last
         ``context`` tokens as input; every rank returns the same ids."""
-        schedule = forward_only(self.group.size, 1, self.schedule.virtual_stages)
         for _ in range(new_tokens):
-            window = idx[:, -context:]
-            shape = self.boundary(*window.shape[:2])
-            with self.round_context():
-                logits, _ = self.runtime.run(schedule, boundary=lambda m, s=shape: s, inputs=lambda m, w=window: w,
-                                             loss=None, forward_context=forward_context)
-            next_id = sample_next(logits[0][:, -1, :]) if self.holds_loss \
+            logits = self._forward_round(idx[:, -context:], forward_context)
+            next_id = sample_next(logits[:, -1, :]) if self.holds_loss \
                 else torch.empty((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
             idx = torch.cat([idx, self.from_last_stage(next_id)], dim=1)
         return idx
+
+    @torch.no_grad()
+    def logits(self, window: torch.Tensor, rows: int,
+               forward_context: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
+        """The model's fp32 logits [batch, seq, rows] of ``window`` [batch, seq], on every rank of
+        the group (scaletrain eval scores them on each); ``rows``: the head's, which the stages
+        without it need to receive the last stage's."""
+        logits = self._forward_round(window, forward_context)
+        if logits is None:
+            logits = torch.empty((*window.shape[:2], rows), dtype=torch.float32, device=window.device)
+        return self.from_last_stage(logits.float().contiguous())
+
+    def _forward_round(self, window: torch.Tensor, forward_context: Callable[[], AbstractContextManager]
+                       ) -> torch.Tensor | None:
+        """One forward-only round of ``window`` through the stages: the last stage's output there,
+        None on the other ranks."""
+        shape = self.boundary(*window.shape[:2])
+        with self.round_context():
+            outputs, _ = self.runtime.run(forward_only(self.group.size, 1, self.schedule.virtual_stages),
+                                          boundary=lambda m: shape, inputs=lambda m: window, loss=None,
+                                          forward_context=forward_context)
+        return outputs[0] if self.holds_loss else None
 
 
 def _documents(batch: Batch) -> torch.Tensor | None:

@@ -192,32 +192,27 @@ def test_two_processes_give_one_process_results(made, compared, tmp_path):
         assert_same_answers(split, single, task)
 
 
+SPLITS = [  # (source, flags, tensor-parallel size); the four-process layouts in the slow suite
+    pytest.param("ft", ["--nproc", "2", "--tp", "2"], 2, id="tp2-run"),
+    pytest.param("ft_hf", ["--nproc", "2", "--tp", "2"], 2, id="tp2-hf-folder"),
+    pytest.param("ft", ["--nproc", "2", "--pp", "2"], 1, id="pp2-run"),
+    pytest.param("ft", ["--nproc", "4", "--tp", "2"], 2, id="dp2-tp2-run", marks=pytest.mark.slow),
+    pytest.param("ft", ["--nproc", "4", "--tp", "2", "--pp", "2"], 2, id="tp2-pp2-run", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.numerics  # tp sums each product's slices in another order: log-likelihoods within 1e-5
-@pytest.mark.parametrize("source", ["ft", "ft_hf"], ids=["run", "hf-folder"])
-def test_a_model_split_over_two_processes_gives_one_process_results(made, compared, tmp_path, source):
-    """--nproc 2 --tp 2: one copy of the model, each process reading only its slices (the run's
-    checkpoint through DCP, the export's folder slice by slice), scores as one process scores the
-    run: every log-likelihood, greedy flag and generated text, and the whole model's size."""
+@pytest.mark.parametrize("source, flags, tp", SPLITS)
+def test_a_split_model_gives_one_process_results(made, compared, tmp_path, source, flags, tp):
+    """--tp and --pp: each copy of the model split over processes, each reading only its slices of
+    its stages (the run's checkpoint through the trainer's loader, the export's folder slice by
+    slice), every forward one pipeline round whose logits every stage scores, as one process scores
+    the run: every log-likelihood, greedy flag and generated text, and the whole model's size. Pipeline
+    stages alone run one device's arithmetic (equal to the bit), held to tp's tolerance too."""
     single, _ = compared["ft"]
-    split = ours(made["root"] / source, made["tasks"], "toy_mc,toy_ppl,toy_gen", tmp_path / "tp.json",
-                 "--nproc", "2", "--tp", "2")
-    assert split["config"]["processes"] == 2 and split["config"]["tensor_parallel"] == 2
-    assert split["config"]["model_num_parameters"] == single["config"]["model_num_parameters"]
-    for task in ("toy_mc", "toy_ppl", "toy_gen"):
-        assert_same_metrics(split, single, task)
-        assert_same_answers(split, single, task)
-
-
-@pytest.mark.numerics  # each stage runs one device's arithmetic (equal to the bit); held to tp's 1e-5
-def test_a_model_cut_into_two_stages_gives_one_process_results(made, compared, tmp_path):
-    """--nproc 2 --pp 2: one copy of the model, each process reading only its stage's weights from
-    the run's checkpoint, every forward one round of the pipeline whose logits both stages score,
-    as one process scores the run: every log-likelihood, greedy flag and generated text, and the
-    whole model's size."""
-    single, _ = compared["ft"]
-    split = ours(made["ft"], made["tasks"], "toy_mc,toy_ppl,toy_gen", tmp_path / "pp.json", "--nproc", "2",
-                 "--pp", "2")
-    assert split["config"]["processes"] == 2 and split["config"]["tensor_parallel"] == 1
+    split = ours(made["root"] / source, made["tasks"], "toy_mc,toy_ppl,toy_gen", tmp_path / "split.json", *flags)
+    assert split["config"]["processes"] == int(flags[1]) and split["config"]["tensor_parallel"] == tp
+    assert split["config"]["pipeline_parallel"] == (2 if "--pp" in flags else 1)
     assert split["config"]["model_num_parameters"] == single["config"]["model_num_parameters"]
     for task in ("toy_mc", "toy_ppl", "toy_gen"):
         assert_same_metrics(split, single, task)

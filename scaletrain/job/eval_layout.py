@@ -6,7 +6,7 @@ plan into stages (parallel/parallelize.py, parallel/tensor.py, parallel/pipeline
 given storage, each rank reading just the slices of the stages it keeps, so no rank ever holds
 the whole model:
 
-    a run's checkpoint      torch.distributed.checkpoint reads the chunks of the full tensors
+    a run's checkpoint      the trainer's checkpoint loader reads the chunks of the full tensors
                             this rank's slices cover, whatever layout saved them
                             (train/checkpoint.py, as a resume into another layout does)
     a Hugging Face folder   each slice read straight from the safetensors files

@@ -204,7 +204,8 @@ def evaluate(lm, tasks: dict, *, num_fewshot: int | None = None,
         results["config"] = {"model": "scaletrain", "model_args": lm.name, **lm.get_model_info(),
                              "batch_size": lm.batch_size, "limit": limit, "bootstrap_iters": bootstrap_iters,
                              "num_fewshot": num_fewshot, "fewshot_seed": seed, "random_seed": seed,
-                             "processes": lm.processes, "tensor_parallel": lm.tp_size}
+                             "processes": lm.processes, "tensor_parallel": lm.tp_size,
+                             "pipeline_parallel": lm.pp_size}
         results["date"] = time.time()
     return results
 

@@ -192,10 +192,11 @@ def nearest_fix(moves: list[list[dict]], price: Price, memory: int,
     for options, scales in ((moves, (1,)), (sharded, SCALES)):
         fitting: list[tuple[int, list[list[dict]]]] = []
         for combination in _combinations(options):
-            priced = price(_merged([move[-1] for move in combination]), scales[-1])
+            strongest = _merged([move[-1] for move in combination])
+            priced = price(strongest, scales[-1])
             if priced is None:
                 continue
-            fix = Fix(_merged([move[-1] for move in combination]), scales[-1], priced)
+            fix = Fix(strongest, scales[-1], priced)
             least = fix if least is None or priced["total"] < least.memory["total"] else least
             if priced["total"] <= memory:
                 fewest = next(scale for scale in scales if _fits(price(fix.changes, scale), memory))

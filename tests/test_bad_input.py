@@ -140,14 +140,14 @@ CASES = [
     case("corpus-shorter-in-bpe-tokens", ["--data", "{tmp}/ab.txt", "--tokenizer", "bpe", "--vocab-size", "300"],
          "give more text or a smaller --seq-len", {"ab.txt": b"ab" * 60}),
     case("bpe-vocab-below-bytes", ["--tokenizer", "bpe", "--vocab-size", "100"],
-         "--vocab-size 100 is below 256, the byte alphabet that BPE starts from; use 256 or more"),
+         "--vocab-size 100 is below 257, the byte alphabet that BPE starts from and its end-of-text token; use 257 or more"),
     case("mlp-with-data", ["--model", "mlp"], "so drop --data"),
     case("tokenizer-from-missing", ["--tokenizer-from", "{tmp}/nowhere"],
          "does not exist; give a run folder or a Hugging Face model folder"),
     case("tokenizer-from-not-a-model", ["--tokenizer-from", "{tmp}/notes"],
          "is neither a run folder (it has no config.toml) nor a Hugging Face model folder",
          {"notes/a.txt": b"some text"}),
-    case("n-vocab-below-tokenizer", ["--n-vocab", "100"], "--n-vocab 100 is below the 256 tokens of the tokenizer"),
+    case("n-vocab-below-tokenizer", ["--n-vocab", "100"], "--n-vocab 100 is below the 257 tokens of the tokenizer"),
     # run folder and cache
     case("out-is-a-file", ["--out", "{tmp}/taken"], "is a file, not a folder; give a folder path", NOT_A_FOLDER),
     case("out-inside-a-file", ["--out", "{tmp}/taken/run"], "taken is a file, not a folder; give a path whose "

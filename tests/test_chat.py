@@ -144,7 +144,7 @@ def test_encoding_without_special_tokens_skips_the_post_processor_but_keeps_writ
     assert len(start) == 1 and tokenizer.encode("Red").tolist() == start + tokenizer.encode("Red", False).tolist()
     assert tokenizer.encode(f"{START}user", special_tokens=False).tolist()[:1] == start
     assert ByteTokenizer().encode("é", special_tokens=False).tolist() == [0xC3, 0xA9]
-    assert ByteTokenizer().eos_id is None
+    assert ByteTokenizer().encode("a<|endoftext|>", special_tokens=False).tolist() == [97, 256]
 
 
 def test_a_saved_tokenizer_keeps_its_config_and_a_save_without_one_drops_it(tmp_path):
@@ -164,7 +164,8 @@ def test_a_saved_tokenizer_keeps_its_config_and_a_save_without_one_drops_it(tmp_
 
 def test_train_from_texts_round_trips():
     tokenizer = BPETokenizer.train_from_texts(iter(SENTENCES), vocab_size=300)
-    assert tokenizer.vocab_size == 300 and tokenizer.config is None and tokenizer.eos_id is None
+    assert tokenizer.vocab_size == 300 and tokenizer.eos_id == 299  # the end-of-text token, last
+    assert tokenizer.config.eos_token == tokenizer.config.bos_token == "<|endoftext|>"
     assert tokenizer.decode(tokenizer.encode("The capital of Peru? é")) == "The capital of Peru? é"
     with pytest.raises(UserError, match="byte alphabet"):
         BPETokenizer.train_from_texts(SENTENCES, vocab_size=100)

@@ -121,9 +121,9 @@ def _drop_state(checkpoint: Path) -> None:
     (_truncate, {}, r"is damaged: __0_0.distcp has 1000 bytes instead of \d+; delete the folder"),
     (_flip, {}, "is damaged: __0_0.distcp does not match its SHA-256"),
     (_drop_state, {}, "is damaged: trainer_state.json is missing"),
-    (None, {"d_model": 32}, r"holds tok_emb.weight of shape \[256, 64\], but this model's is \[256, 32\]"),
+    (None, {"d_model": 32}, r"holds tok_emb.weight of shape \[257, 64\], but this model's is \[257, 32\]"),
     (None, {"n_layers": 3}, "is of another model: it lacks blocks.2"),
-    (None, {"tokenizer": "bpe", "vocab_size": 300}, "has a vocabulary of 256 tokens, but this run's data and "
+    (None, {"tokenizer": "bpe", "vocab_size": 300}, "has a vocabulary of 257 tokens, but this run's data and "
                                                     "tokenizer give 300"),
 ])
 def test_a_damaged_or_foreign_checkpoint_is_one_sentence_before_any_work(saved, tiny_cfg_module, tmp_path, damage,

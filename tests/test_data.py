@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from scaletrain.data import (
+    END_OF_TEXT,
     NUM_CLASSES,
     NUM_FEATURES,
     ArrayBatches,
@@ -17,6 +18,7 @@ from scaletrain.data import (
     corpus_files,
     count_tokens,
     default_corpus_files,
+    document_separator,
     load_digits,
     load_tokenizer,
     load_tokens,
@@ -55,6 +57,41 @@ def test_byte_tokenizer_round_trips_non_ascii(tmp_path):
     assert tok.decode(tok.encode("é")[:1]) == "\ufffd"
     tok.save(tmp_path / "tok.json")
     assert isinstance(load_tokenizer(tmp_path / "tok.json"), ByteTokenizer)
+
+
+def test_every_tokenizer_made_here_ends_a_text_with_one_end_of_text_token(tmp_path, text_files):
+    """Bytes: id 256, the vocabulary one larger; a BPE: its last id, within --vocab-size. The token's
+    text encodes to that id alone, decodes back to it only when asked, and separates documents."""
+    for tok in (ByteTokenizer(), make_tokenizer("bpe", text_files, vocab_size=300)):
+        eos = tok.eos_id
+        assert eos == tok.vocab_size - 1 and tok.config.eos_token == tok.config.bos_token == END_OF_TEXT
+        ids = tok.encode(f"é{END_OF_TEXT}def").tolist()
+        assert ids.count(eos) == 1 and ids == tok.encode("é").tolist() + [eos] + tok.encode("def").tolist()
+        assert tok.decode(ids) == "édef" and tok.decode(ids, skip_special_tokens=False) == f"é{END_OF_TEXT}def"
+        assert document_separator(tok).tolist() == [eos]
+        tok.save(tmp_path / "saved.json")
+        again = load_tokenizer(tmp_path / "saved.json")
+        assert (again.vocab_size, again.eos_id, again.encode(END_OF_TEXT).tolist()) == (tok.vocab_size, eos, [eos])
+    assert ByteTokenizer().vocab_size == 257
+
+
+def test_tokenizers_saved_before_the_end_of_text_token_keep_their_ids(tmp_path, text_files):
+    """A run's tokenizer is part of the run: one saved without the token loads without it, its
+    documents separated by a blank line as they were."""
+    (tmp_path / "byte.json").write_text('{"kind": "byte"}')
+    old = load_tokenizer(tmp_path / "byte.json")
+    assert (old.vocab_size, old.eos_id, old.config) == (256, None, None)
+    assert old.encode(END_OF_TEXT).tolist() == list(END_OF_TEXT.encode()) and old.to_json() == '{"kind": "byte"}'
+    assert document_separator(old).tolist() == [10, 10]
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train([str(f) for f in text_files], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.save(str(tmp_path / "bpe.json"))
+    loaded = load_tokenizer(tmp_path / "bpe.json")
+    assert (loaded.vocab_size, loaded.eos_id, loaded.config) == (bpe.get_vocab_size(), None, None)
 
 
 def test_bpe_trains_round_trips_and_reloads(tmp_path, text_files):
@@ -144,8 +181,9 @@ def test_token_cache_contents_dtype_and_reuse(tmp_path, text_files, monkeypatch)
     tokens = load_tokens(path)
     assert tokens.dtype == np.uint16
     assert not tokens.flags.writeable
-    joined = "\n\n".join(f.read_text(encoding="utf-8") for f in text_files)
+    joined = END_OF_TEXT.join(f.read_text(encoding="utf-8") for f in text_files)  # one id between documents
     np.testing.assert_array_equal(tokens, tok.encode(joined))
+    assert np.count_nonzero(np.asarray(tokens) == tok.eos_id) == len(text_files) - 1
     # Only the finished pair is visible: no temporary files remain.
     assert sorted(p.name for p in cache_dir.iterdir()) == sorted([path.name, path.with_suffix(".json").name])
 
@@ -164,8 +202,6 @@ def test_token_counts_match_the_cache_without_writing_it(tmp_path, text_files, k
     tok = make_tokenizer(kind, text_files, vocab_size=300)
     n_tokens = count_tokens(text_files, tok)
     assert token_lower_bound(text_files, tok) <= n_tokens
-    if kind == "byte":  # one token per byte: the sizes are the count
-        assert token_lower_bound(text_files, tok) == n_tokens
     assert len(load_tokens(build_token_cache(text_files, tok, tmp_path / "cache"))) == n_tokens
 
 
@@ -185,7 +221,8 @@ def test_token_cache_key_follows_tokenizer(tmp_path, text_files):
     assert bpe_path != byte_path
     tokens = load_tokens(bpe_path)
     assert tokens.dtype == np.uint16
-    assert bpe.decode(tokens) == "\n\n".join(f.read_text(encoding="utf-8") for f in text_files)
+    assert bpe.decode(tokens, skip_special_tokens=False) == END_OF_TEXT.join(f.read_text(encoding="utf-8")
+                                                                             for f in text_files)
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path, text_files, monkeypatch):

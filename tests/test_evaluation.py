@@ -2,9 +2,9 @@
 ``--eval-tasks`` during training (docs/evaluation.md).
 
 Two small runs are made here, as a user makes them: a fine-tune of a Llama folder whose
-tokenizer has an end-of-text token (which the hf backend's generation needs), and a llama-tiny
-run from scratch with the byte tokenizer, which has none (its prefix token is the newline that
-ends a document). Each is exported with ``scaletrain export --format hf``, and the harness's
+tokenizer has an end-of-text token, and a llama-tiny run from scratch with the byte tokenizer,
+whose end-of-text token (id 256) ends every document and is the prefix token both backends
+find in the export with no model arguments. Each is exported with ``scaletrain export --format hf``, and the harness's
 ``hf`` backend (transformers, fp32 on the CPU) scores the export on the same local tasks: a
 multiple-choice task (with two-shot contexts longer than the model's window, so the left
 truncation is compared too), a perplexity task whose texts span several windows
@@ -121,17 +121,12 @@ def theirs(folder: Path, tasks: Path, names: str, *model_args: str, limit: int |
 
 @pytest.fixture(scope="module")
 def compared(made, tmp_path_factory):
-    """(ours, theirs) for each run on its tasks: the fine-tune on all three, the byte-level run on the
-    two that score (the hf backend cannot generate with a tokenizer that has no end-of-text token)."""
+    """(ours, theirs) for each run on the three tasks, the hf backend given no model arguments but
+    the folder (and fp32)."""
     out = tmp_path_factory.mktemp("results")
-    return {
-        "ft": (ours(made["ft"], made["tasks"], "toy_mc,toy_ppl,toy_gen", out / "ft.json"),
-               theirs(made["root"] / "ft_hf", made["tasks"], "toy_mc,toy_ppl,toy_gen")),
-        # The byte tokenizer has no beginning- or end-of-text token: ours predicts a text's first token
-        # from the newline (id 10) that ends a document in training, and the hf backend is told so.
-        "bytes": (ours(made["bytes"], made["tasks"], "toy_mc,toy_ppl", out / "bytes.json"),
-                  theirs(made["root"] / "bytes_hf", made["tasks"], "toy_mc,toy_ppl", "prefix_token_id=10")),
-    }
+    return {run: (ours(made[run], made["tasks"], "toy_mc,toy_ppl,toy_gen", out / f"{run}.json"),
+                  theirs(made["root"] / f"{run}_hf", made["tasks"], "toy_mc,toy_ppl,toy_gen"))
+            for run in ("ft", "bytes")}
 
 
 def by_document(results: dict, task: str) -> list[dict]:
@@ -165,7 +160,7 @@ def assert_same_metrics(ours_results: dict, their_results: dict, task: str) -> N
 
 
 @pytest.mark.parametrize("run, task", [("ft", "toy_mc"), ("ft", "toy_ppl"), ("ft", "toy_gen"),
-                                       ("bytes", "toy_mc"), ("bytes", "toy_ppl")])
+                                       ("bytes", "toy_mc"), ("bytes", "toy_ppl"), ("bytes", "toy_gen")])
 def test_every_request_is_answered_as_the_hf_backend_answers_the_export(compared, run, task):
     mine, hf = compared[run]
     assert_same_answers(mine, hf, task)
@@ -180,7 +175,7 @@ def test_the_tasks_exercise_truncation_stops_and_several_windows(made, compared)
     assert min(len(s["arguments"][0][0]) for s in mine["samples"]["toy_ppl"]) > 2 * SEQ
     generated = [s["filtered_resps"][0] for s in compared["ft"][0]["samples"]["toy_gen"]]
     assert len(set(generated)) > 1
-    assert mine["config"]["prefix_token_id"] == 10 and compared["ft"][0]["config"]["max_length"] == SEQ
+    assert mine["config"]["prefix_token_id"] == 256 and compared["ft"][0]["config"]["max_length"] == SEQ
 
 
 def test_two_processes_give_one_process_results(made, compared, tmp_path):

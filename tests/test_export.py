@@ -8,11 +8,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from scaletrain.commands.cli import main
+from scaletrain.data import ByteTokenizer
 from scaletrain.models import build_model
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.commands.train import execute, launch, prepare_run
 
-BYTE_VOCAB = 256  # the byte tokenizer's, which tiny_cfg uses
+BYTE_VOCAB = ByteTokenizer().vocab_size  # the byte tokenizer's (with its end-of-text token), which tiny_cfg uses
 
 
 @pytest.fixture

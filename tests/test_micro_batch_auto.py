@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from scaletrain.data import ByteTokenizer
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.planner.fit import LARGEST, device_memory, largest_fitting
@@ -15,7 +16,7 @@ from scaletrain.planner.hardware import Cluster, cpu_device
 from scaletrain.planner.predict import predict
 from tests.conftest import run_cli
 
-VOCAB = 256  # the byte tokenizer's
+VOCAB = ByteTokenizer().vocab_size  # the byte tokenizer's
 
 
 def _predicted(cfg: Config, micro_batch: int, memory: int) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.data import ByteTokenizer
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
 from scaletrain.job.data_setup import prepare_data
@@ -53,7 +54,7 @@ def test_pure_bf16_keeps_weights_gradients_and_adamw_state_in_bf16(tiny_cfg):
 
     summary = launch(tiny_cfg.replace(report_memory=True, steps=3, **PURE))
     ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]
-    params = list(build_model(tiny_cfg.model, vocab_size=256, seq_len=tiny_cfg.data.seq_len).parameters())
+    params = list(build_model(tiny_cfg.model, vocab_size=ByteTokenizer().vocab_size, seq_len=tiny_cfg.data.seq_len).parameters())
     numel = sum(p.numel() for p in params)
     assert ledger["params"] == 2 * numel and ledger["grads"] == 2 * numel
     assert ledger["optimizer"] == 4 * numel + 4 * len(params)  # two bf16 moments, an fp32 step counter each

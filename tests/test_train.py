@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+from scaletrain.data import ByteTokenizer
 from scaletrain.commands.parity import relative_diffs, run_parity
 from scaletrain.commands.train import execute, prepare_run
 from scaletrain.errors import UserError
@@ -40,7 +41,7 @@ def test_metrics_and_run_folder(tiny_cfg):
 def test_mfu_with_a_given_peak(tiny_cfg):
     summary, _ = train(tiny_cfg.replace(peak_tflops="1.0", steps=1))
     record = read_metrics(summary.run_dir / "metrics.jsonl")[0]
-    model = build_model(tiny_cfg.model, vocab_size=256, seq_len=tiny_cfg.data.seq_len)
+    model = build_model(tiny_cfg.model, vocab_size=ByteTokenizer().vocab_size, seq_len=tiny_cfg.data.seq_len)
     flops_per_token = model.flops_per_token()
     assert record["mfu"] == pytest.approx(record["tokens_per_s"] * flops_per_token / 1e12)
 
@@ -163,7 +164,7 @@ def test_recompute_keeps_losses_exact(tiny_cfg, tmp_path):
 def test_memory_report_counts_bytes_exactly(tiny_cfg):
     summary, _ = train(tiny_cfg.replace(report_memory=True, steps=2))
     ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]
-    model = build_model(tiny_cfg.model, vocab_size=256, seq_len=tiny_cfg.data.seq_len)
+    model = build_model(tiny_cfg.model, vocab_size=ByteTokenizer().vocab_size, seq_len=tiny_cfg.data.seq_len)
     params = list(model.parameters())  # the tied weight once
     numel = sum(p.numel() for p in params)
     assert ledger["params"] == 4 * numel and ledger["grads"] == 4 * numel

@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 
 from scaletrain.bench import machine
 from scaletrain.config import Config, ModelConfig
+from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, read_hf_model
 from scaletrain.job.export_hf import byte_tokenizer
@@ -120,7 +121,7 @@ def run(cfg: Config, folder: Path | None) -> dict:
         work = Path(tmp)
         if folder is None:
             folder = make_folder(cfg.model, work / "folder")
-            byte_tokenizer().save(str(folder / "tokenizer.json"))  # any vocabulary within the model's
+            byte_tokenizer(ByteTokenizer()).save(str(folder / "tokenizer.json"))  # any vocabulary within the model's
         elif not is_hf_folder(folder):
             raise UserError(f"--from {folder} has no config.json; give a Hugging Face model folder.")
         hf_model = read_hf_model(folder)

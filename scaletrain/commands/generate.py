@@ -6,10 +6,12 @@ by job/model_source.py (which ``scaletrain eval`` shares): a checkpoint's
 model rebuilt from its run's ``config.toml``, a LoRA fine-tune's adapters
 merged, the text through the run's own tokenizer.
 
-With ``--chat`` the prompt is a user's question rendered by the model's chat
-template (a fine-tune with ``--sft`` learned to answer in it: docs/data.md),
-and what comes back is the answer, cut at the end-of-text token or the
-built-in template's end-of-turn marker.
+The text stops at the tokenizer's end-of-text token, where the model ends its
+document (``--ignore-eos``: it goes on for every ``--tokens``, the token's
+text marking each end). With ``--chat`` the prompt is a user's question
+rendered by the model's chat template (a fine-tune with ``--sft`` learned to
+answer in it: docs/data.md), and what comes back is the answer, cut at the
+end-of-text token or the built-in template's end-of-turn marker.
 
 Sampling is the model's own ``generate``: top-k, then temperature (0: the
 most likely token each time), one seeded generator, so a seed gives the same
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.data.chat import BUILTIN_TEMPLATE, END_OF_TURN, ChatTemplate
+from scaletrain.data.tokenizer import until_end
 from scaletrain.errors import UserError
 from scaletrain.job.data_setup import AnyTokenizer
 from scaletrain.job.model_source import load_model, load_run_model  # noqa: F401 - load_run_model: tests import it here
@@ -52,13 +55,17 @@ def add_parser(commands) -> None:
     generate.add_argument("--chat", action="store_true",
                           help="the prompt is a user's question in the model's chat template; print the answer "
                                "alone, up to its end (a model fine-tuned with --sft)")
+    generate.add_argument("--ignore-eos", action="store_true",
+                          help="go on past the end-of-text token for every --tokens, writing the token's text "
+                               "where the model ended a document (without it the text stops there)")
     generate.add_argument("--seed", type=int, default=1234, metavar="N",
                           help="seed of the sampling: the same seed gives the same text [1234]")
     generate.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.chat))
+    print(generate(Path(args.source), args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.chat,
+                   args.ignore_eos))
     return 0
 
 
@@ -86,16 +93,14 @@ def chat_prompt(tokenizer: AnyTokenizer, prompt: str) -> tuple[list[int], str | 
 
 def _answer(tokenizer: AnyTokenizer, new: list[int], ends: str | None) -> str:
     """The sampled ids up to the end of the answer: the end-of-text id, or the template's marker."""
-    eos = tokenizer.eos_id
-    if eos is not None and eos in new:
-        new = new[:new.index(eos)]
-    text = tokenizer.decode(new)
+    text = tokenizer.decode(until_end(tokenizer, new))
     return text.split(ends)[0] if ends else text
 
 
 def generate(source: Path, prompt: str, tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
-             seed: int = 1234, chat: bool = False) -> str:
-    """``prompt`` and ``tokens`` more tokens sampled by the model in ``source``;
+             seed: int = 1234, chat: bool = False, ignore_eos: bool = False) -> str:
+    """``prompt`` and up to ``tokens`` more tokens sampled by the model in ``source``, up to the
+    end-of-text token (``ignore_eos``: all of them, each end written as the token's text);
     ``top_k`` 0 samples among every token. With ``chat``: the prompt is a user's question in
     the model's chat template, and the answer alone comes back, up to its end."""
     check_options(prompt, tokens, temperature, top_k)
@@ -113,7 +118,10 @@ def generate(source: Path, prompt: str, tokens: int = 100, temperature: float = 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device=device).manual_seed(seed)
     out = model.to(device).generate(ids[None].to(device), tokens, temperature=temperature, top_k=top_k or None,
-                                    generator=generator)
+                                    generator=generator, stop_id=None if ignore_eos else tokenizer.eos_id)
+    new = out[0, len(ids):].tolist()
+    if ignore_eos:
+        return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
     if chat:
-        return _answer(tokenizer, out[0, len(ids):].tolist(), ends)
-    return tokenizer.decode(out[0].tolist())
+        return _answer(tokenizer, new, ends)
+    return tokenizer.decode(ids.tolist() + until_end(tokenizer, new))

@@ -29,9 +29,11 @@ from scaletrain.data.sampler import ShardedSampler
 from scaletrain.data.sft import ChatEncoder, record_messages
 from scaletrain.data.shards import Prepared, TokenStream, is_prepared, open_prepared
 from scaletrain.data.tokenizer import (
+    END_OF_TEXT,
     BPETokenizer,
     ByteTokenizer,
     TokenizerConfig,
+    document_separator,
     load_tokenizer,
     make_tokenizer,
 )
@@ -44,6 +46,7 @@ __all__ = [
     "ChatEncoder",
     "ChatTemplate",
     "Digits",
+    "END_OF_TEXT",
     "END_OF_TURN",
     "IGNORE_INDEX",
     "Mixture",
@@ -63,6 +66,7 @@ __all__ = [
     "corpus_too_short",
     "count_tokens",
     "default_corpus_files",
+    "document_separator",
     "files_fingerprint",
     "is_prepared",
     "iter_records",

@@ -25,12 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer
+from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer, document_separator
 from scaletrain.errors import UserError
 from scaletrain.paths import readable_dir, readable_file, readable_file_or_dir
 
-# Placed between documents so a model sees where one file ends and the next starts.
-DOCUMENT_SEPARATOR = "\n\n"
 DATA_WANTED = "a UTF-8 text file or a folder of them"  # what --data must be, in its refusals
 
 _DEFAULT_CORPUS_SKIPPED_DIRS = {"site-packages", "__pycache__", "test", "tests", "idlelib"}
@@ -111,7 +109,7 @@ def files_fingerprint(files: list[Path]) -> str:
 
 
 def _cache_key(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer) -> str:
-    identity = [tokenizer.name, tokenizer.vocab_size, tokenizer.to_json(), DOCUMENT_SEPARATOR,
+    identity = [tokenizer.name, tokenizer.vocab_size, tokenizer.to_json(), document_separator(tokenizer).tolist(),
                 files_fingerprint(files)]
     return hashlib.sha256(json.dumps(identity).encode("utf-8")).hexdigest()
 
@@ -130,7 +128,7 @@ def _read_text(path: Path) -> str:
 
 
 def _separator_tokens(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer) -> int:
-    return len(tokenizer.encode(DOCUMENT_SEPARATOR)) * (len(files) - 1)
+    return len(document_separator(tokenizer)) * (len(files) - 1)
 
 
 def count_tokens(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer) -> int:
@@ -146,7 +144,8 @@ def token_lower_bound(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer
 
 
 def _write_tokens(files: list[Path], tokenizer: ByteTokenizer | BPETokenizer, dtype: np.dtype, out) -> int:
-    separator = tokenizer.encode(DOCUMENT_SEPARATOR).astype(dtype)
+    # Between files, so a model sees where one document ends and the next starts.
+    separator = document_separator(tokenizer).astype(dtype)
     n_tokens = 0
     for i, f in enumerate(files):
         ids = tokenizer.encode(_read_text(f)).astype(dtype)

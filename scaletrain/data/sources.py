@@ -23,7 +23,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from scaletrain.data.batches import TokenBatches, split_tokens
 from scaletrain.data.chat import ChatTemplate
@@ -33,11 +32,10 @@ from scaletrain.data.prepare import TextEncoder, prepare
 from scaletrain.data.records import describe_source, is_saved_dataset, iter_records, source_format, text_of
 from scaletrain.data.sft import ChatEncoder, record_messages
 from scaletrain.data.shards import Prepared, is_prepared, open_prepared
-from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from scaletrain.data.tokenizer import END_OF_TEXT, BPETokenizer, ByteTokenizer, document_separator, load_tokenizer
 from scaletrain.errors import UserError
 
 _RECORD_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow"}
-_BLANK_LINE = "\n\n"  # between documents, for a tokenizer without an end-of-text token
 
 
 @dataclass(frozen=True)
@@ -97,18 +95,12 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256((tokenizer.to_json() + extra).encode("utf-8")).hexdigest()
 
 
-def separator_ids(tokenizer) -> np.ndarray:
-    """What ends a document in a text stream: the end-of-text token, or a blank line."""
-    eos = getattr(tokenizer, "eos_id", None)
-    return np.array([eos], dtype=np.int64) if eos is not None else tokenizer.encode(_BLANK_LINE).astype(np.int64)
-
-
 def record_encoder(tokenizer, sft: bool, text_field: str):
     """The encoder that turns a record into (ids, mask): a chat rendered by the tokenizer's own
     template (or the built-in one), or a text field followed by the separator."""
     if sft:
         return ChatEncoder(tokenizer, ChatTemplate.for_tokenizer(tokenizer))
-    return TextEncoder(tokenizer, text_field, separator_ids(tokenizer))
+    return TextEncoder(tokenizer, text_field, document_separator(tokenizer))
 
 
 def _texts(paths: list[Path], sft: bool, text_field: str):
@@ -126,8 +118,9 @@ def records_tokenizer(paths: list[Path], kind: str, vocab_size: int, sft: bool, 
     """A new tokenizer for records: bytes, or a BPE trained on their text (cached by their sources)."""
     if kind == ByteTokenizer.name:
         return ByteTokenizer()
-    key = hashlib.sha256(json.dumps([[describe_source(p) for p in paths], vocab_size, sft, text_field])
-                         .encode("utf-8")).hexdigest()[:16]
+    # END_OF_TEXT in the key: a BPE cached before the token existed is not this one.
+    identity = [[describe_source(p) for p in paths], vocab_size, sft, text_field, END_OF_TEXT]
+    key = hashlib.sha256(json.dumps(identity).encode("utf-8")).hexdigest()[:16]
     path = cache_dir / f"bpe-records-{vocab_size}-{key}.json"
     if path.is_file():
         return BPETokenizer.load(path)

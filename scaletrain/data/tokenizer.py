@@ -5,6 +5,16 @@ text maps to ids 0..255 and back without loss. The BPE tokenizer wraps the
 `tokenizers` library with a byte-level alphabet, so it also round-trips every
 string, and is trained on the user's own corpus without any network access.
 
+Both reserve one special token past their vocabulary, `END_OF_TEXT`
+(GPT-2's ``<|endoftext|>``: id 256 for bytes, the last id for a BPE): it
+ends every document of a text stream and every record, so a model learns
+where a text stops, and generation stops there too. The token's text,
+written in a string, encodes to that one id, as `transformers` splits out
+its special tokens, so our ids and an exported folder's agree. Tokenizers
+saved before it existed load without it and keep their ids
+(``ByteTokenizer(end_of_text=None)``, a BPE without the added token): a
+run's tokenizer is part of the run.
+
 Both expose the same small interface (`name`, `vocab_size`, `eos_id`,
 `encode`, `decode`, `to_json`, `save`), and `load_tokenizer` reads back what
 `save` wrote, so a run's checkpoint can carry its tokenizer.
@@ -25,9 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from scaletrain.errors import UserError
+
+
+END_OF_TEXT = "<|endoftext|>"
+BLANK_LINE = "\n\n"  # between documents, for a tokenizer saved without an end-of-text token
 
 
 def _id_list(ids) -> list[int]:
@@ -60,28 +74,65 @@ def config_path(path: str | Path) -> Path:
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte."""
+    """One token per UTF-8 byte, and `END_OF_TEXT` as id 256 (None: a tokenizer saved before it)."""
 
     name = "byte"
-    vocab_size = 256
-    longest_token_bytes = 1
-    # Every id is a byte of the text, so none is free to mark the end of a document.
-    eos_id = None
-    config = None
+
+    def __init__(self, end_of_text: str | None = END_OF_TEXT):
+        self.end_of_text = end_of_text
+        self.eos_id = None if end_of_text is None else 256
+        self.vocab_size = 256 if end_of_text is None else 257
+        # The special token's text is one token: a lower bound on a count must allow for it.
+        self.longest_token_bytes = 1 if end_of_text is None else len(end_of_text.encode("utf-8"))
+        self.config = None if end_of_text is None else own_config(end_of_text)
 
     def encode(self, text: str, special_tokens: bool = True) -> np.ndarray:
-        """The UTF-8 bytes of `text`; `special_tokens` is accepted for the BPE's interface, bytes have none."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        """The UTF-8 bytes of `text`, the end-of-text token's text as its one id; `special_tokens` is
+        accepted for the BPE's interface (bytes add no BOS or EOS of their own)."""
+        if self.end_of_text is None:
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        pieces = [np.frombuffer(piece.encode("utf-8"), dtype=np.uint8) for piece in text.split(self.end_of_text)]
+        ids = [pieces[0]]
+        for piece in pieces[1:]:
+            ids += [np.array([self.eos_id]), piece]
+        return np.concatenate(ids).astype(np.int64)
 
-    def decode(self, ids) -> str:
-        # A model may sample a byte sequence that is not valid UTF-8.
-        return bytes(_id_list(ids)).decode("utf-8", errors="replace")
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Bytes back to text; the end-of-text id left out, or with ``skip_special_tokens=False``
+        written as its token's text (as transformers decodes). A model may sample bytes that are
+        not valid UTF-8: they become U+FFFD."""
+        text, run = [], []
+        for i in _id_list(ids):
+            if i != self.eos_id:
+                run.append(i)
+                continue
+            text.append(bytes(run).decode("utf-8", errors="replace"))
+            run = []
+            if not skip_special_tokens:
+                text.append(self.end_of_text)
+        return "".join(text) + bytes(run).decode("utf-8", errors="replace")
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.name})
+        saved = {"kind": self.name}
+        if self.end_of_text is not None:
+            saved["end_of_text"] = self.end_of_text
+        return json.dumps(saved)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json(), encoding="utf-8")
+
+
+def own_config(end_of_text: str) -> TokenizerConfig:
+    """The special tokens of a tokenizer made here: `END_OF_TEXT` begins and ends a text, as
+    GPT-2's tokenizer declares it (BOS and EOS the same token)."""
+    return TokenizerConfig(bos_token=end_of_text, eos_token=end_of_text)
+
+
+def document_separator(tokenizer) -> np.ndarray:
+    """What ends a document in a text stream or a record: the end-of-text id, or (a tokenizer
+    saved without one) the ids of a blank line."""
+    eos = tokenizer.eos_id
+    return np.array([eos], dtype=np.int64) if eos is not None else tokenizer.encode(BLANK_LINE).astype(np.int64)
 
 
 def _byte_level(model: models.BPE) -> Tokenizer:
@@ -94,22 +145,35 @@ def _byte_level(model: models.BPE) -> Tokenizer:
 
 
 def _bpe_trainer(vocab_size: int) -> trainers.BpeTrainer:
+    """A trainer for ``vocab_size`` tokens in all: the byte alphabet, the merges, and `END_OF_TEXT`
+    (added after training, so the merges get one id less)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet):
+    if vocab_size < len(alphabet) + 1:
         raise UserError(
-            f"--vocab-size {vocab_size} is below {len(alphabet)}, the byte alphabet "
-            f"that BPE starts from; use {len(alphabet)} or more."
+            f"--vocab-size {vocab_size} is below {len(alphabet) + 1}, the byte alphabet that BPE "
+            f"starts from and its end-of-text token; use {len(alphabet) + 1} or more."
         )
-    return trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+    return trainers.BpeTrainer(vocab_size=vocab_size - 1, initial_alphabet=alphabet, show_progress=False)
+
+
+def _with_end_of_text(tokenizer: Tokenizer) -> Tokenizer:
+    """`END_OF_TEXT` added after training, as the last id (where GPT-2 has it): the merges never
+    learn to build it from bytes, and the text spelling it encodes to it alone."""
+    tokenizer.add_special_tokens([AddedToken(END_OF_TEXT, special=True, normalized=False)])
+    return tokenizer
 
 
 class BPETokenizer:
-    """Byte-level BPE from the `tokenizers` library, with an optional `TokenizerConfig`."""
+    """Byte-level BPE from the `tokenizers` library, with an optional `TokenizerConfig`. One trained
+    here carries `END_OF_TEXT`, and without a config of its own declares it (`own_config`)."""
 
     name = "bpe"
 
     def __init__(self, tokenizer: Tokenizer, config: TokenizerConfig | None = None):
         self._tokenizer = tokenizer
+        if config is None and END_OF_TEXT in {t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                              if t.special}:
+            config = own_config(END_OF_TEXT)
         self.config = config
 
     @classmethod
@@ -117,7 +181,7 @@ class BPETokenizer:
         trainer = _bpe_trainer(vocab_size)
         tokenizer = _byte_level(models.BPE())
         tokenizer.train([str(f) for f in files], trainer)
-        return cls(tokenizer)
+        return cls(_with_end_of_text(tokenizer))
 
     @classmethod
     def train_from_texts(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -125,7 +189,7 @@ class BPETokenizer:
         trainer = _bpe_trainer(vocab_size)
         tokenizer = _byte_level(models.BPE())
         tokenizer.train_from_iterator(texts, trainer)
-        return cls(tokenizer)
+        return cls(_with_end_of_text(tokenizer))
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
@@ -170,8 +234,8 @@ class BPETokenizer:
         either way, since the library splits added tokens out before the model sees the text."""
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=special_tokens).ids, dtype=np.int64)
 
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode(_id_list(ids))
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(_id_list(ids), skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         # The library's own format; its "model.type" of "BPE" marks the kind.
@@ -187,6 +251,12 @@ class BPETokenizer:
             sidecar.unlink(missing_ok=True)
 
 
+def until_end(tokenizer, ids: list[int]) -> list[int]:
+    """``ids`` up to (without) the first end-of-text id: where a generated text ends."""
+    eos = tokenizer.eos_id
+    return ids[:ids.index(eos)] if eos is not None and eos in ids else ids
+
+
 def load_tokenizer(path: str | Path) -> ByteTokenizer | BPETokenizer:
     """Read back a tokenizer written by `save`."""
     path = Path(path)
@@ -197,7 +267,7 @@ def load_tokenizer(path: str | Path) -> ByteTokenizer | BPETokenizer:
     except (UnicodeDecodeError, json.JSONDecodeError):
         data = None
     if isinstance(data, dict) and data.get("kind") == ByteTokenizer.name:
-        return ByteTokenizer()
+        return ByteTokenizer(end_of_text=data.get("end_of_text"))
     if isinstance(data, dict) and (data.get("model") or {}).get("type") == "BPE":
         return BPETokenizer.load(path)
     raise UserError(f"{path} is not a saved byte or BPE tokenizer; give the tokenizer.json a training run saved.")

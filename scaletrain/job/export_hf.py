@@ -8,11 +8,15 @@ same function as ours:
     model.safetensors        every tensor under the folder's names (a tied head once:
                              transformers ties it back); past ``SHARD_BYTES``,
                              model-0000i-of-0000n.safetensors and their index
-    generation_config.json   the special tokens and the longest sequence
-    tokenizer.json, tokenizer_config.json
+    generation_config.json   the special tokens' ids: ``generate`` stops at the EOS
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
                              the run's tokenizer: a base folder's own files as they
                              were; a BPE the run trained; or, for a byte-level run,
-                             a byte-level BPE without merges whose ids are the bytes
+                             a byte-level BPE without merges whose ids are the bytes,
+                             the end-of-text token id 256. A tokenizer made here
+                             declares its end-of-text token as BOS and EOS (as
+                             GPT-2's does), so lm-evaluation-harness's ``hf``
+                             backend finds its prefix token with no model args
 
 The checkpoint is read whole as one device would hold it (train/checkpoint.py
 gathers any layout: ZeRO shards, tp slices, pipeline stages), a LoRA
@@ -36,7 +40,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from scaletrain.config import load_run_config
 from scaletrain.data.chat import ChatTemplate
@@ -56,6 +60,7 @@ from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.paths import writable_dir
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -116,14 +121,17 @@ def write_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def byte_tokenizer() -> Tokenizer:
+def byte_tokenizer(tokenizer: ByteTokenizer) -> Tokenizer:
     """Our byte tokenizer as a tokenizers-library file: a BPE without merges over the byte-level
-    alphabet, each byte's id its value, so transformers' tokenizer gives our ids."""
+    alphabet, each byte's id its value, and the end-of-text token (if it has one) added as a
+    special token at id 256, so transformers' tokenizer gives our ids."""
     vocab = {char: byte for byte, char in _byte_to_char().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
+    exported = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    exported.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    exported.decoder = decoders.ByteLevel()
+    if tokenizer.end_of_text is not None:
+        exported.add_special_tokens([AddedToken(tokenizer.end_of_text, special=True, normalized=False)])
+    return exported
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -146,23 +154,34 @@ def write_tokenizer(run_dir: Path, folder: Path) -> dict:
             if (Path(base) / name).is_file():
                 shutil.copyfile(Path(base) / name, folder / name)
         source_config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
-        return {key: source_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-                if source_config.get(key) is not None}
+        return {key: source_config[key] for key in SPECIAL_IDS if source_config.get(key) is not None}
     tokenizer = run_tokenizer(run_dir)
-    if isinstance(tokenizer, ByteTokenizer):
-        byte_tokenizer().save(str(folder / "tokenizer.json"))
-    else:
-        (folder / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+    exported = byte_tokenizer(tokenizer) if isinstance(tokenizer, ByteTokenizer) else \
+        Tokenizer.from_str(tokenizer.to_json())
+    exported.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     special = tokenizer.config
-    if special is not None:
-        config.update({name: value for name, value in (("bos_token", special.bos_token),
-                                                       ("eos_token", special.eos_token),
-                                                       ("pad_token", special.pad_token)) if value is not None})
+    named = {} if special is None else {name: value for name, value in (("bos_token", special.bos_token),
+                                                                       ("eos_token", special.eos_token),
+                                                                       ("pad_token", special.pad_token))
+                                        if value is not None}
+    config.update(named)
     if load_run_config(run_dir).data.sft:  # the template the answers were trained in, for apply_chat_template
         config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return {}
+    (folder / "special_tokens_map.json").write_text(json.dumps(named, indent=2))
+    return {f"{name}_id": exported.token_to_id(value) for name, value in named.items()}
+
+
+def generation_config(run_dir: Path, special: dict) -> dict:
+    """generation_config.json: a base folder's own (Llama 3's several EOS ids among it), else the
+    special ids, so that ``generate`` stops at the EOS. No ``max_length``: a caller's
+    ``max_new_tokens`` is then the only limit, without transformers' warning that both are set."""
+    base = load_run_config(run_dir).data.tokenizer_from
+    source = Path(base) / "generation_config.json" if base and is_hf_folder(Path(base)) else None
+    generation = json.loads(source.read_text(encoding="utf-8")) if source and source.is_file() else {}
+    generation.pop("max_length", None)
+    return {**special, **{key: value for key, value in generation.items() if key != "transformers_version"}}
 
 
 @contextmanager
@@ -201,8 +220,7 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, force: bool 
         config = {**family.hf.config_to_hf(family_cfg), **special}
         config["torch_dtype"] = DTYPE_NAMES[next(iter(tensors.values())).dtype]
         (partial / "config.json").write_text(json.dumps(config, indent=2))
-        generation = {"max_length": family_cfg.positions, **special}
-        (partial / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        (partial / "generation_config.json").write_text(json.dumps(generation_config(run_dir, special), indent=2))
         write_weights(tensors, partial)
     return Exported(path=target, step=step, tensors=len(tensors),
                     parameters=sum(t.numel() for t in tensors.values()),

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.data.chat import ChatTemplate
-from scaletrain.data.sources import separator_ids
+from scaletrain.data.tokenizer import document_separator
 from scaletrain.errors import UserError
 from scaletrain.job.eval_tasks import require_lm_eval
 from scaletrain.models.decoder import sample_next
@@ -120,7 +120,7 @@ class ScaletrainLM(TemplateLM):
         self.bos_text = config.bos_token if config is not None else None
         bos = _special_id(tokenizer, self.bos_text)
         eos = tokenizer.eos_id
-        self._prefix = bos if bos is not None else eos if eos is not None else int(separator_ids(tokenizer)[-1])
+        self._prefix = bos if bos is not None else eos if eos is not None else int(document_separator(tokenizer)[-1])
         # The prefix token's text, special tokens spelled out (as the hf backend decodes it): a string
         # that begins with it gets no special tokens added.
         self._prefix_text = self.bos_text if bos is not None else config.eos_token if eos is not None \

@@ -27,6 +27,7 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.data.batches import IGNORE_INDEX
+from scaletrain.data.tokenizer import until_end
 from scaletrain.finetune.sliced import FolderSource, folder_source
 from scaletrain.job.base_model import start_from_base
 from scaletrain.job.data_setup import PreparedData, open_data
@@ -236,10 +237,11 @@ class Trainer:
             return None
         window = self.data.val.get(0, 1)[0]
         t = self.cfg.train
-        continuation = generate(self.layout, line_prompt(tokenizer, window[0])[None], self.cfg.run.sample_tokens,
-                                context=self.cfg.data.seq_len, vocab=self.prepared.vocab_size, precision=t.precision,
-                                seed=t.seed)
-        return tokenizer.decode(continuation[0].tolist())
+        prompt = line_prompt(tokenizer, window[0])
+        written = generate(self.layout, prompt[None], self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
+                           vocab=self.prepared.vocab_size, precision=t.precision, seed=t.seed)[0].tolist()
+        # The sample ends where the model ends its document: past the end-of-text token lies another.
+        return tokenizer.decode(written[:len(prompt)] + until_end(tokenizer, written[len(prompt):]))
 
     def save(self, step: int) -> Path:
         return self.stepper.save_checkpoint(step, keep_last=self.cfg.run.keep_last)

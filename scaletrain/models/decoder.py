@@ -136,11 +136,17 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``new_tokens`` continuations of ``idx`` [batch, seq]."""
+                 top_k: int | None = 50, generator: torch.Generator | None = None,
+                 stop_id: int | None = None) -> torch.Tensor:
+        """Sample up to ``new_tokens`` continuations of ``idx`` [batch, seq]; sooner once every row
+        has written ``stop_id`` (the end-of-text id), as there is nothing left to say."""
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(new_tokens):
             logits = self(idx[:, -self.cfg.positions:])[:, -1, :self.cfg.vocab_size]
             idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
+            done |= idx[:, -1] == stop_id
+            if stop_id is not None and bool(done.all()):
+                break
         return idx
 
 

@@ -107,7 +107,7 @@ def run_vocab(cfg: Config) -> int:
     byte tokenizer's, or the BPE's asked-for size (an upper bound of what it learns)."""
     if cfg.model.n_vocab:
         return cfg.model.n_vocab
-    return ByteTokenizer.vocab_size if cfg.data.tokenizer == "byte" and not cfg.data.tokenizer_from \
+    return ByteTokenizer().vocab_size if cfg.data.tokenizer == "byte" and not cfg.data.tokenizer_from \
         else cfg.data.vocab_size
 
 

@@ -24,10 +24,13 @@ PROMPT_CHARS = 48
 
 
 def line_prompt(tokenizer, window: torch.Tensor) -> torch.Tensor:
-    """The first ``PROMPT_CHARS`` characters from the start of a line of ``window``'s text."""
-    text = tokenizer.decode(window.tolist())
-    start = text.find("\n") + 1  # begin at a line, not mid-word
-    if start > len(text) // 2:  # no line break early enough: take the window as it is
+    """The first ``PROMPT_CHARS`` characters from the start of a line or a document of ``window``'s
+    text (special tokens spelled out, so that an end-of-text token inside stays one)."""
+    text = tokenizer.decode(window.tolist(), skip_special_tokens=False)
+    end = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False) if tokenizer.eos_id is not None else None
+    # begin where a line or a document begins, not mid-word
+    start = min((text.find(mark) + len(mark) for mark in ("\n", end) if mark and mark in text), default=0)
+    if start > len(text) // 2:  # no line or document begins early enough: take the window as it is
         start = 0
     return torch.tensor(tokenizer.encode(text[start:start + PROMPT_CHARS]), dtype=torch.long)
 

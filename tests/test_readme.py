@@ -183,6 +183,7 @@ RUNS = {
     "runs/sft": ("scaletrain finetune --from HF_DIR --data alpaca.json --sft --lora-rank 16",
                  f"--steps 2 --seq-len 64 --out runs/sft {SMALL}"),
     "sft-adapter": ("scaletrain export --from runs/sft --to sft-adapter --format peft", ""),
+    "a-hf": ("scaletrain export --from runs/a --to a-hf --format hf", ""),
     "prepared": ("scaletrain prepare --data corpus.jsonl --text-field body --out prepared/ --workers 8", "--workers 2"),
 }
 
@@ -264,6 +265,9 @@ EXAMPLES = [
     Example("scaletrain bench load --model tinyllama-1.1b --nproc 2 --tp 2", "--model llama-tiny",
             says=("ours / peer",)),
     Example('scaletrain generate --from runs/a --prompt "def "', "--tokens 20", needs=("runs/a",), says=("def ",)),
+    Example(*RUNS["a-hf"], needs=("runs/a",), writes=("a-hf/generation_config.json", "a-hf/special_tokens_map.json")),
+    Example("lm_eval --model hf --model_args pretrained=a-hf --tasks my_mc --include_path tasks/",
+            needs=("a-hf", "tasks"), says=("my_mc",)),
     Example('scaletrain generate --from runs/sft --chat --prompt "Name a fox."', "--tokens 20", needs=("runs/sft",)),
     Example("scaletrain parity --nproc 2 --dp 2", "--steps 2", says=("PASS",)),
     _train("torchrun --nproc-per-node 8 -m scaletrain train --dp 8", slow=True),

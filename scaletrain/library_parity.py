@@ -17,7 +17,8 @@ m of rank r of the R ranks that read different samples holding rows
 ``(m*R + r)*B ... +B`` of the global batch (the reference's micro-batch m is
 their union). The steps' losses and gradient norms, and the final weights read
 from both runs' checkpoints into full tensors, must agree within
-``tolerance``. The three callables are pickled into the workers: define them at
+``tolerance`` (by default the command's for the ``precision`` option: 1e-5 in fp32, 1e-2 in
+bf16, fp16 and fp8). The three callables are pickled into the workers: define them at
 a module's top level (a script's, under ``if __name__ == "__main__":``).
 
 Dropout: a layout draws other masks than one process (each rank draws its
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.commands.parity import ParityReport, relative_diffs
+from scaletrain.commands.parity import ParityReport, default_tolerance, relative_diffs
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.library import setup
 from scaletrain.library_checks import engine_config
@@ -82,16 +83,17 @@ def _run(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tupl
 
 
 def check_parity(make_model: Callable[[], nn.Module], global_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 loss_fn: Callable | None = None, *, nproc: int, steps: int = 3, tolerance: float = 1e-5,
+                 loss_fn: Callable | None = None, *, nproc: int, steps: int = 3, tolerance: float | None = None,
                  plan: Any = None, seq_len: int | None = None, dropout: bool = False, sync_batchnorm: bool = False,
                  **options: Any) -> ParityReport:
     """The layout of ``options`` on ``nproc`` processes against one process (module docstring);
     ``dropout``: keep the model's dropout rather than switch it off in both runs;
     ``sync_batchnorm``: `setup`'s, in both runs."""
+    cfg = engine_config(options)
+    tolerance = default_tolerance(cfg.train.precision) if tolerance is None else tolerance
     if nproc < 1 or steps < 1 or tolerance <= 0:
         raise UserError(f"check_parity needs nproc >= 1, steps >= 1 and a positive tolerance, not nproc={nproc}, "
                         f"steps={steps}, tolerance={tolerance}.")
-    cfg = engine_config(options)
     micro, _ = cfg.parallel.pipeline_sizes()
     delayed = cfg.parallel.pp_schedule == PIPEDREAM_2BW
     reference = {**options, **LAYOUT_OPTIONS, "grad_accum": cfg.train.grad_accum * micro,

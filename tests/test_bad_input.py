@@ -225,6 +225,14 @@ CASES = [
     case("finetune-hf-without-weights", ["--from", "{tmp}/gpt2"], "holds no model.safetensors",
          {"gpt2/config.json": GPT2_CONFIG, "gpt2/vocab.json": b'{"a": 0, "b": 1}', "gpt2/merges.txt": b""},
          command="finetune"),
+    # adapters adapt a base: without --from they would train every weight of a fresh model
+    case("lora-without-base", ["--lora-rank", "4"], "--lora-rank adapts a base model, and there is none without "
+         "--from: add --from BASE (a run folder or a Hugging Face model folder), or drop --lora-rank."),
+    case("qlora-without-base", ["--lora-rank", "4", "--quantize", "nf4", "--lora-targets", "qkv"],
+         "--lora-rank, --lora-targets and --quantize adapt a base model"),
+    case("lora-alpha-without-base", ["--lora-alpha", "8"], "or drop --lora-alpha."),
+    case("parity-lora-without-base", ["--nproc", "2", "--lora-rank", "4", "--zero", "3"],
+         "--lora-rank adapts a base model", command="parity"),
     # TOML
     case("config-missing", ["--config", "{tmp}/nowhere.toml"], "does not exist; give the path of a TOML file"),
     case("config-syntax", ["--config", "{tmp}/run.toml"], "is not valid TOML", {"run.toml": b"steps = = 3\n"}),

@@ -145,3 +145,34 @@ def test_best_fit_decreasing_leaves_under_one_percent_of_rows_empty(count, longe
     rows = np.split(sizes[items], row_starts[1:-1])
     assert max(row.sum() for row in rows) <= 128
     assert sizes.sum() / ((len(row_starts) - 1) * 128) > 0.99
+
+
+def test_cut_examples_left_without_an_answer_are_counted_apart(examples):
+    """``emptied``: the cut examples none of whose kept targets is trained, as their rows show."""
+    tokens, starts, mask = examples
+    batches = SequenceBatches(tokens, starts, mask, SEQ, pack=False, shuffle=False)
+    _, targets = all_rows(batches)
+    cut = np.diff(starts) - 1 > SEQ
+    untrained = (targets == IGNORE_INDEX).all(dim=1).numpy()
+    assert batches.emptied == int((cut & untrained).sum()) > 0 and batches.truncated == int(cut.sum())
+    assert batches.emptied < batches.truncated  # some cut examples keep part of their answer
+
+
+def test_the_cut_sentence_says_how_many_cut_examples_train_nothing():
+    """Four examples cut to 8 pairs (targets at positions 1..8): answers from position 8 (one target
+    kept), 9 and 10 (none), 1 (all); a fifth that fits. Plain text has no answers to lose."""
+    lengths, answer_from = [12, 12, 12, 12, 5], [8, 9, 10, 1, 3]
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    mask = np.zeros(starts[-1], np.uint8)
+    for start, end, first in zip(starts[:-1], starts[1:], answer_from):
+        mask[start + first:end] = 1
+    tokens = np.arange(1, starts[-1] + 1)
+    batches = SequenceBatches(tokens, starts, mask, 8, pack=True)
+    assert (batches.truncated, batches.emptied) == (4, 2)
+    assert batches.cut_sentence() == ("4 examples longer than --seq-len 8 were cut to fit; 2 of them lost every "
+                                      "answer token and train nothing.")
+    assert batches.cut_sentence("validation") == ("4 validation examples longer than --seq-len 8 were cut to fit; 2 "
+                                                  "of them lost every answer token and count in no validation loss.")
+    plain = SequenceBatches(tokens, starts, None, 8, pack=True)
+    assert plain.emptied == 0 and plain.cut_sentence() == "4 examples longer than --seq-len 8 were cut to fit."
+    assert SequenceBatches(tokens, starts, mask, 11, pack=True).cut_sentence() == ""

@@ -196,6 +196,7 @@ def test_the_search_space_holds_each_grid_and_draw():
     (["--grid", "lr=1e-3", "--metric", "val_loss"], "--eval-every 0 never measures"),
     (["--grid", "lr=1e-3", "--nproc", "2"], "a sweep's trials are one process each"),
     (["--grid", "lr=1e-3,-1"], "--lr must be positive"),
+    (["--grid", "lora_rank=0,8"], "--lora-rank adapts a base model, and there is none without --from"),
     ([], "a sweep needs something to vary"),
 ])
 def test_sweep_mistakes_are_one_sentence_before_any_trial(corpus, tmp_path, capsys, flags, sentence):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.commands.cli import main
 from scaletrain.commands.parity import run_parity
 from scaletrain.config import Config
 from scaletrain.job.data_setup import open_data, prepare_data
@@ -104,3 +105,26 @@ def test_packed_sft_resumes_in_another_layout_as_if_never_stopped(sft_cfg):
     again_cfg = base.replace(nproc=2, cp=2, micro_batch=4, resume=True)
     again = run_distributed(train_and_save, 2, again_cfg, spec, None, timeout_s=300)[0]
     assert again == pytest.approx(straight[2:], rel=1e-5)
+
+
+@pytest.mark.numerics
+def test_steps_whose_every_answer_was_cut_off_pass_as_untrained(tmp_path, capsys):
+    """The issue's `scaletrain parity --sft --seq-len 64 --nproc 2 --dp 2` on chats most of whose answers
+    the cut leaves out: the steps that trained no token (loss 0 in both runs) are reported, not divided
+    by, the others compared as ever; the run says how many examples lost every answer token."""
+    chats = tmp_path / "chat.jsonl"
+    with open(chats, "w", encoding="utf-8") as f:
+        for i in range(20):  # every 8th question short enough for its answer to fit
+            question = "what did the cat see " * (1 if i % 8 == 0 else 12)
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": "a mat"}]}) + "\n")
+    code = main(["parity", "--model", "llama-tiny", "--data", str(chats), "--sft", "--tokenizer", "byte",
+                 "--seq-len", "64", "--nproc", "2", "--dp", "2", "--micro-batch", "1", "--steps", "3",
+                 "--cache-dir", str(tmp_path / "cache"), "--json"])
+    printed = capsys.readouterr().out.splitlines()
+    report = json.loads(printed[-1])
+    assert code == 0 and report["pass"], report
+    untrained = [step for step, loss in enumerate(report["reference_losses"], start=1) if loss == 0]
+    assert report["untrained_steps"] == untrained and untrained  # at most one row of the 3 steps' 6 trains
+    assert ("16 examples longer than --seq-len 64 were cut to fit; 16 of them lost every answer token and train "
+            "nothing.") in printed

@@ -138,7 +138,7 @@ def run(cfg: Config, names_text: str | None, warmup: int, gpu_memory: int | None
     rungs = ladder(cfg.train.micro_batch, cfg.parallel.nproc)
     names = selected(names_text, rungs)
     base = cfg.replace(nproc=1, dp=None, report_memory=True, resume=False, progress=False)
-    configs = {name: as_finetune(base.replace(**rungs[name])) for name in names}  # --from: its model
+    configs = {name: _rung_config(base.replace(**rungs[name])) for name in names}
     for config in configs.values():
         check_values(config)
     first = configs[names[0]]
@@ -159,6 +159,13 @@ def run(cfg: Config, names_text: str | None, warmup: int, gpu_memory: int | None
             "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
                       "steps": t.steps, "warmup": warmup},
             "rungs": rows, **_against_the_first(rows)}
+
+
+def _rung_config(cfg: Config) -> Config:
+    """A rung as it runs: with --from, its base's model and the adapters checked against it;
+    without, the adapter rungs' base is the preset's initial weights, written when they run
+    (`_write_base`)."""
+    return as_finetune(cfg) if cfg.finetune.base else cfg
 
 
 def _against_the_first(rows: dict[str, dict]) -> dict[str, Any]:

@@ -12,9 +12,10 @@ The gradient norm is checked on its own because a layout spreads gradients
 over ranks (slices, shards, stages, replicas) and must count every element
 exactly once; a norm counted wrong clips by the wrong factor, which the loss
 shows only once clipping is active. The layout passes when the largest loss
-and norm differences and the parameter difference are within the tolerance (1e-5 by default: fp32 sums taken in
-another order differ by a few ulps per step, and a wrong gradient shows up as
-1e-3 or more within a step or two). Parameters come from the final
+and norm differences and the parameter difference are within the tolerance, whose default
+follows the precision: 1e-5 in fp32, whose sums taken in another order differ by a few ulps per
+step (a wrong gradient shows up as 1e-3 or more within a step or two), and 1e-2 in bf16, fp16 and
+fp8, where rounding every output to 16 bits sets it. Parameters come from the final
 checkpoints, read into full tensors whatever layout wrote them, so the same
 check serves every strategy. PipeDream-2BW's update lags a step by design, so
 its layouts are compared with one device applying the same 1-stale update
@@ -30,6 +31,12 @@ an element's noise by 1e-9 and its step by up to 1e-5 absolute: alone in a
 tensor while the model as a whole differs by 1e-6. The per-tensor figures are
 still reported (``worst_tensor``), and a real error still shows: a wrong
 gradient moves every element of its tensor by up to the learning rate per step.
+
+A step whose global batch holds no trained token (instruction data whose every answer
+``--too-long truncate`` cut off) has loss 0 and gradient norm 0, and no ratio: where both runs
+trained nothing the step is reported as such and differs by nothing; where only the reference
+trained nothing, the layout trained tokens one device did not, and the step fails, its difference
+infinite.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ from scaletrain.runtime.launch import detect_environment
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
 
+# fp32: sums taken in another order, a few ulps apart; bf16, fp16 and fp8: every output rounded to 16 bits.
+FP32_TOLERANCE, LOW_PRECISION_TOLERANCE = 1e-5, 1e-2
+
 
 @dataclass
 class ParityReport:
@@ -70,7 +80,13 @@ class ParityReport:
 
     @property
     def loss_rel_diffs(self) -> list[float]:
-        return [abs(a - b) / abs(b) for a, b in zip(self.layout_losses, self.reference_losses)]
+        return [rel_diff(a, b) for a, b in zip(self.layout_losses, self.reference_losses)]
+
+    @property
+    def untrained_steps(self) -> list[int]:
+        """The steps (from 1) at which neither run trained a token: loss 0 in both."""
+        return [step for step, (a, b) in enumerate(zip(self.layout_losses, self.reference_losses), start=1)
+                if a == b == 0]
 
     @property
     def max_loss_rel_diff(self) -> float:
@@ -79,8 +95,7 @@ class ParityReport:
     @property
     def grad_norm_rel_diffs(self) -> list[float]:
         """Per step; a step that updates nothing (PipeDream-2BW's first) has no norm on either side."""
-        return [0.0 if a is None and b is None else math.inf if a is None or b is None else abs(a - b) / abs(b)
-                for a, b in zip(self.layout_grad_norms, self.reference_grad_norms)]
+        return [rel_diff(a, b) for a, b in zip(self.layout_grad_norms, self.reference_grad_norms)]
 
     @property
     def max_grad_norm_rel_diff(self) -> float:
@@ -103,6 +118,19 @@ class ParityReport:
                 and max(self.max_loss_rel_diff, self.max_grad_norm_rel_diff, self.max_param_rel_diff)
                 <= self.tolerance)
 
+    @property
+    def remarks(self) -> list[str]:
+        """The notes, then what the comparison found of the steps that trained no token."""
+        said = list(self.notes)
+        if self.untrained_steps:
+            said.append(f"step(s) {', '.join(map(str, self.untrained_steps))} trained no token in either run "
+                        f"(loss 0: every answer of the global batch cut off or masked), so they have no ratio")
+        said += [f"step {step}: the reference trained no token (loss 0) but the layout's loss is {got:.6g}, so "
+                 f"the layout trained tokens one device did not"
+                 for step, (got, ref) in enumerate(zip(self.layout_losses, self.reference_losses), start=1)
+                 if ref == 0 and got != 0]
+        return said
+
     def to_json(self) -> dict:
         return {"pass": self.passed, "steps": len(self.reference_losses),
                 "max_loss_rel_diff": self.max_loss_rel_diff, "max_param_rel_diff": self.max_param_rel_diff,
@@ -110,7 +138,23 @@ class ParityReport:
                 "tolerance": self.tolerance, "layout": self.layout,
                 "worst_tensor": dict(zip(("name", "rel_diff"), self.worst_tensor)),
                 "reference_losses": self.reference_losses, "layout_losses": self.layout_losses,
-                "notes": list(self.notes)}
+                "untrained_steps": self.untrained_steps, "notes": self.remarks}
+
+
+def rel_diff(got: float | None, ref: float | None) -> float:
+    """|got - ref| / |ref|, one step's figure for a loss or a gradient norm. Both absent (a step that
+    updates nothing) or both 0 (a step that trained no token) differ by nothing; the reference's
+    alone absent or 0 leaves the layout's value unexplained: an infinite difference."""
+    if got == ref and not ref:
+        return 0.0
+    if got is None or not ref:
+        return math.inf
+    return abs(got - ref) / abs(ref)
+
+
+def default_tolerance(precision: str) -> float:
+    """The tolerance within which a run of ``precision`` follows its reference (module docstring)."""
+    return FP32_TOLERANCE if precision == "fp32" else LOW_PRECISION_TOLERANCE
 
 
 DEFAULTS = Config().replace(name=TINY_PRESET, steps=10, seq_len=64, micro_batch=4, warmup_steps=2, eval_every=0,
@@ -125,8 +169,10 @@ def add_parser(commands) -> None:
                     "0 when they agree within --tolerance, 1 when they do not. Defaults differ from "
                     f"train: --model {TINY_PRESET} --steps 10 --seq-len 64 --micro-batch 4 --cache-dir runs/.cache.")
     add_config_flags(parity)
-    parity.add_argument("--tolerance", type=float, default=1e-5,
-                        help="largest relative difference allowed, per step and per tensor [1e-05]")
+    parity.add_argument("--tolerance", type=float, default=None,
+                        help=f"largest relative difference allowed, per step and of the final weights [by "
+                             f"--precision: {FP32_TOLERANCE:g} for fp32, {LOW_PRECISION_TOLERANCE:g} for bf16, fp16 "
+                             f"and fp8]")
     parity.add_argument("--json", action="store_true", help="print one JSON object")
     parity.set_defaults(handler=run)
 
@@ -167,12 +213,15 @@ def reference_config(cfg: Config, dims: ParallelDims, out: Path) -> Config:
     return reference
 
 
-def run_parity(cfg: Config, tolerance: float) -> ParityReport:
+def run_parity(cfg: Config, tolerance: float | None = None) -> ParityReport:
+    """``cfg``'s layout against one device, within ``tolerance`` (None: its precision's, `default_tolerance`)."""
     cfg = as_finetune(cfg)
     check_here(cfg, "parity")
     env = detect_environment()
     if env.world_size > 1:
         raise UserError("parity starts its own processes; run it with --nproc N, not under a launcher.")
+    if tolerance is None:
+        tolerance = default_tolerance(cfg.train.precision)
     if tolerance <= 0:
         raise UserError(f"--tolerance must be positive, not {tolerance}.")
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
@@ -214,13 +263,15 @@ def format_table(report: ParityReport) -> str:
     the final weights' difference, PASS or FAIL (``scaletrain.format_parity``)."""
     lines = [f"parity: {report.layout} against one device, tolerance {report.tolerance:g}",
              f"{'step':>5}  {'reference loss':>16}  {'layout loss':>16}  {'rel diff':>10}  {'grad norm diff':>14}"]
+    untrained = set(report.untrained_steps)
     for step, (ref, got, diff, norm_diff) in enumerate(zip(report.reference_losses, report.layout_losses,
                                                            report.loss_rel_diffs, report.grad_norm_rel_diffs),
                                                        start=1):
-        lines.append(f"{step:>5}  {ref:>16.10f}  {got:>16.10f}  {diff:>10.2e}  {norm_diff:>14.2e}")
+        shown = "no tokens" if step in untrained else f"{diff:.2e}"
+        lines.append(f"{step:>5}  {ref:>16.10f}  {got:>16.10f}  {shown:>10}  {norm_diff:>14.2e}")
     worst, worst_diff = report.worst_tensor
     lines.append(f"final parameters: relative difference {report.max_param_rel_diff:.2e} "
                  f"(largest for one tensor: {worst_diff:.2e}, {worst})")
-    lines += [f"note: {note}" for note in report.notes]
+    lines += [f"note: {note}" for note in report.remarks]
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)

@@ -45,6 +45,7 @@ from scaletrain.config import (
 )
 from scaletrain.config_checks import check_values
 from scaletrain.errors import UserError
+from scaletrain.job.base_model import check_adapters_have_base
 from scaletrain.job.trackers import end_mlflow_run, open_experiment
 from scaletrain.job.trackers import names as tracker_names
 
@@ -152,7 +153,9 @@ def check_sweep(cfg: Config, args: argparse.Namespace, space: dict[str, Any]) ->
     points = [list(domain["grid_search"]) if isinstance(domain, dict) else [domain.lower, domain.upper]
               for domain in space.values()]
     for values in itertools.product(*points):
-        check_values(cfg.replace(**dict(zip(space, values))))
+        trial = cfg.replace(**dict(zip(space, values)))
+        check_values(trial)
+        check_adapters_have_base(trial.finetune)
 
 
 def run_sweep(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:

@@ -43,6 +43,8 @@ from scaletrain.errors import UserError
 TOO_LONG = ("truncate", "refuse")
 # Tokens of mask read at a time when counting trained targets.
 _MASK_CHUNK = 1 << 24
+# What an example cut down to no trained target no longer does, in each split.
+_EMPTIED_DO = {"train": "train nothing", "validation": "count in no validation loss"}
 
 
 def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +87,8 @@ class SequenceBatches(_Batches):
     ``get`` returns (inputs, targets), and with ``pack`` also ``documents``, all int64
     [count, seq_len]. ``documents`` (a range of example numbers) picks the examples, for a
     training/validation split. An example longer than ``seq_len`` pairs keeps its first
-    ``seq_len`` (counted in ``truncated``) or, with ``too_long="refuse"``, stops the run.
+    ``seq_len`` (counted in ``truncated``, those of them left with no trained target in
+    ``emptied``) or, with ``too_long="refuse"``, stops the run.
     """
 
     every_target_trained = False
@@ -110,6 +113,7 @@ class SequenceBatches(_Batches):
             raise UserError(f"{int(longer.sum())} examples are longer than --seq-len {seq_len} (the longest needs "
                             f"{int(pairs.max())}); raise --seq-len or pass --too-long truncate.")
         self.truncated = int(longer.sum())
+        self._cut = np.flatnonzero(longer)
         self._kept = np.minimum(pairs, seq_len)
         self._first = starts[chosen]
         if pack:
@@ -122,11 +126,32 @@ class SequenceBatches(_Batches):
 
     @cached_property
     def trained_tokens(self) -> int:
-        """Targets the loss counts, over every example once. The mask is read in chunks, and each
-        example's count is a difference of its running sum at the ends of its kept pairs."""
-        if self._mask is None:  # documents of plain text: every target inside them is trained
-            return int(self._kept.sum())
-        ends = np.concatenate([self._first + 1, self._first + 1 + self._kept])
+        """Targets the loss counts, over every example once."""
+        return int(self._trained_in(np.arange(len(self._first))).sum())
+
+    @cached_property
+    def emptied(self) -> int:
+        """The cut examples whose kept pairs train nothing: every answer token lay past ``seq_len``."""
+        return int((self._trained_in(self._cut) == 0).sum())
+
+    def cut_sentence(self, split: str = "train") -> str:
+        """What a run says of its examples cut to fit (none: ''), ``split`` 'train' or 'validation'."""
+        if not self.truncated:
+            return ""
+        examples = "examples" if split == "train" else f"{split} examples"
+        said = f"{self.truncated} {examples} longer than --seq-len {self._seq_len} were cut to fit"
+        if self.emptied:
+            said += f"; {self.emptied} of them lost every answer token and {_EMPTIED_DO[split]}"
+        return said + "."
+
+    def _trained_in(self, examples: np.ndarray) -> np.ndarray:
+        """Each of ``examples``' trained targets among its kept pairs. The mask is read in chunks from
+        their lowest start to their highest end, and an example's count is a difference of the running
+        sum at the ends of its kept pairs."""
+        first, kept = self._first[examples], self._kept[examples]
+        if self._mask is None or len(examples) == 0:  # plain-text documents: every kept target trains
+            return kept
+        ends = np.concatenate([first + 1, first + 1 + kept])
         order = np.argsort(ends, kind="stable")
         sorted_ends, running = ends[order], np.zeros(len(ends), dtype=np.int64)
         # running[i] counts the trained positions from the lowest end up to ends[i], excluded.
@@ -136,7 +161,7 @@ class SequenceBatches(_Batches):
             inside = slice(*np.searchsorted(sorted_ends, [chunk, chunk + _MASK_CHUNK], side="right"))
             running[order[inside]] = total + sums[sorted_ends[inside] - chunk - 1]
             total += int(sums[-1])
-        return int((running[len(self._first):] - running[: len(self._first)]).sum())
+        return running[len(first):] - running[: len(first)]
 
     def _gather(self, items: torch.Tensor) -> tuple[torch.Tensor, ...]:
         shape = (len(items), self._seq_len)

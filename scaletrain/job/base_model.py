@@ -24,7 +24,8 @@ says otherwise is refused; a ``--lora-dropout`` of the user's own stands, as
 it shapes training only), and its A and B replace the fresh adapters' initial
 values as soon as they are added, before any wrapper sees them. A flag counts
 as given when it differs from its default: the configuration keeps values,
-not where they came from.
+not where they came from. Without ``--from`` there is no base to adapt, and a ``--lora-*`` or
+``--quantize`` flag is refused rather than left to train every weight of a fresh model.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ from scaletrain.train.checkpoint import read_model_tensors
 INHERITED = ("name", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta", "rope_scaling",
              "tie_embeddings", "sliding_window", "vocab_multiple", "moe_experts", "moe_top_k", "moe_every", "bias",
              "norm_eps", "n_positions", "n_vocab", "tokenizer", "vocab_size", "seq_len")
+# The flags of adapters over a base, by field (--adapter's own check is config_checks.py's).
+ADAPTER_FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout",
+                 "lora_targets": "--lora-targets", "quantize": "--quantize"}
 
 
 def base_checkpoint(finetune: FinetuneConfig) -> Path:
@@ -64,7 +68,8 @@ def base_checkpoint(finetune: FinetuneConfig) -> Path:
 
 def as_finetune(cfg: Config) -> Config:
     """``cfg`` with the model, tokenizer and sequence length of its ``--from`` base run,
-    its layout checked; ``cfg`` as it is when it has no base."""
+    its layout checked; ``cfg`` as it is when it has no base, and asks for no adapters."""
+    check_adapters_have_base(cfg.finetune)
     if not cfg.finetune.base:
         return cfg
     cfg = with_base(cfg)
@@ -72,6 +77,17 @@ def as_finetune(cfg: Config) -> Config:
         cfg = with_adapter(cfg)
     check_layout(cfg)
     return cfg
+
+
+def check_adapters_have_base(finetune: FinetuneConfig) -> None:
+    """One sentence for adapter flags given without a base (module docstring)."""
+    default = FinetuneConfig()
+    given = [flag for name, flag in ADAPTER_FLAGS.items() if getattr(finetune, name) != getattr(default, name)]
+    if given and not finetune.base:
+        named = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+        raise UserError(f"{named} {'adapts' if len(given) == 1 else 'adapt'} a base model, and there is none without "
+                        f"--from: add --from BASE (a run folder or a Hugging Face model folder), or drop "
+                        f"{named if len(given) == 1 else 'them'}.")
 
 
 def with_base(cfg: Config) -> Config:

@@ -271,8 +271,9 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
                             val_prepared=str(source_folders[-1]) if d.val_data else None, sft=d.sft,
                             pack=d.sft if d.pack is None else d.pack)
     data = open_data(prepared, cfg)  # every size and length refusal, before training
-    if isinstance(data.train, SequenceBatches) and data.train.truncated:
-        print(f"{data.train.truncated} examples longer than --seq-len {d.seq_len} were cut to fit.")
+    for split, batches in (("train", data.train), ("validation", data.val)):
+        if isinstance(batches, SequenceBatches) and batches.truncated:
+            print(batches.cut_sentence(split))
     return prepared
 
 

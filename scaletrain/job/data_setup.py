@@ -73,6 +73,8 @@ from scaletrain.paths import readable_dir, writable_dir
 
 AnyTokenizer = ByteTokenizer | BPETokenizer
 RUN_TOKENIZER = "tokenizer.json"  # in the run folder: the tokenizer its data was tokenized with
+# What a run's tokenizer is made from: a resumed run with these unchanged keeps its saved one.
+_TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "tokenizer_from", "data", "text_field", "sft")
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,11 @@ class OpenedData:
     n_classes: int = 0
 
 
-def bpe_cache_path(cache_dir: Path, vocab_size: int, files: list[Path]) -> Path:
+def bpe_cache_path(cache_dir: Path, vocab_size: int, files: list[Path], legacy: bool = False) -> Path:
     """Where the BPE of ``vocab_size`` tokens trained on ``files`` is cached: keyed by the
-    files' fingerprint, so an edited corpus gets a tokenizer of its own."""
-    return cache_dir / f"bpe-{vocab_size}-{files_fingerprint(files)[:16]}.json"
+    files' fingerprint, so an edited corpus gets a tokenizer of its own. ``legacy``: the name of
+    one trained before the end-of-text token, which a new run must not pick up."""
+    return cache_dir / f"bpe-{'' if legacy else 'eot-'}{vocab_size}-{files_fingerprint(files)[:16]}.json"
 
 
 def _legacy_run_tokenizer(cfg: Config, run_dir: Path) -> AnyTokenizer:
@@ -116,7 +119,7 @@ def _legacy_run_tokenizer(cfg: Config, run_dir: Path) -> AnyTokenizer:
         raise UserError(f"the run in {run_dir} trained its BPE on {_single_text_path(cfg)}, which is no longer there, and "
                         f"its cached tokenizer is found by that corpus; restore the corpus.") from None
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir.parent / ".cache"  # as training chose
-    path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files)
+    path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files, legacy=True)
     if not path.is_file():
         raise UserError(f"the BPE tokenizer of the run in {run_dir} is not in its cache ({path}): the corpus "
                         f"changed since training or the cache was removed; restore them as they were.")
@@ -133,6 +136,19 @@ def save_run_tokenizer(prepared: PreparedData, run_dir: Path) -> None:
     """``RUN/tokenizer.json``: a copy of the tokenizer the run's data was tokenized with."""
     if prepared.tokenizer_path is not None:
         load_tokenizer(prepared.tokenizer_path).save(run_dir / RUN_TOKENIZER)
+
+
+def resumed_tokenizer(cfg: Config) -> AnyTokenizer | None:
+    """A resumed run's own tokenizer, saved when it began: its checkpoint's ids mean those tokens,
+    whatever tokenizer a new run would make of the same flags (one saved before the end-of-text
+    token keeps its ids). None for a run that is not resumed, saved none, or whose tokenizer
+    flags now differ (a new tokenizer is made, and a checkpoint it does not fit is refused)."""
+    saved = Path(cfg.run.out) / RUN_TOKENIZER if cfg.run.resume and cfg.run.out else None
+    if saved is None or not saved.is_file():
+        return None
+    began = load_run_config(saved.parent).data
+    same = all(getattr(began, name) == getattr(cfg.data, name) for name in _TOKENIZER_FIELDS)
+    return load_tokenizer(saved) if same else None
 
 
 def tokenizer_from(source: Path) -> AnyTokenizer:
@@ -185,6 +201,8 @@ def prepare_data(cfg: Config, cache_dir: Path) -> PreparedData:
     writable_dir("--cache-dir", cache_dir)
     if cfg.data.tokenizer_from:
         bpe_path, tokenizer = None, tokenizer_from(Path(cfg.data.tokenizer_from))
+    elif resumed := resumed_tokenizer(cfg):
+        bpe_path, tokenizer = None, resumed
     else:
         bpe_path = bpe_cache_path(cache_dir, cfg.data.vocab_size, files) if cfg.data.tokenizer == "bpe" else None
         tokenizer = _tokenizer(files, cfg.data.vocab_size, bpe_path)
@@ -210,10 +228,12 @@ def prepare_data(cfg: Config, cache_dir: Path) -> PreparedData:
 
 
 def _run_tokenizer_choice(cfg: Config, record_paths: list[Path], folders: list[Path], cache_dir: Path):
-    """The tokenizer of a run on records: --tokenizer-from's, the prepared folders' own (records mixed
+    """The tokenizer of a run on records: --tokenizer-from's, a resumed run's own, the prepared folders' own (records mixed
     with them are tokenized by it too: their ids must mean the same tokens), or a new one."""
     if cfg.data.tokenizer_from:
         return tokenizer_from(Path(cfg.data.tokenizer_from))
+    if resumed := resumed_tokenizer(cfg):
+        return resumed
     if folders:
         return prepared_tokenizer(folders)
     return records_tokenizer(record_paths, cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.sft,

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from scaletrain.data import ByteTokenizer
 from scaletrain.commands.parity import run_parity
 from scaletrain.commands.train import execute, launch
 from scaletrain.config import ModelConfig
@@ -28,7 +29,7 @@ TARGETS = ["qkv", "proj", "fc"]
 
 def _gpt(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return build_model(ModelConfig(name="gpt-tiny"), vocab_size=256, seq_len=32)
+    return build_model(ModelConfig(name="gpt-tiny"), vocab_size=ByteTokenizer().vocab_size, seq_len=32)
 
 
 def test_an_adapter_starts_as_its_base_and_merges_to_the_same_function():

@@ -145,7 +145,7 @@ def test_parity_of_the_trivial_layout(tiny_cfg):
 def test_bpe_tokenizer_end_to_end(tiny_cfg):
     summary, losses = train(tiny_cfg.replace(tokenizer="bpe", vocab_size=300, steps=2, sample_tokens=5))
     assert len(losses) == 2 and summary.sample
-    tokens = list((summary.run_dir.parent / "cache").glob("bpe-300-*.json"))
+    tokens = list((summary.run_dir.parent / "cache").glob("bpe-eot-300-*.json"))
     assert len(tokens) == 1  # the trained tokenizer is cached for the next run
 
 
@@ -203,7 +203,7 @@ def test_bf16_working_weights_train_like_fp32_weights(tiny_cfg, tmp_path):
     assert bf16_weights == pytest.approx(fp32_weights, rel=1e-2)
     assert bf16_weights != fp32_weights  # the weights really were bf16
     ledger = json.loads((summary.run_dir / "memory.json").read_text())["0"]
-    numel = sum(p.numel() for p in build_model(tiny_cfg.model, vocab_size=256,
+    numel = sum(p.numel() for p in build_model(tiny_cfg.model, vocab_size=ByteTokenizer().vocab_size,
                                                seq_len=tiny_cfg.data.seq_len).parameters())
     assert ledger["params"] == 2 * numel and ledger["grads"] == 4 * numel
     assert ckpt.read_model_tensors(summary.checkpoint)["tok_emb.weight"].dtype == torch.float32

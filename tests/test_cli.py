@@ -48,8 +48,9 @@ def test_nproc_2_launch_trains_and_accounts_every_byte(corpus, tmp_path):
     assert set(ledger) == {"0", "1"}
     # gpt-tiny with the byte vocabulary: its parameters in fp32 bytes.
     from scaletrain.config import ModelConfig
+    from scaletrain.data import ByteTokenizer
     from scaletrain.models import build_model
-    model = build_model(ModelConfig(name="gpt-tiny"), vocab_size=256, seq_len=32)
+    model = build_model(ModelConfig(name="gpt-tiny"), vocab_size=ByteTokenizer().vocab_size, seq_len=32)
     param_bytes = 4 * sum(p.numel() for p in model.parameters())
     tensors = list(model.parameters()) + list(model.buffers())
     for rank in ("0", "1"):

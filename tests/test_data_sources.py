@@ -16,11 +16,13 @@ import torch
 from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.data.batches import TokenBatches
+from scaletrain.data import END_OF_TEXT, ByteTokenizer
 from scaletrain.data.mixture import BLOCK, Mixture, block_counts
 from scaletrain.data.sources import is_text_source, parse_sources
 from scaletrain.errors import UserError
 from scaletrain.job.data_setup import open_data, prepare_data
 
+BYTES = ByteTokenizer()
 TEXTS = [f"record {i}: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 4) for i in range(80)]
 TINY = ["--model", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "2", "--warmup-steps", "1",
         "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
@@ -63,8 +65,7 @@ def test_every_form_trains_on_the_same_tokens(tmp_path, make, capsys):
     cfg = Config().replace(data=str(source), seq_len=32, cache_dir=str(tmp_path / "c"), val_fraction=0.5)
     data = open_data(prepare_data(cfg, Path(cfg.data.cache_dir)), cfg)
     window = data.train.get_samples(torch.tensor([0]))[0]
-    expected = "\n\n".join(TEXTS).encode()
-    assert bytes(window[0].tolist()) in expected
+    assert BYTES.decode(window[0], skip_special_tokens=False) in END_OF_TEXT.join(TEXTS)
 
 
 def test_sources_and_weights_are_read_from_the_flag(tmp_path):
@@ -116,7 +117,7 @@ def test_mixed_sources_train_and_validate_on_their_own_held_out_parts(tmp_path, 
     cfg = Config().replace(data=[f"{a}:0.75", f"{b}:0.25"], seq_len=32, cache_dir=str(tmp_path / "c"))
     data = open_data(prepare_data(cfg, Path(cfg.data.cache_dir)), cfg)
     x, _ = data.train.get(0, BLOCK)
-    from_b = sum(bytes(row.tolist()).upper() == bytes(row.tolist()) for row in x)  # b's windows are upper case
+    from_b = sum(BYTES.decode(row).upper() == BYTES.decode(row) for row in x)  # b's windows are upper case
     assert from_b == 250  # a quarter of every block
 
 
@@ -126,6 +127,6 @@ def test_a_separate_validation_set_is_what_validation_reads(tmp_path):
     cfg = Config().replace(data=str(train), val_data=str(val), seq_len=32, cache_dir=str(tmp_path / "c"))
     data = open_data(prepare_data(cfg, Path(cfg.data.cache_dir)), cfg)
     (inputs, _), *_ = data.val.eval_batches(4, 1)
-    assert all(b"VALIDATION" in bytes(row.tolist()) for row in inputs)
-    stream = len("\n\n".join(TEXTS).encode()) + 2  # every record and its separator
+    assert all("VALIDATION" in BYTES.decode(row) for row in inputs)
+    stream = len(BYTES.encode(END_OF_TEXT.join(TEXTS))) + 1  # every record and its end-of-text token
     assert data.train.num_samples == (stream - 1) // 32  # the whole of train.jsonl

@@ -6,9 +6,10 @@ text maps to ids 0..255 and back without loss. The BPE tokenizer wraps the
 string, and is trained on the user's own corpus without any network access.
 
 Both reserve one special token past their vocabulary, `END_OF_TEXT`
-(GPT-2's ``<|endoftext|>``: id 256 for bytes, the last id for a BPE): it
-ends every document of a text stream and every record, so a model learns
-where a text stops, and generation stops there too. The token's text,
+(``<|endoftext|>``, as the released byte-level BPEs spell it: id 256 for
+bytes, the last id for a BPE): it ends every document of a text stream and
+every record, so a model learns where a text stops, and generation stops
+there too. The token's text,
 written in a string, encodes to that one id, as `transformers` splits out
 its special tokens, so our ids and an exported folder's agree. Tokenizers
 saved before it existed load without it and keep their ids
@@ -124,7 +125,7 @@ class ByteTokenizer:
 
 def own_config(end_of_text: str) -> TokenizerConfig:
     """The special tokens of a tokenizer made here: `END_OF_TEXT` begins and ends a text, as
-    GPT-2's tokenizer declares it (BOS and EOS the same token)."""
+    released byte-level BPEs declare theirs (BOS and EOS the same token)."""
     return TokenizerConfig(bos_token=end_of_text, eos_token=end_of_text)
 
 
@@ -157,7 +158,7 @@ def _bpe_trainer(vocab_size: int) -> trainers.BpeTrainer:
 
 
 def _with_end_of_text(tokenizer: Tokenizer) -> Tokenizer:
-    """`END_OF_TEXT` added after training, as the last id (where GPT-2 has it): the merges never
+    """`END_OF_TEXT` added after training, as the last id (where released byte-level BPEs have it): the merges never
     learn to build it from bytes, and the text spelling it encodes to it alone."""
     tokenizer.add_special_tokens([AddedToken(END_OF_TEXT, special=True, normalized=False)])
     return tokenizer

@@ -15,8 +15,9 @@ same function as ours:
                              a byte-level BPE without merges whose ids are the bytes,
                              the end-of-text token id 256. A tokenizer made here
                              declares its end-of-text token as BOS and EOS (as
-                             GPT-2's does), so lm-evaluation-harness's ``hf``
-                             backend finds its prefix token with no model args
+                             released byte-level BPEs do), so the ``hf`` backend
+                             of lm-evaluation-harness finds its prefix token
+                             with no model args
 
 The checkpoint is read whole as one device would hold it (train/checkpoint.py
 gathers any layout: ZeRO shards, tp slices, pipeline stages), a LoRA
@@ -174,7 +175,7 @@ def write_tokenizer(run_dir: Path, folder: Path) -> dict:
 
 
 def generation_config(run_dir: Path, special: dict) -> dict:
-    """generation_config.json: a base folder's own (Llama 3's several EOS ids among it), else the
+    """generation_config.json: a base folder's own (several EOS ids, where it names them), else the
     special ids, so that ``generate`` stops at the EOS. No ``max_length``: a caller's
     ``max_new_tokens`` is then the only limit, without transformers' warning that both are set."""
     base = load_run_config(run_dir).data.tokenizer_from

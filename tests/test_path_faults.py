@@ -18,6 +18,7 @@ import json
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -264,12 +265,42 @@ def _run_as_nobody(rows: list[dict], root: Path) -> list[tuple[int, str]]:
     return [tuple(result) for result in json.loads(child.stdout)]
 
 
+def _enterable_by(path: Path, user: pwd.struct_passwd) -> bool:
+    """Whether ``user`` (with no groups but its own, as the child runs) may pass through
+    ``path`` and every folder above it: the bits of owner, group or others, whichever apply."""
+    for folder in (path, *path.parents):
+        st = folder.stat()
+        if st.st_uid == user.pw_uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == user.pw_gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return False
+    return True
+
+
+def _folder_nobody_reaches() -> Path:
+    """A new folder of root's whose parents nobody may enter: under the temporary folder where
+    it allows (TMPDIR may be root's alone, mode 0700, as in sandboxed builds), else the first
+    shared temporary folder that does; the rows are skipped where none does."""
+    nobody = pwd.getpwnam("nobody")
+    places = (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm")
+    candidates = dict.fromkeys(Path(place).resolve() for place in places)
+    for place in candidates:
+        if place.is_dir() and _enterable_by(place, nobody):
+            return Path(tempfile.mkdtemp(prefix="scaletrain-path-faults-", dir=place))
+    pytest.skip(f"permission faults run as nobody in a folder it can reach, and nobody cannot enter "
+                f"{', '.join(map(str, candidates))} or a folder above them")
+
+
 @pytest.fixture(scope="module")
 def as_user_results(corpus, tmp_path_factory) -> dict[str, tuple[int, str, list[str], list[str]]]:
     """Every permission row's exit code, stderr and its folder's listing before and after.
     As root: in one child that becomes nobody, in a folder nobody may enter and write."""
     as_root = os.geteuid() == 0
-    root = Path(tempfile.mkdtemp(prefix="scaletrain-path-faults-")) if as_root else tmp_path_factory.mktemp("users")
+    root = _folder_nobody_reaches() if as_root else tmp_path_factory.mktemp("users")
     cwd = os.getcwd()
     try:
         root.chmod(0o755)
@@ -299,3 +330,19 @@ def as_user_results(corpus, tmp_path_factory) -> dict[str, tuple[int, str, list[
 @pytest.mark.parametrize("row", AS_USER, ids=[row.id for row in AS_USER])
 def test_permission_fault_is_refused(row, as_user_results):
     _assert_refused(row, *as_user_results[row.id])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a TMPDIR only root may enter matters to the rows run as nobody")
+def test_permission_rows_pass_under_a_private_tmpdir(tmp_path):
+    """A few permission rows in a fresh pytest whose TMPDIR is root's alone (mode 0700, as
+    sandboxed builds and some CI runners set it): they pass, or skip with their reason."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    ids = ("train --config unreadable", "train --data unreachable", "train --out not-writable")
+    tests = [f"{__file__}::test_permission_fault_is_refused[{row_id}]" for row_id in ids]
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests],
+                           capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1],
+                           env={**os.environ, "TMPDIR": str(private)})
+    assert child.returncode == 0, child.stdout + child.stderr
+    assert f"{len(ids)} passed" in child.stdout or "SKIPPED" in child.stdout, child.stdout

@@ -14,27 +14,32 @@ the ``loopcontrols`` extension and a ``{% generation %}`` tag that renders its
 body, and as variables ``messages``, ``add_generation_prompt``, ``tools`` and
 ``documents`` (None) and every named special token of the tokenizer.
 
-Tokenizers without a template (our byte and BPE tokenizers) get
-`BUILTIN_TEMPLATE`::
+Tokenizers without a template (our byte and BPE tokenizers, a model folder
+that ships none) get `BUILTIN_TEMPLATE`::
 
     <|system|>
     You are terse.
     <|user|>
     What is 2 + 2?
     <|assistant|>
-    4<|end|>
+    4<|endoftext|>
 
-Each turn is a header line naming its role followed by the content; an
-assistant turn ends with `END_OF_TURN` before its newline, so a model trained
-on it learns to write ``<|end|>`` when its answer is done, and generation can
-stop there. The markers are plain text: those tokenizers have no special
-tokens, and the markers still tokenize the same wherever they appear.
+Each turn is a header line naming its role followed by the content and a
+newline; an assistant turn ends instead with the tokenizer's end-of-text
+token (its ``eos_token``), so a model trained on it learns to write
+the one token that every reader stops at (``generate``, transformers'
+``generate``, the harness), a token the base model already knows. The role
+markers are plain text, read but never written by the model. A tokenizer
+without an end-of-text token (one saved before this project's had one) ends
+the answer with the text `END_OF_TURN`, ``<|end|>``, and a newline, as it
+always did.
 """
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -42,14 +47,16 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from scaletrain.errors import UserError
+from scaletrain.models.chat_templates import CHAT_TEMPLATES
 
 END_OF_TURN = "<|end|>"
 
 BUILTIN_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ '" + END_OF_TURN + "' }}{% endif %}"
-    "{{ '\\n' }}"
+    "{% if message['role'] != 'assistant' %}{{ '\\n' }}"
+    "{% elif eos_token is defined %}{{ eos_token }}"
+    "{% else %}{{ '" + END_OF_TURN + "\\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -113,6 +120,29 @@ class ChatTemplate:
         self.tokens = dict(tokens or {})
         self.name = name
         self._template = _compile(source, name)
+
+    @classmethod
+    def chosen(cls, choice: str | None, tokenizer) -> ChatTemplate:
+        """``--chat-template``: None or ``tokenizer`` (the tokenizer's own, else the built-in one),
+        ``builtin``, a name of `CHAT_TEMPLATES`, or a Jinja file; the tokenizer's special tokens
+        as its variables."""
+        if choice in (None, "tokenizer"):
+            return cls.for_tokenizer(tokenizer)
+        tokens = {} if tokenizer.config is None else tokenizer.config.template_tokens()
+        if choice == "builtin":
+            return cls(BUILTIN_TEMPLATE, tokens, name="the built-in chat template")
+        if choice in CHAT_TEMPLATES:
+            return cls(CHAT_TEMPLATES[choice], tokens, name=f"the {choice} chat template")
+        path = Path(choice)
+        if not path.is_file():
+            raise UserError(f"--chat-template {choice} is neither a template's name (tokenizer, builtin, "
+                            f"{', '.join(CHAT_TEMPLATES)}) nor a Jinja file; give one of those.")
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            raise UserError(f"--chat-template {choice} cannot be read as UTF-8 text; give a readable Jinja "
+                            f"file.") from None
+        return cls(source, tokens, name=f"the chat template in {choice}")
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> ChatTemplate:

@@ -27,12 +27,25 @@ which is what transformers' ``apply_chat_template(tokenize=True)`` gives.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from scaletrain.data.chat import ChatTemplate
 from scaletrain.errors import UserError
 
 ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How instruction records are rendered: the template (``--chat-template``, data/chat.py's
+    `ChatTemplate.chosen`), the loss on the prompts too (``--train-on-inputs``), a system turn
+    for the records that have none (``--system-prompt``)."""
+
+    template: str | None = None
+    train_on_inputs: bool = False
+    system_prompt: str | None = None
 
 
 def _chat_messages(messages) -> list[dict]:
@@ -89,11 +102,31 @@ def record_messages(record) -> list[dict]:
 
 class ChatEncoder:
     """``encoder(record) -> (ids, mask)``: int64 ids of the rendered conversation and a bool mask, True
-    exactly on the assistant turns' tokens. Picklable, so data preparation can run it in workers."""
+    exactly on the assistant turns' tokens (every token with ``train_on_inputs``); a record without a
+    system turn gets ``system_prompt`` first, where one is given. Picklable, so data preparation can
+    run it in workers."""
 
-    def __init__(self, tokenizer, template: ChatTemplate | None = None):
+    def __init__(self, tokenizer, template: ChatTemplate | None = None, train_on_inputs: bool = False,
+                 system_prompt: str | None = None):
         self.tokenizer = tokenizer
         self.template = template if template is not None else ChatTemplate.for_tokenizer(tokenizer)
+        self.train_on_inputs = train_on_inputs
+        self.system_prompt = system_prompt
+
+    @classmethod
+    def chosen(cls, tokenizer, options: ChatOptions) -> ChatEncoder:
+        return cls(tokenizer, ChatTemplate.chosen(options.template, tokenizer), options.train_on_inputs,
+                   options.system_prompt)
+
+    def identity(self) -> list:
+        """What the ids and masks depend on besides the tokenizer: the cache's key."""
+        return [self.template.source, self.train_on_inputs, self.system_prompt]
+
+    def _messages(self, record) -> list[dict]:
+        messages = record_messages(record)
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
 
     def _pieces(self, messages: list[dict]) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, is an assistant turn), in order."""
@@ -118,8 +151,8 @@ class ChatEncoder:
 
     def __call__(self, record: dict) -> tuple[np.ndarray, np.ndarray]:
         ids, mask = [], []
-        for text, trained in self._pieces(record_messages(record)):
+        for text, trained in self._pieces(self._messages(record)):
             piece = self.tokenizer.encode(text, special_tokens=False).astype(np.int64)
             ids.append(piece)
-            mask.append(np.full(len(piece), trained))
+            mask.append(np.full(len(piece), trained or self.train_on_inputs))
         return np.concatenate(ids), np.concatenate(mask)

@@ -25,12 +25,11 @@ from pathlib import Path
 
 
 from scaletrain.data.batches import TokenBatches, split_tokens
-from scaletrain.data.chat import ChatTemplate
 from scaletrain.data.mixture import Mixture
 from scaletrain.data.packing import SequenceBatches
 from scaletrain.data.prepare import TextEncoder, prepare
 from scaletrain.data.records import describe_source, is_saved_dataset, iter_records, source_format, text_of
-from scaletrain.data.sft import ChatEncoder, record_messages
+from scaletrain.data.sft import ChatEncoder, ChatOptions, record_messages
 from scaletrain.data.shards import Prepared, is_prepared, open_prepared
 from scaletrain.data.tokenizer import END_OF_TEXT, BPETokenizer, ByteTokenizer, document_separator, load_tokenizer
 from scaletrain.errors import UserError
@@ -95,11 +94,12 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256((tokenizer.to_json() + extra).encode("utf-8")).hexdigest()
 
 
-def record_encoder(tokenizer, sft: bool, text_field: str):
-    """The encoder that turns a record into (ids, mask): a chat rendered by the tokenizer's own
-    template (or the built-in one), or a text field followed by the separator."""
+def record_encoder(tokenizer, sft: bool, text_field: str, chat: ChatOptions = ChatOptions()):
+    """The encoder that turns a record into (ids, mask): a chat rendered as ``chat`` says (the
+    tokenizer's own template, or the built-in one, by default), or a text field followed by the
+    separator."""
     if sft:
-        return ChatEncoder(tokenizer, ChatTemplate.for_tokenizer(tokenizer))
+        return ChatEncoder.chosen(tokenizer, chat)
     return TextEncoder(tokenizer, text_field, document_separator(tokenizer))
 
 
@@ -140,13 +140,15 @@ def prepared_tokenizer(folders: list[Path]):
 
 
 def cached_folder(path: Path, tokenizer, sft: bool, text_field: str, cache_dir: Path, workers: int,
-                  progress: bool) -> Path:
+                  progress: bool, chat: ChatOptions = ChatOptions()) -> Path:
     """A records source tokenized into a prepared folder in the cache (once; resumed if interrupted)."""
     source_format(path)  # refused here, in its own words, if it cannot serve
-    identity = [describe_source(path), tokenizer_identity(tokenizer), sft, None if sft else text_field]
+    encoder = record_encoder(tokenizer, sft, text_field, chat)
+    identity = [describe_source(path), tokenizer_identity(tokenizer), sft,
+                encoder.identity() if sft else text_field]
     key = hashlib.sha256(json.dumps(identity).encode("utf-8")).hexdigest()[:16]
     folder = cache_dir / f"prepared-{key}"
-    prepare([path], record_encoder(tokenizer, sft, text_field), folder, tokenizer=tokenizer,
+    prepare([path], encoder, folder, tokenizer=tokenizer,
             kind="sft" if sft else "text", text_field=text_field, workers=workers, progress=progress)
     return folder
 

@@ -30,9 +30,10 @@ transformers keeps them in tokenizer_config.json beside tokenizer.json.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +121,39 @@ class ByteTokenizer:
         return json.dumps(saved)
 
     def save(self, path: str | Path) -> None:
+        """The tokenizer file, and beside it the chat template a run trained with, if any."""
         Path(path).write_text(self.to_json(), encoding="utf-8")
+        _save_config(path, self.config if self.config is not None and self.config.chat_template else None)
+
+
+def _save_config(path: str | Path, config: TokenizerConfig | None) -> None:
+    """The sidecar beside a tokenizer file: ``config``, or none (a stale one of an earlier save goes)."""
+    sidecar = config_path(path)
+    if config is not None:
+        sidecar.write_text(json.dumps(asdict(config), indent=2), encoding="utf-8")
+    else:
+        sidecar.unlink(missing_ok=True)
+
+
+def _load_config(path: str | Path) -> TokenizerConfig | None:
+    """The sidecar `_save_config` wrote beside ``path``; None without one."""
+    sidecar = config_path(path)
+    if not sidecar.is_file():
+        return None
+    try:
+        return TokenizerConfig(**json.loads(sidecar.read_text(encoding="utf-8")))
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        raise UserError(f"{sidecar} is not a tokenizer config that scaletrain wrote; delete it, or "
+                        f"restore the one saved with {Path(path).name}.") from None
+
+
+def with_chat_template(tokenizer, source: str):
+    """A copy of ``tokenizer`` whose config carries the chat template ``source``: what a run that
+    trained in that template saves, so that generate, eval and the export render as it did."""
+    config = tokenizer.config if tokenizer.config is not None else TokenizerConfig()
+    templated = copy.copy(tokenizer)
+    templated.config = replace(config, chat_template=source)
+    return templated
 
 
 def own_config(end_of_text: str) -> TokenizerConfig:
@@ -195,15 +228,7 @@ class BPETokenizer:
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
         """The tokenizer file `save` wrote, with its sidecar config when there is one."""
-        sidecar = config_path(path)
-        config = None
-        if sidecar.is_file():
-            try:
-                config = TokenizerConfig(**json.loads(sidecar.read_text(encoding="utf-8")))
-            except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
-                raise UserError(f"{sidecar} is not a tokenizer config that scaletrain wrote; delete it, or "
-                                f"restore the one saved with {Path(path).name}.") from None
-        return cls(Tokenizer.from_file(str(path)), config)
+        return cls(Tokenizer.from_file(str(path)), _load_config(path))
 
     @classmethod
     def from_vocab_merges(cls, vocab: str | Path, merges: str | Path,
@@ -245,11 +270,7 @@ class BPETokenizer:
     def save(self, path: str | Path) -> None:
         """The tokenizer file, and its config beside it; a stale config of an earlier save goes."""
         Path(path).write_text(self.to_json(), encoding="utf-8")
-        sidecar = config_path(path)
-        if self.config is not None:
-            sidecar.write_text(json.dumps(asdict(self.config), indent=2), encoding="utf-8")
-        else:
-            sidecar.unlink(missing_ok=True)
+        _save_config(path, self.config)
 
 
 def until_end(tokenizer, ids: list[int]) -> list[int]:
@@ -268,7 +289,9 @@ def load_tokenizer(path: str | Path) -> ByteTokenizer | BPETokenizer:
     except (UnicodeDecodeError, json.JSONDecodeError):
         data = None
     if isinstance(data, dict) and data.get("kind") == ByteTokenizer.name:
-        return ByteTokenizer(end_of_text=data.get("end_of_text"))
+        tokenizer = ByteTokenizer(end_of_text=data.get("end_of_text"))
+        saved = _load_config(path)
+        return with_chat_template(tokenizer, saved.chat_template) if saved and saved.chat_template else tokenizer
     if isinstance(data, dict) and (data.get("model") or {}).get("type") == "BPE":
         return BPETokenizer.load(path)
     raise UserError(f"{path} is not a saved byte or BPE tokenizer; give the tokenizer.json a training run saved.")

@@ -149,14 +149,20 @@ def _byte_to_char() -> dict[int, str]:
 
 def write_tokenizer(run_dir: Path, folder: Path) -> dict:
     """The run's tokenizer files into ``folder``; the special token ids config.json names."""
-    base = load_run_config(run_dir).data.tokenizer_from
+    cfg = load_run_config(run_dir)
+    base, tokenizer = cfg.data.tokenizer_from, run_tokenizer(run_dir)
     if base and is_hf_folder(Path(base)):
         for name in TOKENIZER_FILES:
             if (Path(base) / name).is_file():
                 shutil.copyfile(Path(base) / name, folder / name)
+        if cfg.data.sft:  # the template the answers were trained in, which may be another than the base's
+            (folder / "chat_template.jinja").unlink(missing_ok=True)
+            written = folder / "tokenizer_config.json"
+            config = json.loads(written.read_text(encoding="utf-8")) if written.is_file() else {}
+            config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
+            written.write_text(json.dumps(config, indent=2))
         source_config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
         return {key: source_config[key] for key in SPECIAL_IDS if source_config.get(key) is not None}
-    tokenizer = run_tokenizer(run_dir)
     exported = byte_tokenizer(tokenizer) if isinstance(tokenizer, ByteTokenizer) else \
         Tokenizer.from_str(tokenizer.to_json())
     exported.save(str(folder / "tokenizer.json"))
@@ -167,7 +173,7 @@ def write_tokenizer(run_dir: Path, folder: Path) -> dict:
                                                                        ("pad_token", special.pad_token))
                                         if value is not None}
     config.update(named)
-    if load_run_config(run_dir).data.sft:  # the template the answers were trained in, for apply_chat_template
+    if cfg.data.sft:  # the template the answers were trained in, for apply_chat_template
         config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (folder / "special_tokens_map.json").write_text(json.dumps(named, indent=2))

@@ -126,6 +126,7 @@ class ScaletrainLM(TemplateLM):
         self._prefix_text = self.bos_text if bos is not None else config.eos_token if eos is not None \
             else tokenizer.decode([self._prefix])
         self.template = ChatTemplate.for_tokenizer(tokenizer)
+        self._renders_chats = False  # set once the harness asks for a conversation in the template
 
     # -- what the harness reads -------------------------------------------------
     @property
@@ -206,9 +207,11 @@ class ScaletrainLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
         """As the hf backend: the tokenizer's special tokens added, unless asked otherwise or the
-        string already begins with the prefix token's text."""
+        string already begins with the prefix token's text; but none to a rendered conversation, whose
+        template writes its own, as SFT tokenized it and transformers' ``apply_chat_template`` does
+        (the hf backend would add a BOS the fine-tune never saw before its prompts)."""
         if add_special_tokens is None:
-            add_special_tokens = not (self._prefix_text and string.startswith(self._prefix_text))
+            add_special_tokens = not (self._renders_chats or self._prefix_text and string.startswith(self._prefix_text))
         ids = self._tok.encode(string, special_tokens=add_special_tokens).tolist()
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
@@ -370,6 +373,7 @@ class ScaletrainLM(TemplateLM):
         ``add_generation_prompt`` False, the last (assistant's) message left open to continue. A
         template that refuses a system message gets the conversation without it, as the hf
         backend retries."""
+        self._renders_chats = True  # every context of this evaluation is a rendered conversation
         try:
             return self._render(chat_history, add_generation_prompt)
         except UserError:

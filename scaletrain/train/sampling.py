@@ -17,6 +17,7 @@ from contextlib import ExitStack
 
 import torch
 
+from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.models.decoder import sample_next
 from scaletrain.techniques.precision import autocast
 
@@ -33,6 +34,13 @@ def line_prompt(tokenizer, window: torch.Tensor) -> torch.Tensor:
     if start > len(text) // 2:  # no line or document begins early enough: take the window as it is
         start = 0
     return torch.tensor(tokenizer.encode(text[start:start + PROMPT_CHARS]), dtype=torch.long)
+
+
+def sft_prompt(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The prompt of a row's first instruction example, as training rendered it: its ids up to the
+    first trained target (the answer's first token), which the model is to write next."""
+    trained = (targets != IGNORE_INDEX).nonzero()
+    return inputs[:int(trained[0]) + 1] if len(trained) else inputs
 
 
 @torch.no_grad()

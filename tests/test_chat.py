@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from scaletrain.data.chat import BUILTIN_TEMPLATE, END_OF_TURN, ChatTemplate
 from scaletrain.data.sft import ChatEncoder, record_messages
-from scaletrain.data.tokenizer import BPETokenizer, ByteTokenizer, TokenizerConfig, config_path, load_tokenizer
+from scaletrain.data.tokenizer import (
+    END_OF_TEXT,
+    BPETokenizer,
+    ByteTokenizer,
+    TokenizerConfig,
+    config_path,
+    load_tokenizer,
+)
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import load_hf_tokenizer
 
@@ -83,11 +91,13 @@ def transformers():
                                                       "installed (the dev extra)")
 
 
-def masked_runs(tokenizer_file, ids, mask) -> list[str]:
-    """The text of each run of masked tokens, special tokens spelled out."""
-    library = Tokenizer.from_file(str(tokenizer_file))
+def masked_runs(tokenizer, ids, mask) -> list[str]:
+    """The text of each run of masked tokens, special tokens spelled out (``tokenizer``: ours, or a
+    tokenizers-library file)."""
+    if isinstance(tokenizer, Path):
+        tokenizer = Tokenizer.from_file(str(tokenizer))
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    return [library.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in zip(edges[::2], edges[1::2])]
+    return [tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in zip(edges[::2], edges[1::2])]
 
 
 @pytest.mark.parametrize(("template", "template_file"), [(CHATML, None), (CHATML_LINES, "chat_template.jinja"),
@@ -178,23 +188,23 @@ def test_alpaca_records_become_a_user_and_an_assistant_turn():
     assert record_messages({"instruction": "Say hi.", "output": "Hi"})[0]["content"] == "Say hi."
 
 
-def test_the_builtin_template_with_the_byte_tokenizer():
-    encoder = ChatEncoder(ByteTokenizer())
+@pytest.mark.parametrize("end", [END_OF_TEXT, None], ids=["end-of-text", "saved-before-it"])
+def test_the_builtin_template_with_the_byte_tokenizer(end):
+    """Each answer ended by the tokenizer's EOS; by the <|end|> text where a tokenizer has none."""
+    tokenizer = ByteTokenizer(end_of_text=end)
+    encoder = ChatEncoder(tokenizer)
     assert encoder.template.source == BUILTIN_TEMPLATE
+    ending = END_OF_TEXT if end else END_OF_TURN + "\n"
     ids, mask = encoder({"instruction": "Add.", "input": "2 + 2", "output": "4 é"})
-    text = "<|user|>\nAdd.\n\n2 + 2\n<|assistant|>\n4 é" + END_OF_TURN + "\n"
-    assert bytes(ids.tolist()).decode() == text and ids.dtype == np.int64
-    assert bytes(ids[mask].tolist()).decode() == "4 é" + END_OF_TURN + "\n"
+    text = "<|user|>\nAdd.\n\n2 + 2\n<|assistant|>\n4 é" + ending
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text and ids.dtype == np.int64
+    assert tokenizer.decode(ids[mask], skip_special_tokens=False) == "4 é" + ending
     multi = encoder.template.render(MULTI, add_generation_prompt=False)
     assert multi.startswith("<|system|>\nYou are terse.\n<|user|>\nName three colours.\n<|assistant|>\n")
     assert encoder.template.render(MULTI[:2], add_generation_prompt=True).endswith("colours.\n<|assistant|>\n")
     ids, mask = encoder({"messages": MULTI})
-    assert masked_runs_bytes(ids, mask) == ["Red, green and blue.<|end|>\n", "No, that is all.<|end|>\n"]
+    assert masked_runs(tokenizer, ids, mask) == ["Red, green and blue." + ending, "No, that is all." + ending]
 
-
-def masked_runs_bytes(ids, mask) -> list[str]:
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    return [bytes(ids[a:b].tolist()).decode() for a, b in zip(edges[::2], edges[1::2])]
 
 
 def test_the_encoder_pickles(tmp_path):

@@ -274,7 +274,8 @@ class RunConfig:
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_last: int = _opt(0, "keep only the newest K complete checkpoints, older ones deleted once a new "
                              "one is complete (0: keep all)")
-    resume: bool = _opt(False, "continue the run in --out from its latest complete checkpoint")
+    resume: bool = _opt(False, "continue the run in --out from its latest complete checkpoint; on another number "
+                               "of processes dp derived anew, the global batch kept (docs/checkpoints.md)")
     stop_at: int | None = _opt(None, "stop after this step with a checkpoint, the schedule still "
                                       "planned for --steps (for jobs with a time limit)")
     report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
@@ -448,8 +449,8 @@ def load_toml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
     return values
 
 
-def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
-    """Defaults (or ``base``), then the TOML file, then the typed flags."""
+def given_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields this command line sets (the TOML file's, then the typed flags'), by field name."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_toml(args.config))
@@ -459,7 +460,12 @@ def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
             given = given[0]
         if given is not None:
             values[fld.name] = given
-    return with_preset_experts((base or Config()).replace(**values))
+    return values
+
+
+def resolve(args: argparse.Namespace, base: Config | None = None) -> Config:
+    """Defaults (or ``base``), then the TOML file, then the typed flags."""
+    return with_preset_experts((base or Config()).replace(**given_values(args)))
 
 
 def with_preset_experts(cfg: Config) -> Config:

@@ -86,7 +86,7 @@ CASES = [
          "--checkpoint-every 3 must be a multiple of --sync-every 2, so that every checkpoint holds averaged "
          "replicas; choose 2 or 4"),
     case("sync-every-resumes-shared-optimizer", ["--resume", "--out", "{tmp}/old", "--steps", "6", "--nproc", "2", "--dp", "2",
-                                                 "--sync-every", "2"],
+                                                 "--micro-batch", "2", "--sync-every", "2"],  # the run's batch of 4
          "holds one optimizer state for every rank, but --sync-every 2 keeps one per rank; resume without "
          "--sync-every", {"old": FINISHED}),
     case("sync-every-stop-at", ["--nproc", "2", "--sync-every", "2", "--stop-at", "1"],

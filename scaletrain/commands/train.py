@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import AUTO, Config, add_config_flags, load_run_config, resolve
+from scaletrain.config import AUTO, Config, add_config_flags, given_values, load_run_config, resolve
 from scaletrain.config_checks import check_values, resolve_layout, setting_warnings
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
@@ -40,6 +40,7 @@ from scaletrain.planner.fit import (
     measured_sentence,
 )
 from scaletrain.planner.gate import Machine, check_run
+from scaletrain.resume_layout import resumed_layout
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.debug import (
     RankLog,
@@ -104,7 +105,12 @@ def run(args: argparse.Namespace) -> int:
         run_dir = readable_dir("--out", args.out, "the folder of the run to continue")
         # --stop-at limits one invocation; the resumed one sets its own, or runs to --steps.
         base = load_run_config(run_dir).replace(stop_at=None)
-    summary = launch(resolve(args, base))
+    cfg = resolve(args, base)
+    if base is not None:  # the saved layout on this world: dp derived, the global batch kept
+        cfg, change = resumed_layout(base, cfg, set(given_values(args)), world_size_for(cfg, detect_environment()))
+        if change and detect_environment().rank == 0:
+            print(change)
+    summary = launch(cfg)
     if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
         print_summary(summary)
     return 0

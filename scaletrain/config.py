@@ -21,6 +21,7 @@ import tomllib
 
 from scaletrain.errors import UserError
 from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES, preset_experts
+from scaletrain.optim.schedule import SCHEDULES
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.paths import readable_file
 from scaletrain.runtime.mesh import ParallelDims
@@ -98,6 +99,11 @@ class DataConfig:
                             "rendered with the tokenizer's chat template; the loss is on the answers only")
     pack: bool | None = _opt(None, "several documents per sequence, attention kept inside each (default: on "
                                    "with --sft)")
+    chat_template: str | None = _opt(None, "with --sft: the template conversations are rendered in: tokenizer "
+                                           "(its own, else builtin), builtin, chatml, llama3, alpaca, or a Jinja "
+                                           "file; recorded in the run and its export [tokenizer]")
+    train_on_inputs: bool = _opt(False, "with --sft: the loss on the prompts too, not only the answers")
+    system_prompt: str | None = _opt(None, "with --sft: a system turn of this text for every record that has none")
     too_long: str = _opt("truncate", "an example longer than --seq-len: cut it to fit (and count it) or refuse "
                                      "the data", choices=("truncate", "refuse"))
     val_data: str | None = _opt(None, "a separate validation set, in any --data form (default: the last "
@@ -116,12 +122,18 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _opt(300, "optimizer steps")
+    steps: int = _opt(300, "optimizer steps (with --epochs: derived from the training rows, and recorded)")
+    epochs: float | None = _opt(None, "passes over the training rows (packed rows with --sft or --pack, windows of "
+                                      "text; 0.5 allowed): steps = ceil(N x rows / global batch), said when the run "
+                                      "starts; instead of --steps")
     micro_batch: int | str = _opt(16, "sequences per rank per micro-batch, or 'auto': the largest power of two "
                                       "the planner predicts to fit this device's memory (planner/fit.py)", auto=True)
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
     lr: float = _opt(1e-3, "peak learning rate")
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (cosine floor)")
+    lr_schedule: str = _opt("cosine", "after the warm-up: cosine or linear decay to --min-lr-ratio x --lr at the last "
+                                      "step, or constant at --lr", choices=SCHEDULES)
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (the floor of the cosine and linear "
+                                    "schedules)")
     warmup_steps: int = _opt(20, "linear warm-up steps")
     weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only)")
     beta1: float = _opt(0.9, "AdamW beta1")
@@ -288,7 +300,9 @@ class RunConfig:
     progress: bool = _opt(True, "show a progress bar")
     log_every: int | None = _opt(None, "read each step's loss and gradient norm from the device every K steps, in "
                                        "one transfer, so the host never waits for the device mid-run (records stay "
-                                       "per step; default: 10 on a GPU, 1 on a CPU)")
+                                       "per step), and print a line 'step N loss X lr Y tok/s Z' every K steps "
+                                       "where no progress bar is drawn (--no-progress, or output not a terminal; "
+                                       "default: 10 on a GPU, 1 on a CPU)")
     sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
     force: bool = _opt(False, "start even where the planner predicts the run does not fit this machine's "
                               "memory (planner/gate.py)")
@@ -302,9 +316,13 @@ class FinetuneConfig:
                              "(0: no adapters, every weight trains)")
     lora_alpha: float = _opt(16.0, "LoRA scaling numerator: the update is alpha / r x B A")
     lora_dropout: float = _opt(0.0, "dropout on the adapters' input")
-    lora_targets: str = _opt("qkv,proj,fc", "the linear layers that get adapters, by name (proj: both the "
-                                            "attention's and the MLP's; a group's layers also one by one, "
-                                            "such as q,v)")
+    lora_targets: str = _opt("qkv,proj,fc", "the linear layers that get adapters: qkv, proj (the attention's "
+                                            "and the MLP's output), fc, a group's layers one by one (q,v), or "
+                                            "the model's Hugging Face module names (q_proj,v_proj,o_proj)")
+    lora_modules_to_save: str | None = _opt(None, "modules trained whole beside the adapters (PEFT's "
+                                                  "modules_to_save): embed, head, or both (or the model's Hugging "
+                                                  "Face names, embed_tokens,lm_head); a head tied to the "
+                                                  "embedding is one tensor, trained in both roles")
     quantize: str = _opt("none", "store the frozen base weights as 4-bit NormalFloat with double "
                                  "quantization (QLoRA; needs --lora-rank)", choices=("none", "nf4"))
     adapter: str | None = _opt(None, "a PEFT LoRA adapter folder (adapter_config.json, "

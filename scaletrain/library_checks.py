@@ -30,9 +30,9 @@ from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.techniques.recompute import parse_policy
 
 # The command's options that belong to a run rather than to a step: its evaluation, the
-# launcher's processes, its MFU figure; a script has its own of each.
+# launcher's processes, its MFU figure, its epochs over its data; a script has its own of each.
 NOT_ENGINE_OPTIONS = frozenset({"eval_every", "eval_batches", "eval_tasks", "eval_tasks_every", "eval_tasks_include",
-                                "eval_tasks_limit", "peak_tflops", "nproc", "max_restarts",
+                                "eval_tasks_limit", "peak_tflops", "nproc", "max_restarts", "epochs",
                                 "launcher", "ray_address", "cpus_per_worker", "gpus_per_worker", "debug_dist"})
 ENGINE_OPTIONS = tuple(f.name for section in (TrainConfig, ParallelConfig) for f in dataclasses.fields(section)
                        if f.name not in NOT_ENGINE_OPTIONS)

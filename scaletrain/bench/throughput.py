@@ -49,7 +49,7 @@ from scaletrain.job.export_hf import hf_tensors
 from scaletrain.job.metrics import mfu, peak_tflops
 from scaletrain.job.trainer import Trainer, build_run_model, first_sample
 from scaletrain.models import CLASSIFIER, spec_for
-from scaletrain.optim import decay_groups, lr_at
+from scaletrain.optim import decay_groups, run_lr
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.launch import detect_environment, init_distributed, shutdown
 from scaletrain.runtime.mesh import Mesh, ParallelDims
@@ -191,7 +191,7 @@ def _plain_loop(model: nn.Module, cfg: Config, prepared: PreparedData, device: t
 
     def step(index: int) -> float:
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(index, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
+            group["lr"] = run_lr(index, t)
         total = torch.zeros((), device=device)
         for micro in range(t.grad_accum):
             x, y = (tensor.to(device) for tensor in

@@ -10,7 +10,7 @@ from scaletrain.optim.adafactor import Adafactor, build_adafactor
 from scaletrain.optim.adamw import build_adamw, decay_groups
 from scaletrain.optim.adamw8bit import AdamW8bit
 from scaletrain.optim.masters import MasterWeights
-from scaletrain.optim.schedule import lr_at
+from scaletrain.optim.schedule import lr_at, run_lr
 
 
 def build_optimizer(param_groups: list[dict], cfg, embeddings: Collection[torch.Tensor] = ()) -> torch.optim.Optimizer:
@@ -39,4 +39,4 @@ def build_optimizer(param_groups: list[dict], cfg, embeddings: Collection[torch.
 
 
 __all__ = ["Adafactor", "AdamW8bit", "MasterWeights", "build_adafactor", "build_adamw", "build_optimizer",
-           "decay_groups", "lr_at"]
+           "decay_groups", "lr_at", "run_lr"]

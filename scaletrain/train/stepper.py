@@ -30,7 +30,7 @@ PipeDream-2BW is the exception by design: each step applies the previous
 step's gradient (parallel/pipeline/two_bw.py), as one device then does too.
 
 Everything random is a pure function of the step: the learning rate is
-``lr_at(t)``, and the RNG behind dropout is reseeded from ``(seed, t, rank)``
+``run_lr(t)``, and the RNG behind dropout is reseeded from ``(seed, t, rank)``
 at every step, so a resumed run needs only the step number to continue
 exactly as if it had never stopped.
 """
@@ -49,7 +49,7 @@ from scaletrain.config import ParallelConfig, TrainConfig
 from scaletrain.finetune.sliced import FolderSource
 from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.models.spec import ModelPlan
-from scaletrain.optim import lr_at
+from scaletrain.optim import run_lr
 from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.pipeline.partition import Stage
 from scaletrain.parallel.pipeline.runtime import timer
@@ -276,7 +276,7 @@ class Stepper:
     def update(self, step: int, loss_sum: torch.Tensor, lr: float | None = None) -> PendingStep:
         """The step after its backward passes (module docstring); its loss, gradient norm and
         (with ``log_every`` > 1) its non-finite flag left on the device (train/step_window.py).
-        ``lr``: the step's learning rate (default ``lr_at(step)`` of the train settings)."""
+        ``lr``: the step's learning rate (default ``run_lr(step)`` of the train settings)."""
         layout = self.layout
         t = self.train
         self._take_memory("after_backward")
@@ -307,7 +307,7 @@ class Stepper:
                                     counted=[p.grad for p in layout.norm_counted if p.grad is not None],
                                     comm=self.comm, groups=layout.norm_groups, device=self.device)
         if lr is None:
-            lr = lr_at(step, peak=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
+            lr = run_lr(step, t)
         for group in layout.optimizer.param_groups:
             group["lr"] = lr
         self.faults.strike("optimizer", step + 1)

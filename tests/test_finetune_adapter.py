@@ -73,11 +73,13 @@ def finetune_settings(run: Path) -> dict:
 @pytest.mark.numerics
 @pytest.mark.parametrize("family,options,settings", [
     ("llama", dict(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"]),
-     dict(lora_targets='"fc,q,v"', lora_dropout="0.0")),  # PEFT's common q_proj, v_proj: two of a group
+     dict(lora_targets='"q_proj,v_proj,gate_proj,up_proj"', lora_dropout="0.0")),
+    ("llama", dict(target_modules=["q_proj", "v_proj", "o_proj"]),  # PEFT's common three: o_proj apart
+     dict(lora_targets='"q_proj,v_proj,o_proj"')),
     ("llama", dict(target_modules=r".*\.(o_proj|down_proj)", lora_dropout=0.1),
-     dict(lora_targets='"proj"', lora_dropout="0.1")),
-    ("gpt2", dict(target_modules=["c_attn", "c_proj"], fan_in_fan_out=True), dict(lora_targets='"qkv,proj"')),
-], ids=["llama-list", "llama-regex", "gpt2-conv1d"])
+     dict(lora_targets='"o_proj,down_proj"', lora_dropout="0.1")),
+    ("gpt2", dict(target_modules=["c_attn", "c_proj"], fan_in_fan_out=True), dict(lora_targets='"c_attn,c_proj"')),
+], ids=["llama-list", "llama-q-v-o", "llama-regex", "gpt2-conv1d"])
 def test_a_peft_adapter_starts_the_run_from_exactly_its_weights(tmp_path, capsys, family, options, settings):
     base = make_folder(tmp_path / "base", "llama") if family == "llama" else gpt2_base(tmp_path / "base")
     adapted = peft_adapter(base, tmp_path / "adapter", **options)
@@ -107,7 +109,7 @@ def test_a_fine_tune_of_our_own_run_continues_from_its_peft_export(corpus, tmp_p
     saved = exported_adapter(lora)
     assert continue_from(base, lora.parent / "lora-peft", tmp_path / "run", corpus.read_text()) == 0
     capsys.readouterr()
-    assert finetune_settings(tmp_path / "run")["lora_targets"] == '"qkv,proj"'
+    assert finetune_settings(tmp_path / "run")["lora_targets"] == '"c_attn,c_proj"'
     back = exported_adapter(tmp_path / "run")
     assert back.keys() == saved.keys() and all(torch.equal(back[key], saved[key]) for key in saved)
 
@@ -157,15 +159,16 @@ Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     (_config(use_dora=True), [], "sets use_dora (DoRA's magnitude vectors)"),
     (_config(use_rslora=True), [], "sets use_rslora (rsLoRA's scaling alpha / sqrt(r))"),
     (_config(rank_pattern={"q_proj": 8}), [], "sets rank_pattern {'q_proj': 8}"),
-    (_config(modules_to_save=["lm_head"]), [], "sets modules_to_save"),
+    (_config(modules_to_save=["norm"]), [], "sets modules_to_save ['norm'], which trains model.norm whole, where "
+                                            "scaletrain trains whole only the token embedding and the head"),
+    (_config(modules_to_save=["lm_head"]), [], "lacks base_model.model.lm_head.weight"),
     (_config(bias="all"), [], "sets bias 'all'"),
     (_config(init_lora_weights="pissa"), [], "gives init_lora_weights 'pissa'"),
     (_config(fan_in_fan_out=True), [], "sets fan_in_fan_out true, but the base does not store"),
-    (_config(target_modules=[*LLAMA_GROUPS, "o_proj"]), [],
-     "adapts part of a kind of layer (it leaves out model.layers.0.mlp.down_proj, model.layers.1.mlp.down_proj), "
-     "where scaletrain adapts each kind in every block, a group whole (qkv: q_proj, k_proj, v_proj; proj: o_proj, "
-     "down_proj; fc: gate_proj, up_proj) or a layer of one by its own name"),
-    (_config(target_modules=r"model\.layers\.0\..*_proj"), [], "leaves out model.layers.1.self_attn.q_proj"),
+    (_config(target_modules=r"model\.layers\.0\..*_proj"), [],
+     "adapts part of a kind of layer (it leaves out model.layers.1.self_attn.q_proj, model.layers.1.self_attn.k_proj "
+     "and 5 more), where scaletrain adapts each kind in every block (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+     "up_proj, down_proj)"),
     (_config(target_modules=[*LLAMA_GROUPS, "embed_tokens"]), [],
      "adapts embed_tokens, which is no layer scaletrain's LoRA adapts in this base"),
     (_config(target_modules=["c_attn"]), [], "match no module of the base; the adapter was made for another"),
@@ -181,6 +184,7 @@ Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     (None, ["--lora-alpha", "8", "--lora-rank", "4", "--lora-targets", "fc,qkv", "--tp", "2"],
      "--tp does not combine with --lora-rank"),  # flags that agree pass, and the adapter's layout is checked
     (None, ["--lora-targets", "qkv"], "--lora-targets qkv contradicts the adapter in"),
+    (None, ["--lora-modules-to-save", "head"], "--lora-modules-to-save head contradicts the adapter in"),
 ])
 def test_what_the_run_cannot_continue_is_one_sentence_before_anything_is_written(
         llama_adapter, tmp_path, capsys, change, flags, said):

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig
+from scaletrain.finetune import peft_adapter
+from scaletrain.finetune.lora import target_names
 from scaletrain.models import FAMILIES, PRESETS, family_config, spec_for
 from scaletrain.models.spec import StagePlan, tied_parameters
 
@@ -47,8 +49,13 @@ def test_every_preset_builds_on_the_meta_device_with_a_complete_spec(preset):
         assert any(re.fullmatch(pattern.replace(".", r"\.").replace("*", r"[^.]+"), name) for name in names), pattern
     assert model.flops_per_token() > 6 * sum(p.numel() for n, p in model.named_parameters()
                                              if n.startswith(f"{family.stages.stack}.0.") and p.dim() == 2)
-    for words in family.lora_aliases.values():
-        assert all(any(name.endswith(f".{word}") for name in names) for word in words)
+    hf_modules = {ours: hf for ours, (hf, _) in peft_adapter.hf_modules(family, cfg).items()}
+    for word in family.lora_words():  # each names layers; a Hugging Face name, layers of that name
+        layers = target_names(model, family.lora_layers([word]))
+        assert layers, word
+        if word in family.lora_hf_aliases:
+            assert all(hf_modules[layer].endswith(f".{word}") for layer in layers if layer in hf_modules), word
+    assert set(family.whole_modules.values()) <= set(names)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.family)

@@ -38,6 +38,8 @@ FLAGS = {
     "fp8": ["--precision", "fp8", "--param-dtype", "bf16"],
     "lora": ["--lora-rank", "4", "--lora-targets", "qkv,fc", "--precision", "bf16", "--param-dtype", "bf16"],
     "qlora, int8 activations": ["--lora-rank", "4", "--quantize", "nf4", "--compress-activations", "int8"],
+    "lora, the embedding and head whole": ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj,o_proj",
+                                           "--lora-modules-to-save", "embed,head"],
 }
 PLAN_SHAPE = ["--model", MODEL, "--layers", "4", "--seq", "32", "--micro-batch", "4", "--gpus", "1", "--gpu", "cpu"]
 

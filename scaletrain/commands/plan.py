@@ -33,7 +33,8 @@ NON_NEGATIVE = ("moe_experts", "lora_rank")
 TRAINING_FIELDS = ("precision", "offload", *TRAINING_OPTIONS)
 TRAINING_NOTE = ("As scaletrain train takes them, fixed for every layout, but for two defaults: --precision is bf16 "
                  "on a GPU, and --reduce-dtype bf16 with --masters none (which needs it). --lora-rank prices a "
-                 "fine-tune of the preset: its base frozen (in 4 bits with --quantize nf4), adapters beside it. Their "
+                 "fine-tune of the preset: its base frozen (in 4 bits with --quantize nf4), adapters beside it (and "
+                 "--lora-modules-to-save's modules trained whole). Their "
                  "memory is predicted, and of their time fp8's products, the optimizer's state traffic, a frozen "
                  "base's skipped weight gradients and compression's passes; not modelled: --stochastic-rounding, "
                  "--fused (priced as torch's fused AdamW), --offload's host step and transfers, a 4-bit base's "

@@ -1,6 +1,11 @@
-"""What ``--lora-rank`` and ``--quantize nf4`` do to a built model: the base frozen (in 4
-bits, nf4.py: QLoRA, Dettmers et al. 2023) and LoRA's adapters put beside the layers the
-family names (lora.py: Hu et al. 2022), before any parallel transform sees the model."""
+"""What ``--lora-rank`` and ``--quantize nf4`` do to a built model: the base frozen (in 4 bits,
+nf4.py: QLoRA, Dettmers et al. 2023), LoRA's adapters put beside the layers ``--lora-targets``
+names (lora.py: Hu et al. 2022), and the modules ``--lora-modules-to-save`` names (PEFT's
+``modules_to_save``: the token embedding, the output head) trained whole beside them, before any
+parallel transform sees the model. A module trained whole is an ordinary trainable tensor from
+there on: data parallelism reduces its gradient, ZeRO shards its optimizer state, checkpoints
+hold it. A head tied to the embedding is one tensor, so naming either trains it in both roles
+(as PEFT's ``ensure_weight_tying`` does)."""
 
 from __future__ import annotations
 
@@ -12,12 +17,28 @@ from scaletrain.finetune.nf4 import quantize_linears
 from scaletrain.models.spec import ModelSpec
 
 
+def words(value: str | None) -> list[str]:
+    """A comma-separated flag's words (none for an unset one)."""
+    return [word for word in (value or "").split(",") if word]
+
+
+def whole_parameters(model: nn.Module, family: ModelSpec, modules_to_save: str | None) -> dict[str, nn.Parameter]:
+    """The parameters ``--lora-modules-to-save`` trains whole, by name (a tied pair under its first)."""
+    modules = {family.whole_modules[word] for word in words(modules_to_save)}
+    chosen = {id(param) for name, param in model.named_parameters(remove_duplicate=False)
+              if name.rsplit(".", 1)[0] in modules}
+    return {name: param for name, param in model.named_parameters() if id(param) in chosen}
+
+
 def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
-    """With ``--lora-rank``: freeze ``model`` (in 4 bits with ``--quantize nf4``) and put the adapters
-    beside its target layers; the model a fine-tune trains and checkpoints."""
+    """With ``--lora-rank``: freeze ``model`` (in 4 bits with ``--quantize nf4``), put the adapters
+    beside its target layers and let the modules to save train; the model a fine-tune trains and
+    checkpoints."""
     if not finetune.lora_rank:
         return
-    targets = family.lora_layers(finetune.lora_targets.split(","))
+    targets = family.lora_layers(words(finetune.lora_targets))
     if finetune.quantize == "nf4":
         quantize_linears(model, targets)
     apply_lora(model, targets, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout)
+    for param in whole_parameters(model, family, finetune.lora_modules_to_save).values():
+        param.requires_grad_(True)

@@ -77,10 +77,17 @@ class LoRALinear(nn.Module):
             self.merged = False
 
 
+def matches(name: str, pattern: str) -> bool:
+    """Whether the dotted ``name`` ends with the parts of ``pattern``, ``*`` standing for any one part
+    (``attn.proj`` is ``blocks.0.attn.proj``, not ``blocks.0.mlp.proj``; ``proj`` is both)."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) >= len(wanted) and all(w in ("*", part) for w, part in zip(wanted, parts[-len(wanted):]))
+
+
 def target_names(model: nn.Module, targets: list[str]) -> list[str]:
-    """The linear layers named ``*.{target}``, in the model's order."""
+    """The linear layers that a pattern of ``targets`` names (`matches`), in the model's order."""
     return [name for name, module in model.named_modules()
-            if name.rsplit(".", 1)[-1] in targets and hasattr(module, "in_features")]
+            if hasattr(module, "in_features") and any(matches(name, pattern) for pattern in targets)]
 
 
 def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float) -> list[str]:
@@ -99,15 +106,15 @@ def adapters(model: nn.Module) -> list[LoRALinear]:
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors alone, by ``state_dict`` key: what a fine-tune adds to its base."""
-    return {key: value.detach() for key, value in model.state_dict().items()
-            if key.rsplit(".", 1)[-1] in ADAPTER_PARAMS}
+    """What a fine-tune trains beside its frozen base, by parameter name: the adapters, and any
+    module trained whole beside them (finetune/adapters.py)."""
+    return {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}
 
 
 @torch.no_grad()
 def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Set every adapter of ``model`` from ``tensors`` (by `adapter_state` key, one for each), in
-    place: a fine-tune that continues from saved adapters (peft_adapter.py)."""
+    """Set every tensor of `adapter_state` from ``tensors`` (by its name, one for each), in place: a
+    fine-tune that continues from saved adapters (peft_adapter.py)."""
     params = dict(model.named_parameters())
     if tensors.keys() != adapter_state(model).keys():
         raise ValueError(f"the tensors {sorted(tensors)} are not the model's adapters {sorted(adapter_state(model))}")
@@ -116,7 +123,8 @@ def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def save_adapters(model: nn.Module, path: Path, metadata: dict[str, str]) -> int:
-    """The adapters alone in one safetensors file (written beside, then renamed into place); their bytes."""
+    """The adapters (and modules trained whole) in one safetensors file (written beside, then renamed
+    into place); their bytes."""
     tensors = {key: value.contiguous() for key, value in adapter_state(model).items()}
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, tmp, metadata=metadata)

@@ -2,10 +2,12 @@
 
 The folder is what ``PeftModel.save_pretrained`` writes, and ``scaletrain export --format peft``
 (job/export_peft.py) too: ``adapter_config.json`` and ``adapter_model.safetensors``, each adapted
-module's ``base_model.model.<module>.lora_A.weight`` [r, d_in] and ``.lora_B.weight`` [d_out, r].
-PEFT's LoRA computes lora.py's update, ``(alpha / r) x A^T B^T``, with A and B of the same
-shapes (a base weight stored transposed, as by a Conv1D layer, changes neither), so the tensors
-cross as they are; what takes care is which of our layers they belong to:
+module's ``base_model.model.<module>.lora_A.weight`` [r, d_in] and ``.lora_B.weight`` [d_out, r],
+and each module trained whole beside them (``modules_to_save``) as ``base_model.model.<module>.weight``
+(peft 0.21 saves its trained copy under the module's own name). PEFT's LoRA computes lora.py's
+update, ``(alpha / r) x A^T B^T``, with A and B of the same shapes (a base weight stored
+transposed, as by a Conv1D layer, changes neither), so the tensors cross as they are; what takes
+care is which of our layers they belong to:
 
 - The adapted modules are those PEFT adapts in the base, by PEFT's rules: ``target_modules`` as a
   list names a module by its full name or by its last parts, as a string it is a regular
@@ -13,17 +15,19 @@ cross as they are; what takes care is which of our layers they belong to:
   listed name that matches nothing adapts nothing, in PEFT as here.
 - Each module is one of our layers through the family's Hugging Face names (``HFAdapter.names``,
   which export writes with), so a module the family does not name is no layer of the base.
-- A ``--lora-targets`` word stands for a kind of layer in every block: a group (the family's
-  ``lora_aliases``: a fused attention input, or its three inputs apart; both of a block's output
-  projections, which share one name) or one layer of a group by its own name (``q``, ``v``: PEFT's
-  common q_proj, v_proj). An adapter continues where its layers are whole kinds, which give the
-  run's ``--lora-targets``, groups where whole; any other set (one of the two output projections,
-  some blocks only) is refused, since the run could neither adapt it nor save it again as it came.
+- The run's ``--lora-targets`` are the family's Hugging Face names of those layers (its
+  ``lora_hf_aliases``: ``q_proj,v_proj,o_proj``), each a kind of layer in every block. An adapter
+  whose layers are no whole kinds (adapters in some blocks only) is refused, since the run could
+  neither adapt that set nor save it again as it came.
+- ``modules_to_save`` names modules by PEFT's rule for it (a module whose full name ends with a
+  listed name): the token embedding and the output head train whole, as ``--lora-modules-to-save``
+  has them, and any other module is refused. A head that the base ties to its embedding is one
+  tensor here, so the adapter must have trained the two as one: the file holds it under both
+  modules, equal (`_trained_whole`).
 - Options that change what an adapter computes (DoRA, rsLoRA's alpha / sqrt(r), per-layer ranks
-  or alphas, trained biases, modules trained whole beside it, adapters in some blocks only,
-  initializations that rewrite the base) have no counterpart in our LoRA and are refused, as is a
-  ``fan_in_fan_out`` that contradicts how the base stores the adapted layers, and any tensor whose
-  shape is not its layer's at rank r.
+  or alphas, trained biases, adapters in some blocks only, initializations that rewrite the base)
+  have no counterpart in our LoRA and are refused, as is a ``fan_in_fan_out`` that contradicts how
+  the base stores the adapted layers, and any tensor whose shape is not its layer's (at rank r).
 
 Everything is checked from the two files and the model (built on the meta device where a run is
 only being set up) before anything is written, each refusal in one sentence.
@@ -41,6 +45,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.finetune.adapters import whole_parameters
 from scaletrain.finetune.hf import READ_ERRORS, _json_object, _unreadable
 from scaletrain.finetune.lora import ADAPTER_PARAMS, target_names
 from scaletrain.models.spec import ModelSpec
@@ -51,7 +56,6 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 OTHER_THAN_LORA = {
     "use_dora": "DoRA's magnitude vectors",
     "use_rslora": "rsLoRA's scaling alpha / sqrt(r)",
-    "modules_to_save": "modules trained whole beside the adapters",
     "layers_to_transform": "adapters in some blocks only",
     "layer_replication": "blocks repeated in the adapted model",
     "lora_bias": "a trained bias beside lora_B",
@@ -73,12 +77,13 @@ PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
 @dataclass(frozen=True)
 class PeftAdapter:
     """What an adapter folder brings to a run: its settings as ours, and its tensors by our
-    ``state_dict`` keys (``blocks.0.attn.q.lora_A``)."""
+    parameter names (``blocks.0.attn.q.lora_A``, ``tok_emb.weight``)."""
 
     rank: int
     alpha: float
     dropout: float
     targets: str  # the --lora-targets value whose layers the adapter adapts
+    modules_to_save: str | None  # the --lora-modules-to-save value: the modules it trains whole, if any
     tensors: dict[str, torch.Tensor]
 
 
@@ -89,9 +94,24 @@ def hf_modules(family: ModelSpec, family_cfg: Any) -> dict[str, tuple[str, bool]
             for name, (ours, transposed) in family.hf.names(family_cfg).items() if ours.endswith(".weight")}
 
 
-def adapter_key(module: str, part: str) -> str:
-    """The name PEFT saves ``part`` (lora_A or lora_B) of the adapter on ``module`` under."""
-    return f"base_model.model.{module}.{part}.weight"
+def adapter_key(module: str, part: str | None) -> str:
+    """The name PEFT saves ``part`` (lora_A or lora_B) of the adapter on ``module`` under, or with
+    part ``None`` the weight of ``module`` trained whole."""
+    return f"base_model.model.{module}.{part}.weight" if part else f"base_model.model.{module}.weight"
+
+
+def whole_holders(model: nn.Module, family: ModelSpec, family_cfg: Any) -> dict[str, list[str]]:
+    """Each parameter ``--lora-modules-to-save`` can train whole (by our name, a tied pair once) ->
+    the modules of a Hugging Face folder that hold it: its own, and a tied head's beside an embedding's."""
+    modules = hf_modules(family, family_cfg)
+    copies: dict[str, list[str]] = {}
+    for copy, original in family.hf.tied(family_cfg):
+        copies.setdefault(original.removesuffix(".weight"), []).append(copy.removesuffix(".weight"))
+    holders = {}
+    for name in whole_parameters(model, family, ",".join(family.whole_modules)):
+        module = modules[name.removesuffix(".weight")][0]
+        holders[name] = [module, *copies.get(module, [])]
+    return holders
 
 
 def read_adapter(folder: Path, model: nn.Module, family: ModelSpec, family_cfg: Any) -> PeftAdapter:
@@ -108,7 +128,15 @@ def read_adapter(folder: Path, model: nn.Module, family: ModelSpec, family_cfg: 
                         f"store the adapted layers' weights {'transposed' if flipped else 'as [out, in]'}; the "
                         f"adapter was made for another model.")
     targets = _lora_targets(set(chosen), model, family, modules, folder)
-    return PeftAdapter(rank, alpha, dropout, targets, _tensors(weights_path, chosen, modules, model, rank))
+    try:
+        saved = load_file(weights_path)
+    except READ_ERRORS as exc:
+        raise _unreadable(weights_path, exc) from None
+    whole = _trained_whole(config, whole_holders(model, family, family_cfg), modules, set(saved), folder)
+    words = [next(word for word, module in family.whole_modules.items() if name == f"{module}.weight")
+             for name in whole]
+    return PeftAdapter(rank, alpha, dropout, targets, ",".join(words) or None,
+                       _tensors(weights_path, saved, chosen, modules, model, rank, whole))
 
 
 def _file(folder: Path, name: str) -> Path:
@@ -152,12 +180,17 @@ def _settings(config: dict, folder: Path) -> tuple[int, float, float]:
     return rank, float(alpha), float(dropout)
 
 
-def _matches(pattern: str | list[str], module: str) -> bool:
-    """PEFT's rule: a string is a regular expression of the whole name, a list names modules by
-    their full name or its last dot-separated parts."""
+def targeted(pattern: str | list[str], module: str) -> bool:
+    """PEFT's rule for ``target_modules``: a string is a regular expression of the whole name, a
+    list names modules by their full name or its last dot-separated parts."""
     if isinstance(pattern, str):
         return re.fullmatch(pattern, module) is not None
     return any(module == name or module.endswith(f".{name}") for name in pattern)
+
+
+def saved_whole(listed: list[str], module: str) -> bool:
+    """PEFT's rule for ``modules_to_save``: the full name ends with a listed name."""
+    return any(module.endswith(name) for name in listed)
 
 
 def _adapted(config: dict, modules: dict[str, tuple[str, bool]], folder: Path) -> dict[str, str]:
@@ -176,65 +209,100 @@ def _adapted(config: dict, modules: dict[str, tuple[str, bool]], folder: Path) -
             raise UserError(f"{where} gives {option} {value!r}, which is no regular expression ({exc}); restore "
                             f"the adapter's own file.") from None
     chosen = {layer: module for layer, (module, _) in modules.items()
-              if _matches(targets, module) and not (excluded and _matches(excluded, module))}
+              if targeted(targets, module) and not (excluded and targeted(excluded, module))}
     if not chosen:
         raise UserError(f"{where} gives target_modules {targets!r}, which match no module of the base; the "
                         f"adapter was made for another model.")
     return chosen
 
 
-def _short(modules: dict[str, tuple[str, bool]], kinds: set[str]) -> str:
-    """The last parts of the base's module names for our layers of these kinds (``q_proj``)."""
-    names = (module.rsplit(".", 1)[-1] for layer, (module, _) in modules.items() if layer.rsplit(".", 1)[-1] in kinds)
-    return ", ".join(dict.fromkeys(names))  # each once, in the model's order
-
-
 def _lora_targets(chosen: set[str], model: nn.Module, family: ModelSpec, modules: dict[str, tuple[str, bool]],
                   folder: Path) -> str:
-    """The --lora-targets value whose layers are exactly ``chosen``, or one sentence on why none is."""
-    aliases = family.lora_aliases
-    groups = "; ".join(f"{word}: {_short(modules, set(names))}" for word, names in aliases.items())
-    foreign = chosen - set(target_names(model, family.lora_layers(list(aliases))))
+    """The --lora-targets value, in the folder's module names, whose layers are exactly ``chosen``,
+    or one sentence on why none is."""
+    kinds = {word: target_names(model, family.lora_layers([word])) for word in family.lora_hf_aliases}
+    accepted = ", ".join(kinds)
+    foreign = chosen - {layer for layers in kinds.values() for layer in layers}
     if foreign:
         names = dict.fromkeys(modules[layer][0].rsplit(".", 1)[-1] for layer in sorted(foreign))
         raise UserError(f"the adapter in {folder} adapts {', '.join(names)}, which is no layer scaletrain's LoRA "
-                        f"adapts in this base; it adapts the layers of --lora-targets ({groups}).")
-    kinds = {layer.rsplit(".", 1)[-1] for layer in chosen}
-    groups_whole = [word for word, names in aliases.items() if set(names) <= kinds]
-    grouped = {name for word in groups_whole for name in aliases[word]}
-    words = groups_whole + [word for word in family.lora_words() if word in kinds - grouped]
+                        f"adapts in this base; it adapts {accepted} (the token embedding and the head train whole "
+                        f"with modules_to_save).")
+    words, covered = [], set()
+    for word, layers in kinds.items():  # each kind whole, in the family's order
+        if set(layers) <= chosen and not set(layers) <= covered:
+            words.append(word)
+            covered.update(layers)
     # A layer without a Hugging Face name (a mixture's expert) is named as ours.
-    missing = [modules[layer][0] if layer in modules else layer
-               for layer in target_names(model, family.lora_layers(words)) if layer not in chosen]
+    missing = [modules[layer][0] if layer in modules else layer for layers in kinds.values()
+               if (chosen - covered) & set(layers) for layer in layers if layer not in chosen]
     if missing:
         more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
         raise UserError(f"the adapter in {folder} adapts part of a kind of layer (it leaves out "
-                        f"{', '.join(missing[:2])}{more}), where scaletrain adapts each kind in every block, a "
-                        f"group whole ({groups}) or a layer of one by its own name; continue from an adapter whose "
-                        f"target_modules hold whole kinds.")
+                        f"{', '.join(missing[:2])}{more}), where scaletrain adapts each kind in every block "
+                        f"({accepted}); continue from an adapter whose target_modules hold whole kinds.")
     return ",".join(words)
 
 
-def _tensors(path: Path, chosen: dict[str, str], modules: dict[str, tuple[str, bool]], model: nn.Module,
-             rank: int) -> dict[str, torch.Tensor]:
-    """The adapter's A and B of every chosen layer by our state_dict keys, each shape checked."""
-    try:
-        saved = load_file(path)
-    except READ_ERRORS as exc:
-        raise _unreadable(path, exc) from None
+def _trained_whole(config: dict, holders: dict[str, list[str]], modules: dict[str, tuple[str, bool]],
+                   keys: set[str], folder: Path) -> dict[str, list[str]]:
+    """The parameters the adapter trains whole (by our name) -> the folder's modules that hold each,
+    from ``modules_to_save`` by PEFT's rule for it; one sentence for a module we do not train whole.
+
+    A pair the base ties is one tensor to PEFT too where the file holds it under both modules (its
+    ``ensure_weight_tying`` saves both; loading writes the head's into the weight the two share);
+    under one alone, the other keeps the base's weight: apart, which we refuse."""
+    where = folder / CONFIG_FILE
+    listed = config.get("modules_to_save") or []
+    if not (isinstance(listed, list) and all(isinstance(name, str) for name in listed)):
+        raise UserError(f"{where} gives modules_to_save {listed!r}, where PEFT takes a list of module names; "
+                        f"restore the adapter's own file.")
+    held = {module for holding in holders.values() for module in holding}
+    others = [module for module, _ in modules.values() if saved_whole(listed, module) and module not in held]
+    if others:
+        raise UserError(f"{where} sets modules_to_save {listed}, which trains {others[0]} whole, where scaletrain "
+                        f"trains whole only the token embedding and the head (--lora-modules-to-save embed,head); "
+                        f"continue from an adapter without it.")
+    trained = {}
+    for name, holding in holders.items():
+        if not any(saved_whole(listed, module) for module in holding):
+            continue
+        present = [module for module in holding if adapter_key(module, None) in keys]
+        if present and len(present) < len(holding):
+            apart = next(module for module in holding if module not in present)
+            raise UserError(f"the adapter in {folder} trains {present[0]} whole apart from {apart}, which the base "
+                            f"ties to it, where scaletrain trains the two as one tensor; continue from an adapter "
+                            f"that trained them tied (peft's ensure_weight_tying).")
+        trained[name] = holding
+    return trained
+
+
+def _tensors(path: Path, saved: dict[str, torch.Tensor], chosen: dict[str, str], modules: dict[str, tuple[str, bool]],
+             model: nn.Module, rank: int, whole: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """The adapter's A and B of every chosen layer, and the weights it trains whole, from ``saved`` (the
+    file ``path``) by our parameter names, each shape checked (and a tied pair's two copies equal)."""
     wanted = {adapter_key(module, part): (layer, part) for layer, module in chosen.items() for part in ADAPTER_PARAMS}
-    for names, what in ((sorted(wanted.keys() - saved.keys()), "lacks"),
-                        (sorted(saved.keys() - wanted.keys()), "holds tensors of no module it adapts, such as")):
+    held = {adapter_key(module, None): name for name, holding in whole.items() for module in holding}
+    for names, what in ((sorted((wanted.keys() | held.keys()) - saved.keys()), "lacks"),
+                        (sorted(saved.keys() - wanted.keys() - held.keys()),
+                         "holds tensors of no module it adapts, such as")):
         if names:
             raise UserError(f"{path} {what} {names[0]}; the adapter's two files do not belong together.")
-    layers = dict(model.named_modules())
-    tensors = {}
-    for key, (layer, part) in wanted.items():
-        linear = layers[layer]
-        shape = (rank, linear.in_features) if part == "lora_A" else (linear.out_features, rank)
+    layers, params = dict(model.named_modules()), dict(model.named_parameters())
+    shapes = {key: (modules[layer][0], (rank, layers[layer].in_features) if part == "lora_A"
+                    else (layers[layer].out_features, rank), f" at r {rank}") for key, (layer, part) in wanted.items()}
+    shapes.update({adapter_key(module, None): (module, tuple(params[name].shape), "")
+                   for name, holding in whole.items() for module in holding})
+    for key, (module, shape, at_rank) in shapes.items():
         if tuple(saved[key].shape) != shape:
-            raise UserError(f"{path} holds {key} of shape {list(saved[key].shape)}, where the base's "
-                            f"{modules[layer][0]} takes {list(shape)} at r {rank}; the adapter was made for "
-                            f"another model.")
-        tensors[f"{layer}.{part}"] = saved[key]
+            raise UserError(f"{path} holds {key} of shape {list(saved[key].shape)}, where the base's {module} "
+                            f"takes {list(shape)}{at_rank}; the adapter was made for another model.")
+    tensors = {f"{layer}.{part}": saved[key] for key, (layer, part) in wanted.items()}
+    for name, holding in whole.items():
+        first, *copies = (saved[adapter_key(module, None)] for module in holding)
+        if any(not torch.equal(first, copy) for copy in copies):
+            raise UserError(f"{path} holds different weights for {' and '.join(holding)}, which the base ties; "
+                            f"scaletrain trains them as one tensor, so continue from an adapter that trained them "
+                            f"tied (ensure_weight_tying).")
+        tensors[name] = first
     return tensors

@@ -18,13 +18,14 @@ layers (``--lora-rank``), its weights stored in 4 bits first with
 the adapters as trainable.
 
 ``--adapter DIR`` continues a PEFT LoRA adapter over the base
-(finetune/peft_adapter.py): its rank, alpha, dropout and target layers become
-the run's ``--lora-*`` settings, set before anything is written (a flag that
-says otherwise is refused; a ``--lora-dropout`` of the user's own stands, as
-it shapes training only), and its A and B replace the fresh adapters' initial
-values as soon as they are added, before any wrapper sees them. A flag counts
-as given when it differs from its default: the configuration keeps values,
-not where they came from. Without ``--from`` there is no base to adapt, and a ``--lora-*`` or
+(finetune/peft_adapter.py): its rank, alpha, dropout, target layers and modules
+trained whole become the run's ``--lora-*`` settings, set before anything is
+written (a flag that says otherwise is refused; a ``--lora-dropout`` of the
+user's own stands, as it shapes training only), and its A and B (and the
+modules' weights) replace the fresh values as soon as the adapters are added,
+before any wrapper sees them. A flag counts as given when it means other than
+its default (``--lora-targets`` by the layers it names): the configuration
+keeps values, not where they came from. Without ``--from`` there is no base to adapt, and a ``--lora-*`` or
 ``--quantize`` flag is refused rather than left to train every weight of a fresh model.
 """
 
@@ -37,7 +38,7 @@ from torch import nn
 
 from scaletrain.config import Config, FinetuneConfig, load_run_config
 from scaletrain.errors import UserError
-from scaletrain.finetune.adapters import add_adapters
+from scaletrain.finetune.adapters import add_adapters, whole_parameters, words
 from scaletrain.finetune.hf import (
     folder_tensors,
     is_hf_folder,
@@ -45,8 +46,9 @@ from scaletrain.finetune.hf import (
     read_hf_model,
     read_hf_weights,
 )
-from scaletrain.finetune.lora import load_adapters
+from scaletrain.finetune.lora import load_adapters, target_names
 from scaletrain.finetune.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+from scaletrain.job.data_setup import run_tokenizer
 from scaletrain.job.export import find_checkpoint, without_adapters
 from scaletrain.models import spec_for
 from scaletrain.models.spec import ModelSpec
@@ -59,7 +61,8 @@ INHERITED = ("name", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden
              "norm_eps", "n_positions", "n_vocab", "tokenizer", "vocab_size", "seq_len")
 # The flags of adapters over a base, by field (--adapter's own check is config_checks.py's).
 ADAPTER_FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout",
-                 "lora_targets": "--lora-targets", "quantize": "--quantize"}
+                 "lora_targets": "--lora-targets", "lora_modules_to_save": "--lora-modules-to-save",
+                 "quantize": "--quantize"}
 
 
 def base_checkpoint(finetune: FinetuneConfig) -> Path:
@@ -73,6 +76,7 @@ def as_finetune(cfg: Config) -> Config:
     if not cfg.finetune.base:
         return cfg
     cfg = with_base(cfg)
+    check_words(cfg)
     if cfg.finetune.adapter:
         cfg = with_adapter(cfg)
     check_layout(cfg)
@@ -133,24 +137,41 @@ def with_adapter(cfg: Config) -> Config:
     f, default = cfg.finetune, FinetuneConfig()
     folder = readable_dir("--adapter", f.adapter, f"a PEFT adapter folder, with {CONFIG_FILE} and {WEIGHTS_FILE}")
     family = spec_for(cfg.model.name)
-    family_cfg = family.configure(cfg.model, 1, cfg.data.seq_len)  # the adapted layers' shapes need no vocabulary
+    family_cfg = family.configure(cfg.model, base_vocab(cfg), cfg.data.seq_len)
     with torch.device("meta"):
         model = family.build(family_cfg)
     adapter = read_adapter(folder, model, family, family_cfg)
-    for flag, given, unset, theirs in (("--lora-rank", f.lora_rank, default.lora_rank, adapter.rank),
-                                       ("--lora-alpha", f.lora_alpha, default.lora_alpha, adapter.alpha),
-                                       ("--lora-targets", f.lora_targets, default.lora_targets, adapter.targets)):
-        if not (_agree(given, unset) or _agree(given, theirs)):
+
+    def as_is(value: object) -> object:
+        return value
+
+    def layers(targets: str) -> set[str]:
+        return set(target_names(model, family.lora_layers(words(targets))))
+
+    def trained_whole(modules: str | None) -> set[str]:
+        return set(whole_parameters(model, family, modules))
+
+    # A flag counts as given where it means other than its default (module docstring).
+    for flag, given, unset, theirs, meaning in (
+            ("--lora-rank", f.lora_rank, default.lora_rank, adapter.rank, as_is),
+            ("--lora-alpha", f.lora_alpha, default.lora_alpha, adapter.alpha, as_is),
+            ("--lora-targets", f.lora_targets, default.lora_targets, adapter.targets, layers),
+            ("--lora-modules-to-save", f.lora_modules_to_save, default.lora_modules_to_save, adapter.modules_to_save,
+             trained_whole)):
+        if meaning(given) not in (meaning(unset), meaning(theirs)):
             raise UserError(f"{flag} {given} contradicts the adapter in {folder}, which sets it to {theirs}; drop "
                             f"{flag}.")
     dropout = f.lora_dropout if f.lora_dropout != default.lora_dropout else adapter.dropout
     return cfg.replace(lora_rank=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=dropout,
-                       lora_targets=adapter.targets)
+                       lora_targets=adapter.targets, lora_modules_to_save=adapter.modules_to_save)
 
 
-def _agree(given: object, other: object) -> bool:
-    """Two values of one ``--lora-*`` flag mean the same: ``--lora-targets`` words in any order."""
-    return set(given.split(",")) == set(other.split(",")) if isinstance(given, str) else given == other
+def base_vocab(cfg: Config) -> int:
+    """The rows of the base's embedding and head: a Hugging Face folder's config.json gives them
+    (``n_vocab``), a run of ours its tokenizer."""
+    if is_hf_folder(Path(cfg.finetune.base)):
+        return cfg.model.n_vocab
+    return run_tokenizer(base_checkpoint(cfg.finetune).parent.parent).vocab_size
 
 
 def check_layout(cfg: Config) -> None:
@@ -166,11 +187,21 @@ def check_layout(cfg: Config) -> None:
                                 f"fine-tune.")
     if f.quantize == "nf4" and f.lora_rank < 1:
         raise UserError("--quantize nf4 freezes the base in 4 bits, so only adapters can train; add --lora-rank.")
-    words = spec_for(cfg.model.name).lora_words()
-    unknown = set(f.lora_targets.split(",")) - set(words)
-    if unknown:
-        raise UserError(f"--lora-targets {f.lora_targets} names {', '.join(sorted(unknown))}; choose among "
-                        f"{', '.join(words)}.")
+    if f.lora_modules_to_save and f.lora_rank < 1:
+        raise UserError("--lora-modules-to-save trains modules whole beside LoRA's adapters, and without "
+                        "--lora-rank every weight trains already; add --lora-rank, or drop --lora-modules-to-save.")
+    check_words(cfg)
+
+
+def check_words(cfg: Config) -> None:
+    """One sentence for a ``--lora-targets`` or ``--lora-modules-to-save`` word the model's family does
+    not know, listing those it accepts."""
+    f, family = cfg.finetune, spec_for(cfg.model.name)
+    for flag, given, accepted in (("--lora-targets", f.lora_targets, family.lora_words()),
+                                  ("--lora-modules-to-save", f.lora_modules_to_save, tuple(family.whole_modules))):
+        unknown = [word or "an empty name" for word in dict.fromkeys((given or "").split(",")) if word not in accepted]
+        if given is not None and unknown:
+            raise UserError(f"{flag} {given} names {', '.join(unknown)}; choose among {', '.join(accepted)}.")
 
 
 @torch.no_grad()

@@ -181,6 +181,14 @@ def hf_names(cfg: GPTConfig) -> dict[str, tuple[str, bool]]:
     return names
 
 
+# --lora-targets: ours, then GPT-2's module names. GPT-2 names both output projections c_proj, as PEFT
+# adapts them; attn.c_proj and mlp.c_proj, PEFT's longer names, take one alone.
+LORA_ALIASES = {"qkv": ("attn.qkv",), "proj": ("proj",), "fc": ("fc",)}
+LORA_HF_ALIASES = {"c_attn": ("attn.qkv",), "c_proj": ("proj",), "c_fc": ("fc",), "attn.c_proj": ("attn.proj",),
+                   "mlp.c_proj": ("mlp.proj", "experts.*.proj")}
+# --lora-modules-to-save: our words, then GPT-2's module names (one tensor: the head is tied to wte)
+WHOLE_MODULES = {"embed": "tok_emb", "head": "head", "wte": "tok_emb", "lm_head": "head"}
+
 HF = HFAdapter(model_types=("gpt2",), prefix="transformer.", config_from_hf=config_from_hf,
                config_to_hf=config_to_hf, names=hf_names,
                tied=lambda cfg: (("lm_head.weight", "transformer.wte.weight"),),
@@ -188,4 +196,5 @@ HF = HFAdapter(model_types=("gpt2",), prefix="transformer.", config_from_hf=conf
 
 GPT_SPEC = ModelSpec(family="gpt", presets=PRESETS, configure=configure, build=GPT, tensor_plan=lambda cfg: TENSOR_PLAN,
                      stages=STAGES, shape=shape, position_modules=("pos_emb",), hf=HF,
-                     lora_aliases={"qkv": ("qkv",), "proj": ("proj",), "fc": ("fc",)}, check=check)
+                     lora_aliases=LORA_ALIASES, lora_hf_aliases=LORA_HF_ALIASES, whole_modules=WHOLE_MODULES,
+                     check=check)

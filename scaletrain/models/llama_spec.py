@@ -330,10 +330,20 @@ def hf_tied(cfg: LlamaConfig) -> tuple[tuple[str, str], ...]:
     return (("lm_head.weight", "model.embed_tokens.weight"),) if cfg.tie_embeddings else ()
 
 
+# --lora-targets: a group of layers or one of its layers (q, v: PEFT's common pair); ``proj`` is both output
+# projections of a block (the attention's and the MLP's, an expert's too), which the folders' names tell apart.
+LORA_ALIASES = {"qkv": ("attn.q", "attn.k", "attn.v"), "q": ("attn.q",), "k": ("attn.k",), "v": ("attn.v",),
+                "proj": ("proj",), "fc": ("gate", "up"), "gate": ("gate",), "up": ("up",)}
+LORA_HF_ALIASES = {"q_proj": ("attn.q",), "k_proj": ("attn.k",), "v_proj": ("attn.v",), "o_proj": ("attn.proj",),
+                   "gate_proj": ("gate",), "up_proj": ("up",), "down_proj": ("mlp.proj", "experts.*.proj")}
+# --lora-modules-to-save: our words, then the folders' module names
+WHOLE_MODULES = {"embed": "tok_emb", "head": "head", "embed_tokens": "tok_emb", "lm_head": "head"}
+
 HF = HFAdapter(model_types=tuple(HF_DEFAULTS), prefix="model.", config_from_hf=config_from_hf,
                config_to_hf=config_to_hf, names=hf_names, tied=hf_tied)
 
 LLAMA_SPEC = ModelSpec(family="llama", presets=PRESETS, configure=configure, build=Llama,
                        tensor_plan=tensor_plan, stages=STAGES, shape=shape,
                        position_modules=("blocks.*.attn.rope",), hf=HF,
-                       lora_aliases={"qkv": ("q", "k", "v"), "proj": ("proj",), "fc": ("gate", "up")}, check=check)
+                       lora_aliases=LORA_ALIASES, lora_hf_aliases=LORA_HF_ALIASES, whole_modules=WHOLE_MODULES,
+                       check=check)

@@ -13,7 +13,9 @@ A family (models/gpt.py, models/llama.py) is a plain ``nn.Module`` plus one
     position_modules  the modules that turn positions into embeddings or angles, which
                     context parallelism hands each rank's global positions
     hf              its Hugging Face adapter (`HFAdapter`): config.json and tensor names both ways
-    lora_aliases    the ``--lora-targets`` words, each -> this family's layer names it means
+    lora_aliases    the ``--lora-targets`` words, each -> the layers it means, as patterns
+    lora_hf_aliases the same for the Hugging Face module names PEFT users write (``q_proj``)
+    whole_modules   the ``--lora-modules-to-save`` words, each -> the module trained whole
     check           refusals of a layout the family cannot take (GQA's kv heads under tp)
 
 The trainer, the planner, parity, export, generate and finetune read the spec
@@ -200,7 +202,11 @@ class ModelSpec:
     shape: Callable[[Any], ModelShape] | None
     position_modules: tuple[str, ...] = ()  # path patterns of the modules that take positions
     hf: HFAdapter | None = None
+    # A layer pattern names the linear layers whose dotted names end with it, ``*`` standing for
+    # any one part: ``proj`` is every output projection, ``attn.proj`` the attention's alone.
     lora_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    lora_hf_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    whole_modules: Mapping[str, str] = field(default_factory=dict)
     check: Callable[[Any, int], None] = _no_check  # (family config, tp) -> None or UserError
 
     def plan(self, cfg: Any) -> ModelPlan:
@@ -210,14 +216,13 @@ class ModelSpec:
                          position_modules=self.position_modules)
 
     def lora_words(self) -> tuple[str, ...]:
-        """The ``--lora-targets`` words: each alias, and each layer an alias groups by its own name
-        (``q`` of ``qkv``: an adapter on some of a group's layers, as PEFT's q_proj, v_proj)."""
-        layers = (name for names in self.lora_aliases.values() for name in names)
-        return tuple(dict.fromkeys([*self.lora_aliases, *layers]))
+        """The ``--lora-targets`` words: ours, then the Hugging Face module names."""
+        return (*self.lora_aliases, *self.lora_hf_aliases)
 
     def lora_layers(self, targets: list[str]) -> list[str]:
-        """``--lora-targets`` words -> this family's layer names."""
-        return [name for word in targets for name in self.lora_aliases.get(word, (word,))]
+        """``--lora-targets`` words -> the patterns of this family's layers they name."""
+        aliases = {**self.lora_aliases, **self.lora_hf_aliases}
+        return list(dict.fromkeys(pattern for word in targets for pattern in aliases[word]))
 
 
 def matmul_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int,

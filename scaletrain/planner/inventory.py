@@ -57,13 +57,13 @@ class Planned:
 
     spec: ModelSpec = field(compare=False)
     cfg: Any
-    adapters: tuple = ()  # a LoRA fine-tune's (rank, targets, quantize): the base frozen, maybe in 4 bits
+    adapters: tuple = ()  # a LoRA fine-tune's (rank, targets, quantize, modules to save): the base frozen
 
     @classmethod
     def of(cls, model: ModelConfig, vocab_size: int, seq_len: int, finetune: FinetuneConfig | None = None) -> Planned:
         spec = spec_for(model.name)
-        adapters = (finetune.lora_rank, finetune.lora_targets, finetune.quantize) if finetune and finetune.lora_rank \
-            else ()
+        adapters = (finetune.lora_rank, finetune.lora_targets, finetune.quantize, finetune.lora_modules_to_save) \
+            if finetune and finetune.lora_rank else ()
         return cls(spec, spec.configure(model, vocab_size, seq_len), adapters)
 
     @functools.cached_property
@@ -203,8 +203,9 @@ def _split_model(model: Planned, tp: int, ep: int) -> tuple[nn.Module, frozenset
     with torch.device("meta"), _NoInitOnMeta():
         whole = model.spec.build(model.cfg)
         if model.adapters:  # the trainer's own adapters, and its 4-bit base's buffers at their sizes
-            rank, targets, quantize = model.adapters
-            add_adapters(whole, FinetuneConfig(lora_rank=rank, lora_targets=targets, quantize=quantize), model.spec)
+            rank, targets, quantize, modules_to_save = model.adapters
+            add_adapters(whole, FinetuneConfig(lora_rank=rank, lora_targets=targets, quantize=quantize,
+                                               lora_modules_to_save=modules_to_save), model.spec)
     sliced: frozenset[str] = frozenset()
     if tp > 1:
         plan = parallelize_tensor(whole, model.tensor_plan, None, _first_rank("tp", tp),

@@ -11,7 +11,7 @@ MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "other", "total")
 # What a layout is trained with beside its own choices and its precision and offload (scaletrain plan's training
 # flags), shown where not scaletrain train's default
 TRAINING_OPTIONS = ("param_dtype", "masters", "reduce_dtype", "stochastic_rounding", "optimizer", "momentum",
-                    "compress_activations", "fused", "lora_rank", "lora_targets", "quantize")
+                    "compress_activations", "fused", "lora_rank", "lora_targets", "lora_modules_to_save", "quantize")
 
 
 def training_options(cfg: Config) -> dict[str, Any]:

@@ -100,8 +100,9 @@ class DataConfig:
     pack: bool | None = _opt(None, "several documents per sequence, attention kept inside each (default: on "
                                    "with --sft)")
     chat_template: str | None = _opt(None, "with --sft: the template conversations are rendered in: tokenizer "
-                                           "(its own, else builtin), builtin, chatml, llama3, alpaca, or a Jinja "
-                                           "file; recorded in the run and its export [tokenizer]")
+                                           "(its own, else builtin), builtin, chatml, alpaca, another released "
+                                           "model's by name (docs/data.md), or a Jinja file; recorded in the run "
+                                           "and its export [tokenizer]")
     train_on_inputs: bool = _opt(False, "with --sft: the loss on the prompts too, not only the answers")
     system_prompt: str | None = _opt(None, "with --sft: a system turn of this text for every record that has none")
     too_long: str = _opt("truncate", "an example longer than --seq-len: cut it to fit (and count it) or refuse "

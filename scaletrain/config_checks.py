@@ -35,7 +35,7 @@ _POSITIVE = ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches", "n
 _NON_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
                  "sample_tokens", "min_lr_ratio", "moe_experts", "moe_aux_coef", "moe_z_coef", "keep_last",
                  "max_restarts", "momentum")
-_ABOVE_ZERO = ("lr", "timeout", "bucket_mb", "norm_eps")
+_ABOVE_ZERO = ("lr", "timeout", "bucket_mb", "norm_eps", "epochs")
 
 
 def check_values(cfg: Config) -> None:
@@ -54,7 +54,17 @@ def check_values(cfg: Config) -> None:
     _check_fp8(cfg)
     _check_peak(cfg.train.peak_tflops)
     _check_adapter(cfg)
+    _check_chat(cfg)
     check_eval_tasks(cfg.train)
+
+
+def _check_chat(cfg: Config) -> None:
+    """The rendering switches of instruction records, which plain text has no use for."""
+    d = cfg.data
+    given = [flag for flag, value in (("--chat-template", d.chat_template), ("--train-on-inputs", d.train_on_inputs),
+                                      ("--system-prompt", d.system_prompt)) if value]
+    if given and not d.sft:
+        raise UserError(f"{given[0]} shapes how instruction records are rendered; add --sft, or drop {given[0]}.")
 
 
 def setting_warnings(cfg: Config, given: Collection[str] = ()) -> list[str]:
@@ -117,8 +127,12 @@ def _check_ranges(cfg: Config) -> None:
     if positions is not None and cfg.data.seq_len > positions:
         raise UserError(f"--seq-len {cfg.data.seq_len} is longer than the model's {positions} positions "
                         f"(--n-positions); choose a --seq-len of at most {positions}.")
-    if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= cfg.train.steps:
-        raise UserError(f"--stop-at must lie between 1 and --steps ({cfg.train.steps}), not {cfg.run.stop_at}.")
+    steps = cfg.train.steps  # None: still to be derived from --epochs (run_length.py), checked once it is
+    if cfg.run.stop_at is not None and not 1 <= cfg.run.stop_at <= (steps or cfg.run.stop_at):
+        raise UserError(f"--stop-at must lie between 1 and --steps ({steps}), not {cfg.run.stop_at}.")
+    if cfg.train.epochs is not None and cfg.train.micro_batch == AUTO:
+        raise UserError("--epochs counts steps of the global batch, which --micro-batch auto settles only once the "
+                        "run has started; give --micro-batch a number, or --steps.")
 
 
 def _check_dtypes(cfg: Config) -> None:

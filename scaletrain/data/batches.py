@@ -116,6 +116,11 @@ class TokenBatches(_Batches):
         self._tokens = tokens
         self._seq_len = seq_len
 
+    @property
+    def tokens(self) -> int:
+        """The tokens of the stream its windows are cut from."""
+        return len(self._tokens)
+
     def _gather(self, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # One extra token per window supplies the last target.
         offsets = items.numpy()[:, None] * self._seq_len + np.arange(self._seq_len + 1)

@@ -124,6 +124,11 @@ class SequenceBatches(_Batches):
         self._tokens, self._mask, self._seq_len, self._pack = tokens, mask, seq_len, pack
         self.fill = float(self._kept.sum()) / (self.num_samples * seq_len)
 
+    @property
+    def examples(self) -> int:
+        """The examples its rows hold (as many as the rows without packing)."""
+        return len(self._first)
+
     @cached_property
     def trained_tokens(self) -> int:
         """Targets the loss counts, over every example once."""
@@ -138,10 +143,12 @@ class SequenceBatches(_Batches):
         """What a run says of its examples cut to fit (none: ''), ``split`` 'train' or 'validation'."""
         if not self.truncated:
             return ""
-        examples = "examples" if split == "train" else f"{split} examples"
-        said = f"{self.truncated} {examples} longer than --seq-len {self._seq_len} were cut to fit"
+        one = self.truncated == 1
+        examples = f"{'' if split == 'train' else split + ' '}example{'' if one else 's'}"
+        said = (f"{self.truncated} {examples} longer than --seq-len {self._seq_len} {'was' if one else 'were'} "
+                f"cut to fit")
         if self.emptied:
-            said += f"; {self.emptied} of them lost every answer token and {_EMPTIED_DO[split]}"
+            said += f"; {'it' if one else f'{self.emptied} of them'} lost every answer token and {_EMPTIED_DO[split]}"
         return said + "."
 
     def _trained_in(self, examples: np.ndarray) -> np.ndarray:

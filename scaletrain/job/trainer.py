@@ -28,6 +28,7 @@ from torch import nn
 from scaletrain.config import Config
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.data.tokenizer import until_end
+from scaletrain.finetune.nf4 import NF4Linear
 from scaletrain.finetune.sliced import FolderSource, folder_source
 from scaletrain.job.base_model import start_from_base
 from scaletrain.job.data_setup import PreparedData, open_data
@@ -41,7 +42,7 @@ from scaletrain.runtime.mesh import Mesh
 from scaletrain.techniques.precision import autocast
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.layout import Layout
-from scaletrain.train.sampling import generate, line_prompt
+from scaletrain.train.sampling import generate, line_prompt, sft_prompt
 from scaletrain.train.step_window import PendingStep, StepWindow, default_log_every
 from scaletrain.train.stepper import Stepper
 
@@ -84,6 +85,18 @@ def build_run_model(cfg: Config, prepared: PreparedData, device: torch.device, n
     return RunModel(model, family.plan(family_cfg) if family else None, source, model.flops_per_token())
 
 
+def parameter_counts(model: nn.Module) -> str:
+    """PEFT's line of trainable and all parameters (``print_trainable_parameters``) of the whole model
+    as built, before a layout splits it over ranks: adapters and the modules to save train, a frozen
+    base counts among all, and an NF4 weight (its codes held in buffers) by the elements it stands
+    for, as PEFT counts a 4-bit one."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters()) + sum(
+        m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
+        for m in model.modules() if isinstance(m, NF4Linear))
+    return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+
+
 class Trainer:
     """The steps of a run: its model and data on the `Stepper` (train/stepper.py), with its
     checkpoints and the state a resume brings back."""
@@ -101,6 +114,7 @@ class Trainer:
         t = cfg.train
         built = build_run_model(cfg, prepared, self.device, self.data.n_features, self.data.n_classes)
         self.flops_per_token = built.flops_per_token
+        self.parameter_counts = parameter_counts(built.model)  # said as the run starts (commands/train.py)
         self.stepper = Stepper(built.model, t, cfg.parallel, mesh, comm, self.device, plan=built.plan,
                                seq_len=cfg.data.seq_len, sample=self.data.train.get(0, t.micro_batch)[0],
                                source=built.source, fused_head=prepared.kind == "text", run_dir=run_dir,
@@ -191,8 +205,9 @@ class Trainer:
         return self.stepper.timeline
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """The mean loss over the validation batches' trained tokens."""
+    def evaluate(self) -> float | None:
+        """The mean loss over the validation batches' trained tokens; None where they hold none (every
+        answer cut off by --too-long truncate): a mean over nothing, not a loss of 0."""
         layout = self.layout
         layout.model.eval()
         batches = [layout.local(*batch) for batch in
@@ -207,7 +222,7 @@ class Trainer:
                               dtype=torch.float64, device=self.device)
         if layout.context_parallel:  # each cp rank has its positions' share
             self.comm.all_reduce(totals, layout.cp_group)
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        return (totals[0] / totals[1]).item() if totals[1] > 0 else None
 
     def evaluate_tasks(self, checkpoint: Path) -> dict[str, float]:
         """--eval-tasks on the model ``checkpoint`` holds: saved at this step by every rank, whatever
@@ -231,15 +246,17 @@ class Trainer:
         return eval_tasks.metrics(results) if results is not None else {}
 
     def sample(self) -> str | None:
-        """A continuation of a line from the validation text (language models only; train/sampling.py)."""
+        """A continuation of a line from the validation text, or with --sft the answer (greedy) to
+        the first validation prompt as training rendered it (language models only; train/sampling.py)."""
         tokenizer = self.data.tokenizer
         if tokenizer is None or self.cfg.run.sample_tokens == 0:
             return None
-        window = self.data.val.get(0, 1)[0]
+        inputs, targets = self.data.val.get(0, 1)[:2]
         t = self.cfg.train
-        prompt = line_prompt(tokenizer, window[0])
+        prompt = sft_prompt(inputs[0], targets[0]) if self.cfg.data.sft else line_prompt(tokenizer, inputs[0])
         written = generate(self.layout, prompt[None], self.cfg.run.sample_tokens, context=self.cfg.data.seq_len,
-                           vocab=self.prepared.vocab_size, precision=t.precision, seed=t.seed)[0].tolist()
+                           vocab=self.prepared.vocab_size, precision=t.precision, seed=t.seed,
+                           temperature=0 if self.cfg.data.sft else 0.8)[0].tolist()
         # The sample ends where the model ends its document: past the end-of-text token lies another.
         return tokenizer.decode(written[:len(prompt)] + until_end(tokenizer, written[len(prompt):]))
 

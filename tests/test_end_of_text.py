@@ -28,25 +28,28 @@ import torch
 from scaletrain.commands.cli import main
 from scaletrain.commands.train import execute, launch, prepare_run
 from scaletrain.config import load_run_config
-from scaletrain.data import END_OF_TEXT, ByteTokenizer, ChatTemplate, load_tokenizer
+from scaletrain.data import BUILTIN_TEMPLATE, END_OF_TEXT, ByteTokenizer, ChatTemplate, load_tokenizer
 from scaletrain.data.shards import open_prepared
 from scaletrain.job import data_setup
-from scaletrain.job.data_setup import prepare_data, run_tokenizer
+from scaletrain.job.data_setup import open_data, prepare_data, run_tokenizer
 from scaletrain.job.metrics import read_metrics
 from scaletrain.job.model_source import load_model
+from scaletrain.models.chat_templates import CHAT_TEMPLATES
+from scaletrain.train.sampling import sft_prompt
 
 transformers = pytest.importorskip("transformers", reason="reading the exports needs the dev extra")
 transformers.utils.logging.disable_progress_bar()
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 FACTS = [{"text": f"{WORDS[i % 10]} is {'odd' if i % 2 else 'even'}."} for i in range(200)]
-CHATS = [{"messages": [{"role": "user", "content": f"Is {WORDS[i % 10]} odd?"},
+CHATS = [{"messages": [{"role": "user", "content": f"Is {i % 10} odd?"},
                        {"role": "assistant", "content": "yes" if i % 2 else "no"}]} for i in range(60)]
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-QUIET = ["--seq-len", "32", "--micro-batch", "8", "--warmup-steps", "1", "--eval-every", "0", "--eval-batches", "1",
+QUIET = ["--micro-batch", "8", "--warmup-steps", "1", "--eval-every", "0", "--eval-batches", "1",
          "--sample-tokens", "0", "--no-progress"]
-LEARN = ["--steps", "100", "--lr", "3e-3"]  # enough for each model to end its facts with the token
+LEARN = ["--steps", "100", "--lr", "3e-3", "--seq-len", "32"]  # enough for each model to end its facts with the token
+CHAT = ["--sft", "--seq-len", "64"]  # every conversation whole
 PROBE = f"three is odd.{END_OF_TEXT}naïve café — 日本"
 
 
@@ -63,6 +66,20 @@ def _chat_folder(base: Path, folder: Path) -> Path:
     return folder
 
 
+def _bos_folder(base: Path, folder: Path) -> Path:
+    """``base`` whose tokenizer puts its BOS before every text it encodes (as Llama's do), which a
+    rendered conversation must not get twice, nor once where training had none."""
+    from tokenizers import Tokenizer, processors
+
+    shutil.copytree(base, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos = tokenizer.token_to_id(END_OF_TEXT)
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{END_OF_TEXT} $A",
+                                                             special_tokens=[(END_OF_TEXT, bos)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each kind of run, trained and exported with ``--format hf`` (the LoRA one also as PEFT)."""
@@ -76,15 +93,20 @@ def runs(tmp_path_factory):
         "gpt-bpe": ["train", "--model", "gpt-tiny", "--tokenizer", "bpe", "--vocab-size", "300", "--data", facts, *LEARN],
         "llama-bytes": ["train", "--model", "llama-tiny", "--data", facts, *LEARN],
         "hf-finetune": ["finetune", "--from", base, "--data", facts, *LEARN],
-        "hf-sft-lora": ["finetune", "--from", _chat_folder(base, root / "chat-base"), "--data", chats, "--sft",
+        "hf-sft-lora": ["finetune", "--from", _chat_folder(base, root / "chat-base"), "--data", chats, *CHAT,
                         "--lora-rank", "4", "--steps", "3"],
-        "bytes-sft": ["train", "--model", "llama-tiny", "--data", chats, "--sft", "--steps", "2"],
+        "bytes-sft": ["train", "--model", "llama-tiny", "--data", chats, *CHAT, "--steps", "2"],
+        # a folder without a chat template: the built-in one, each answer ended by the base's own EOS
+        "hf-sft-eos": ["finetune", "--from", _bos_folder(base, root / "bos-base"), "--data", chats, *CHAT, "--lora-rank", "8", "--steps", "40",
+                       "--lr", "1e-2"],
+        "hf-sft-alpaca": ["finetune", "--from", base, "--data", chats, *CHAT, "--chat-template", "alpaca",
+                          "--steps", "2"],
     }
     for name, command in commands.items():
         assert main([*map(str, command), "--out", str(root / name), *cache, *QUIET]) == 0, name
         assert main(["export", "--from", str(root / name), "--to", str(root / f"{name}-hf"), "--format", "hf"]) == 0
-    assert main(["export", "--from", str(root / "hf-sft-lora"), "--to", str(root / "hf-sft-lora-peft"),
-                 "--format", "peft"]) == 0
+    for name in ("hf-sft-lora", "hf-sft-eos"):
+        assert main(["export", "--from", str(root / name), "--to", str(root / f"{name}-peft"), "--format", "peft"]) == 0
     return root
 
 
@@ -121,7 +143,7 @@ def test_a_run_saved_before_the_token_resumes_with_its_own_ids(tiny_cfg, monkeyp
         earlier.setattr(data_setup, "ByteTokenizer", Earlier)
         straight = launch(tiny_cfg.replace(out=str(Path(tiny_cfg.run.out).with_name("straight"))))
         stopped = tiny_cfg.replace(checkpoint_every=2, stop_at=2)
-        execute(stopped, prepare_run(stopped))
+        execute(*prepare_run(stopped))
     resumed = launch(tiny_cfg.replace(resume=True))
     assert run_tokenizer(resumed.run_dir).vocab_size == 256
     assert (resumed.run_dir / "tokenizer.json").read_text() == '{"kind": "byte"}'
@@ -176,16 +198,71 @@ def test_transformers_generate_stops_at_the_token_by_itself(runs, name):
         assert written[-1] == tokenizer.eos_token_id and len(written) < 40, tokenizer.decode(written)
 
 
-@pytest.mark.parametrize("name", ["hf-sft-lora", "bytes-sft"])
+@pytest.mark.parametrize("name", ["hf-sft-lora", "bytes-sft", "hf-sft-eos", "hf-sft-alpaca"])
 def test_apply_chat_template_on_the_export_gives_trainings_ids(runs, name):
-    """The folder's ChatML, or the built-in template the run trained in, written into the export."""
+    """The folder's ChatML, the built-in template, or --chat-template's, as the run recorded it and
+    wrote it into the export: transformers renders the held-out record's prompt to the ids of the
+    training rows, token for token, and the whole conversation as the run's tokenizer does."""
     tokenizer = run_tokenizer(runs / name)
     template = ChatTemplate.for_tokenizer(tokenizer)
+    assert template.source == (CHAT_TEMPLATES["alpaca"] if name == "hf-sft-alpaca" else
+                               CHATML if name == "hf-sft-lora" else BUILTIN_TEMPLATE)
     theirs = transformers.AutoTokenizer.from_pretrained(runs / f"{name}-hf")
-    for messages, prompt in ((CHATS[3]["messages"], False), (CHATS[4]["messages"][:1], True)):
-        ids = tokenizer.encode(template.render(messages, add_generation_prompt=prompt), special_tokens=False).tolist()
-        assert list(theirs.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True,
-                                               return_dict=False)) == ids
+    cfg = load_run_config(runs / name)
+    inputs, targets = open_data(prepare_data(cfg, Path(cfg.data.cache_dir)), cfg).val.get(0, 1)[:2]
+    held_out = CHATS[-1]["messages"]  # the one validation record: the last
+    assert theirs.apply_chat_template(held_out[:1], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False) == sft_prompt(inputs[0], targets[0]).tolist()
+    ids = tokenizer.encode(template.render(held_out), special_tokens=False).tolist()
+    assert theirs.apply_chat_template(held_out, tokenize=True, return_dict=False) == ids
+
+
+@pytest.mark.parametrize("reader", ["hf", "peft"])
+def test_an_sft_export_answers_and_stops_by_itself_in_transformers(runs, reader):
+    """A LoRA SFT of a folder without a chat template: transformers' plain generate (no stop strings)
+    on the merged export, or PEFT's over the base, writes the answer and the EOS and stops."""
+    folder = runs / "hf-sft-eos-hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if reader == "hf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    else:
+        peft = pytest.importorskip("peft", reason="reading the adapters needs peft (the dev extra)")
+        base = transformers.AutoModelForCausalLM.from_pretrained(load_run_config(runs / "hf-sft-eos").finetune.base,
+                                                                 dtype=torch.float32)
+        model = peft.PeftModel.from_pretrained(base, runs / "hf-sft-eos-peft").eval()
+    for number in range(10):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Is {number} odd?"}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        written = model.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+        assert written[-1] == tokenizer.eos_token_id and len(written) < 20, tokenizer.decode(written)
+
+
+def test_eval_with_the_chat_template_answers_as_transformers_does_on_the_export(runs, tmp_path):
+    """``scaletrain eval --apply-chat-template`` renders the prompts as training did (no BOS of its
+    own before them), so its greedy answers are transformers' greedy answers from
+    ``apply_chat_template`` on the export, request by request."""
+    pytest.importorskip("lm_eval", reason="scaletrain eval needs the [eval] extra")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    _jsonl(tasks / "questions.jsonl", [{"question": f"Is {i} odd?", "answer": "yes" if i % 2 else "no"}
+                                       for i in range(10)])
+    (tasks / "odd.yaml").write_text(
+        f"task: odd\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'questions.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    assert main(["eval", "--from", str(runs / "hf-sft-eos"), "--tasks", "odd", "--include", str(tasks),
+                 "--apply-chat-template", "--log-samples", "--out", str(tmp_path / "ours.json")]) == 0
+    samples = json.loads((tmp_path / "ours.json").read_text())["samples"]["odd"]
+    folder = runs / "hf-sft-eos-hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for sample in samples:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": sample["doc"]["question"]}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        written = model.generate(**prompt, max_new_tokens=8, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+        assert sample["resps"][0][0] == tokenizer.decode(written, skip_special_tokens=True).split("\n")[0]
+    assert len(samples) == 10
 
 
 def test_peft_reads_the_adapter_folder_over_the_base(runs):

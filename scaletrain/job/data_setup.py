@@ -51,9 +51,11 @@ from scaletrain.data import (
     token_lower_bound,
     unigram_entropy_nats,
 )
+from scaletrain.data.chat import ChatTemplate
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.data.mixture import Mixture
 from scaletrain.data.packing import SequenceBatches
+from scaletrain.data.sft import ChatOptions
 from scaletrain.data.shards import is_prepared, open_prepared
 from scaletrain.data.sources import (
     cached_folder,
@@ -67,6 +69,7 @@ from scaletrain.data.sources import (
     text_batches,
     tokenizer_identity,
 )
+from scaletrain.data.tokenizer import with_chat_template
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder, load_hf_tokenizer
 from scaletrain.paths import readable_dir, writable_dir
@@ -90,6 +93,7 @@ class PreparedData:
     val_prepared: str | None = None  # --val-data, prepared
     sft: bool = False
     pack: bool = False
+    chat_template: str | None = None  # with sft: the template the records were rendered in, which the run records
 
 
 @dataclass
@@ -133,9 +137,14 @@ def run_tokenizer(run_dir: Path) -> AnyTokenizer:
 
 
 def save_run_tokenizer(prepared: PreparedData, run_dir: Path) -> None:
-    """``RUN/tokenizer.json``: a copy of the tokenizer the run's data was tokenized with."""
-    if prepared.tokenizer_path is not None:
-        load_tokenizer(prepared.tokenizer_path).save(run_dir / RUN_TOKENIZER)
+    """``RUN/tokenizer.json``: a copy of the tokenizer the run's data was tokenized with, and with
+    ``--sft`` the chat template it rendered the records in."""
+    if prepared.tokenizer_path is None:
+        return
+    tokenizer = load_tokenizer(prepared.tokenizer_path)
+    if prepared.chat_template is not None:  # generate --chat, eval and the export render as training did
+        tokenizer = with_chat_template(tokenizer, prepared.chat_template)
+    tokenizer.save(run_dir / RUN_TOKENIZER)
 
 
 def resumed_tokenizer(cfg: Config) -> AnyTokenizer | None:
@@ -276,8 +285,10 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
     if cfg.model.n_vocab is not None and cfg.model.n_vocab < tokenizer.vocab_size:
         raise UserError(f"--n-vocab {cfg.model.n_vocab} is below the {tokenizer.vocab_size} tokens of the "
                         f"tokenizer; give at least {tokenizer.vocab_size}, or leave --n-vocab out.")
+    chat = ChatOptions(d.chat_template, d.train_on_inputs, d.system_prompt)
+    template = ChatTemplate.chosen(d.chat_template, tokenizer).source if d.sft else None  # refused before any work
     source_folders = [path if is_prepared(path) else
-                      cached_folder(path, tokenizer, d.sft, d.text_field, cache_dir, d.workers, cfg.run.progress)
+                      cached_folder(path, tokenizer, d.sft, d.text_field, cache_dir, d.workers, cfg.run.progress, chat)
                       for path in paths]  # every source's prepared folder, then --val-data's
     opened = [check_prepared(folder, tokenizer, d.sft) for folder in source_folders]
     tokenizer_path = cache_dir / f"tokenizer-{tokenizer_identity(tokenizer)[:16]}.json"
@@ -289,7 +300,7 @@ def _prepare_records(cfg: Config, sources: list, paths: list[Path], cache_dir: P
                             prepared=tuple(str(p) for p in source_folders[:len(sources)]),
                             weights=tuple(s.weight for s in sources),
                             val_prepared=str(source_folders[-1]) if d.val_data else None, sft=d.sft,
-                            pack=d.sft if d.pack is None else d.pack)
+                            pack=d.sft if d.pack is None else d.pack, chat_template=template)
     data = open_data(prepared, cfg)  # every size and length refusal, before training
     for split, batches in (("train", data.train), ("validation", data.val)):
         if isinstance(batches, SequenceBatches) and batches.truncated:

@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"scaletrain {args.command}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"scaletrain {args.command}: interrupted.", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # its message, where a command gives one, says how to go on
+        print(f"scaletrain {args.command}: {exc or 'interrupted.'}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader of the output left (``| head``): stop quietly, as a shell tool does. Pointing

@@ -105,6 +105,23 @@ def adapters(model: nn.Module) -> list[LoRALinear]:
     return [module for module in model.modules() if isinstance(module, LoRALinear)]
 
 
+def rank_above_width(model: nn.Module) -> str | None:
+    """A sentence when the adapters' rank exceeds min(in, out) of the narrowest layer they adapt: the
+    update ``B A`` of that layer has rank at most min(in, out) whatever r is, so the rest of r adds
+    memory there and no capacity. Warned, not refused (PEFT accepts it; wider layers may use it)."""
+    layers = [(min(module.in_features, module.out_features), name, module)
+              for name, module in model.named_modules() if isinstance(module, LoRALinear)]
+    if not layers:
+        return None
+    width, name, narrowest = min(layers, key=lambda layer: layer[0])
+    if narrowest.rank <= width:
+        return None
+    return (f"--lora-rank {narrowest.rank} is above {width}, min(in, out) of {name} ({narrowest.in_features} in, "
+            f"{narrowest.out_features} out), the narrowest layer it adapts: an update of that layer has rank at "
+            f"most {width} whatever r is, so the rest of r costs memory there and adds nothing; --lora-rank "
+            f"{width} or less wastes none.")
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a fine-tune trains beside its frozen base, by parameter name: the adapters, and any
     module trained whole beside them (finetune/adapters.py)."""

@@ -15,6 +15,7 @@ sample of text that every rank takes part in generating (train/sampling.py).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +30,8 @@ from scaletrain.train.step_window import StepWindow
 class RunSummary:
     run_dir: Path
     steps_done: int
-    final_loss: float
-    val_loss: float | None
+    final_loss: float  # NaN: the last step trained no token
+    val_loss: float | None  # None: never evaluated; NaN: the validation batches hold no trained token
     checkpoint: Path | None
     sample: str | None
     unigram_entropy: float | None
@@ -45,8 +46,12 @@ def fit(trainer: Trainer) -> RunSummary:
     if trainer.is_main:
         drop_records_after(trainer.run_dir / "metrics.jsonl", trainer.start_step)
         writer = MetricsWriter(cfg, trainer.run_dir, append=cfg.run.resume)
+    # The bar redraws one line with carriage returns: only where a terminal shows both streams. A log
+    # file, a pipe or --no-progress gets a plain line every --log-every steps instead.
+    drawn = cfg.run.progress and sys.stdout.isatty() and sys.stderr.isatty()
     bar = tqdm(total=cfg.train.steps, initial=trainer.start_step, unit="step", dynamic_ncols=True,
-               disable=not (trainer.is_main and cfg.run.progress))
+               disable=not (trainer.is_main and drawn))
+    plain = trainer.is_main and not drawn
     record: dict = {}
     val_loss, saved = None, None
     window = StepWindow(trainer.log_every, trainer.tokens_per_step)
@@ -64,7 +69,8 @@ def fit(trainer: Trainer) -> RunSummary:
             read = window.read()
             memory = step_memory_bytes(trainer.device)
             if evaluating and not any(r.nonfinite for r in read):
-                val_loss = read[-1].record["val_loss"] = trainer.evaluate()
+                read[-1].record["val_loss"] = evaluated = trainer.evaluate()  # None: no trained token
+                val_loss = math.nan if evaluated is None else evaluated
             for record, nonfinite in ((r.record, r.nonfinite) for r in read):
                 if nonfinite:  # the steps before it are recorded, as a stop at once would have
                     raise trainer.late_stop(record)
@@ -77,6 +83,8 @@ def fit(trainer: Trainer) -> RunSummary:
                     trainer.where = f"in step {done}"
                 if writer:
                     writer.write(record)
+                if plain and (record["step"] % trainer.log_every == 0 or record["step"] == end):
+                    print(step_line(record), flush=True)
             bar.update(len(read))
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             if saving:
@@ -95,6 +103,16 @@ def fit(trainer: Trainer) -> RunSummary:
     trainer.where = "in the end-of-run sample"
     sample = trainer.sample() if end == cfg.train.steps else None
     trainer.where = "at the end of the run"
-    return RunSummary(run_dir=trainer.run_dir, steps_done=end, final_loss=record.get("loss", math.nan),
+    untrained = record.get("trained_tokens") == 0  # a last step with no trained token has no loss, not 0
+    return RunSummary(run_dir=trainer.run_dir, steps_done=end,
+                      final_loss=math.nan if untrained else record.get("loss", math.nan),
                       val_loss=val_loss, checkpoint=saved, sample=sample if trainer.is_main else None,
                       unigram_entropy=trainer.prepared.unigram_entropy)
+
+
+def step_line(record: dict) -> str:
+    """A step's plain line: ``step N loss X lr Y tok/s Z`` (a step that trained no token has no loss,
+    one the loss scaler skipped no learning rate)."""
+    loss = "n/a" if record.get("trained_tokens") == 0 else f"{record['loss']:.4f}"
+    lr = "n/a" if record["lr"] is None else f"{record['lr']:.3g}"
+    return f"step {record['step']} loss {loss} lr {lr} tok/s {record['tokens_per_s']:,.0f}"

@@ -6,7 +6,8 @@ rendezvous of its own and ``--max-restarts`` as torchrun's. Each worker finds
 its place from the agent's variables (runtime/launch.py: `detect_environment`).
 A worker's user mistake or job failure comes back as its one sentence, the
 lowest rank's first; a bug as `WorkerFailed` with the traceback; a worker
-killed by a signal as `WorkerKilled`, naming it.
+killed by a signal as `WorkerKilled`, naming it; Ctrl-C as ``KeyboardInterrupt``, the
+workers stopped.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scaletrain.errors import JobFailed, UserError
+from scaletrain.runtime.interrupts import interrupts_as_keyboard_interrupt
 from scaletrain.runtime.launch import DEFAULT_ADDR, free_port, restart_attempt
 
 
@@ -47,7 +50,8 @@ def _worker(sentence_dir: str, entrypoint: Callable[..., Any], *args: Any) -> An
     failed run. `record` saves other errors' tracebacks for the parent.
     """
     try:
-        return entrypoint(*args)
+        with interrupts_as_keyboard_interrupt():  # Ctrl-C ends a worker quietly, whatever it interrupted
+            return entrypoint(*args)
     except (UserError, JobFailed) as error:
         kind = "user" if isinstance(error, UserError) else "job"
         name = f"{restart_attempt():04d}.{int(os.environ['RANK']):06d}"
@@ -81,8 +85,10 @@ def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_
     """
     # The elastic agent narrates every step at INFO and logs each worker's
     # failure and termination; failures come back as exceptions carrying the
-    # traceback instead.
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    # traceback instead. The agent's own module sets its level itself, so the parent's does not reach it:
+    # without it, Ctrl-C is preceded by its warning that it shuts the workers down.
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn",
+                                                    "torch.distributed.elastic.agent.server.api")]
     previous_levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
@@ -106,6 +112,10 @@ def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_
                 results = elastic_launch(config, _worker)(str(sentence_dir), entrypoint, *args)
             except ChildFailedError as error:
                 failed = error
+            except SignalException as stopped:  # the agent's own word for Ctrl-C, having stopped the workers
+                if stopped.sigval != signal.SIGINT:
+                    raise
+                raise KeyboardInterrupt from None
             sentence = _sentence(sentence_dir) if failed else None
     finally:
         for logger, level in zip(loggers, previous_levels, strict=True):

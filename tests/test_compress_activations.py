@@ -182,7 +182,7 @@ def test_trainer_first_loss_exact_then_close(tiny_cfg, tmp_path):
     the lossy gradients then move the weights a little differently."""
     def losses(name, **changes):
         cfg = tiny_cfg.replace(out=str(tmp_path / name), steps=4, **changes)
-        summary = execute(cfg, prepare_run(cfg))
+        summary = execute(*prepare_run(cfg))
         return [r["loss"] for r in read_metrics(summary.run_dir / "metrics.jsonl")]
 
     plain = losses("plain", recompute="every:2")

@@ -20,7 +20,7 @@ BYTE_VOCAB = ByteTokenizer().vocab_size  # the byte tokenizer's (with its end-of
 def trained(tiny_cfg):
     """A one-process run of two steps: (its config, its run folder)."""
     cfg = tiny_cfg.replace(steps=2)
-    summary = execute(cfg, prepare_run(cfg))
+    summary = execute(*prepare_run(cfg))
     return cfg, summary.run_dir
 
 

@@ -164,7 +164,8 @@ def test_the_same_seed_gives_the_same_text(gpt2_folder, capsys):
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
 def test_generate_from_our_own_checkpoint(tiny_cfg, capsys, tokenizer):
     cfg = tiny_cfg.replace(steps=2, tokenizer=tokenizer, vocab_size=VOCAB)
-    run_dir = execute(cfg, prepare_run(cfg)).run_dir
+    run_dir = execute(*prepare_run(cfg)).run_dir
+    capsys.readouterr()  # the run's own lines
     for source in (run_dir, run_dir / "checkpoints" / "step_000002"):
         assert main(["generate", "--from", str(source), "--prompt", "def ", "--tokens", "10"]) == 0
         assert capsys.readouterr().out.startswith("def ")
@@ -173,8 +174,9 @@ def test_generate_from_our_own_checkpoint(tiny_cfg, capsys, tokenizer):
 def test_a_bpe_run_generates_from_its_saved_tokenizer_and_an_older_run_without_it_is_one_sentence(
         tiny_cfg, tmp_path, capsys):
     cfg = tiny_cfg.replace(steps=2, tokenizer="bpe", vocab_size=VOCAB)
-    run_dir = execute(cfg, prepare_run(cfg)).run_dir
+    run_dir = execute(*prepare_run(cfg)).run_dir
     shutil.rmtree(tmp_path / "cache")  # the run folder's tokenizer.json is enough
+    capsys.readouterr()  # the run's own lines
     assert main(["generate", "--from", str(run_dir), "--prompt", "def", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("def")
     (run_dir / "tokenizer.json").unlink()  # as runs saved before that file: the cache was their only copy

@@ -18,7 +18,7 @@ from scaletrain.train.step_memory import POINTS
 
 
 def train(cfg):
-    summary = execute(cfg, prepare_run(cfg))
+    summary = execute(*prepare_run(cfg))
     losses = [r["loss"] for r in read_metrics(summary.run_dir / "metrics.jsonl")]
     return summary, losses
 

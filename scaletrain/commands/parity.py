@@ -51,13 +51,14 @@ from pathlib import Path
 import torch
 
 from scaletrain.commands.train import execute, prepare_run, world_size_for
-from scaletrain.config import Config, add_config_flags, resolve
+from scaletrain.config import Config, add_config_flags, given_values, resolve
 from scaletrain.config_checks import check_here, resolve_layout
 from scaletrain.errors import UserError
 from scaletrain.job.base_model import as_finetune
 from scaletrain.job.metrics import read_metrics
 from scaletrain.models import TINY_PRESET
 from scaletrain.parallel.pipeline.schedules import PIPEDREAM_2BW
+from scaletrain.run_length import length_from_command
 from scaletrain.runtime.launch import detect_environment
 from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.train import checkpoint as ckpt
@@ -178,7 +179,8 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = run_parity(resolve(args, DEFAULTS), tolerance=args.tolerance)
+    cfg = length_from_command(resolve(args, DEFAULTS), set(given_values(args)))
+    report = run_parity(cfg, tolerance=args.tolerance)
     print(json.dumps(report.to_json()) if args.json else format_table(report))
     return 0 if report.passed else 1
 
@@ -234,8 +236,7 @@ def run_parity(cfg: Config, tolerance: float | None = None) -> ParityReport:
         reference_cfg = reference_config(layout_cfg, dims, Path(tmp, "reference"))
         runs = []
         for run_cfg in (reference_cfg, layout_cfg):
-            prepared = prepare_run(run_cfg)
-            summary = execute(run_cfg, prepared)
+            summary = execute(*prepare_run(run_cfg))
             records = read_metrics(summary.run_dir / "metrics.jsonl")
             runs.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],
                          ckpt.read_model_tensors(summary.checkpoint)))

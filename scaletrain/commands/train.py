@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -25,10 +26,11 @@ from scaletrain.config_checks import check_values, resolve_layout, setting_warni
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
 from scaletrain.finetune.adapters import add_adapters
-from scaletrain.finetune.lora import ADAPTER_FILE, save_adapters
+from scaletrain.finetune.lora import ADAPTER_FILE, rank_above_width, save_adapters
 from scaletrain.job.base_model import as_finetune
 from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_tokenizer
 from scaletrain.job.eval_tasks import training_tasks
+from scaletrain.job.interrupt import interrupts_explained
 from scaletrain.job.loop import RunSummary, fit
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
@@ -41,6 +43,7 @@ from scaletrain.planner.fit import (
 )
 from scaletrain.planner.gate import Machine, check_run
 from scaletrain.resume_layout import resumed_layout
+from scaletrain.run_length import length_from_command, settle_steps
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.debug import (
     RankLog,
@@ -61,7 +64,7 @@ from scaletrain.runtime.launch import (
     restart_attempt,
     shutdown,
 )
-from scaletrain.runtime.mesh import Mesh
+from scaletrain.runtime.mesh import Mesh, ParallelDims
 from scaletrain.runtime.ray_launch import launch_ray, ray_cluster
 from scaletrain.runtime.spawn import WorkerKilled, spawn_local
 from scaletrain.techniques.compile import COMPILE_NOTE
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = readable_dir("--out", args.out, "the folder of the run to continue")
         # --stop-at limits one invocation; the resumed one sets its own, or runs to --steps.
         base = load_run_config(run_dir).replace(stop_at=None)
-    cfg = resolve(args, base)
+    cfg = length_from_command(resolve(args, base), set(given_values(args)))  # --steps, or --epochs to derive them
     if base is not None:  # the saved layout on this world: dp derived, the global batch kept
         cfg, change = resumed_layout(base, cfg, set(given_values(args)), world_size_for(cfg, detect_environment()))
         if change and detect_environment().rank == 0:
@@ -138,7 +141,7 @@ def check_run_folder(cfg: Config) -> None:
             raise UserError(f"--resume found no complete checkpoint in {out}; start a new run "
                             f"without --resume or point --out at an earlier run.")
         done = int(latest.name.removeprefix("step_"))
-        if done >= cfg.train.steps:
+        if cfg.train.steps is not None and done >= cfg.train.steps:  # None: derived from --epochs, checked then
             raise UserError(f"the run in {out} already finished {done} of --steps {cfg.train.steps}; "
                             f"raise --steps to train further.")
         if cfg.run.stop_at is not None and cfg.run.stop_at <= done:
@@ -193,20 +196,27 @@ def continue_after_restart(cfg: Config) -> Config:
     if restart_attempt() == 0 or cfg.run.resume or not (out / "config.toml").is_file():
         return cfg
     begun = load_run_config(out).replace(resume=False)
-    return cfg.replace(resume=True) if begun.to_dict() == cfg.to_dict() else cfg
+    # --epochs: the steps the first attempt derived, so that the job ends where it was to end
+    same = cfg.replace(steps=begun.train.steps) if cfg.train.steps is None else cfg
+    return same.replace(resume=True) if begun.to_dict() == same.to_dict() else cfg
 
 
-def prepare_run(cfg: Config) -> PreparedData:
-    """Everything before training that can fail on user input, then the folder."""
+def prepare_run(cfg: Config) -> tuple[Config, PreparedData]:
+    """Everything before training that can fail on user input, then the folder: the run's settings
+    as its config.toml records them (the steps of --epochs derived: run_length.py), and its data."""
     check_values(cfg)
     check_run_folder(cfg)
     out = Path(cfg.run.out)
     prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else out.parent / ".cache")
+    settled = settle_steps(cfg, prepared)
+    if settled is not cfg:  # the steps derived: a resume given --epochs again may have done them already
+        check_run_folder(settled)
+    cfg = settled
     check_resumable(cfg, prepared)
     out.mkdir(parents=True, exist_ok=True)
     save_run_tokenizer(prepared, out)  # what a fine-tune from this run, or generate, tokenizes with
     (out / "config.toml").write_text(cfg.to_toml())
-    return prepared
+    return cfg, prepared
 
 
 def launch(cfg: Config) -> RunSummary:
@@ -214,6 +224,12 @@ def launch(cfg: Config) -> RunSummary:
     cfg = as_finetune(cfg)  # first: a fine-tune's default folder is named after its base's model
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
+    with interrupts_explained(Path(cfg.run.out)):  # Ctrl-C: one line saying how to go on
+        return _check_and_start(cfg)
+
+
+def _check_and_start(cfg: Config) -> RunSummary:
+    """`launch`'s checks, then the run prepared and started."""
     env = detect_environment()
     check_values(cfg)
     training_tasks(cfg.train)  # the harness's tasks found and their data read before the run folder is made
@@ -229,17 +245,23 @@ def launch(cfg: Config) -> RunSummary:
         cfg = cfg.replace(timeout=timeout)
     if cfg.parallel.debug_dist:
         debug_environment()  # before any process group; workers spawned below inherit it
-    if env.rank == 0:
-        print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
-        print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
-        if cfg.train.compile:
-            print(COMPILE_NOTE)
-        for sentence in setting_warnings(cfg):
-            print(f"warning: {sentence}", file=sys.stderr)
     if cfg.parallel.launcher == "ray":
         with ray_cluster(cfg.parallel.ray_placement(), cfg.parallel.nproc):
-            return execute(cfg, prepare_run(cfg))
-    return execute(cfg, prepare_run(cfg) if cfg.parallel.nproc > 1 else None)
+            return execute(*prepare_started(cfg, dims))
+    return execute(*prepare_started(cfg, dims)) if cfg.parallel.nproc > 1 else execute(cfg, None)
+
+
+def prepare_started(cfg: Config, dims: ParallelDims) -> tuple[Config, PreparedData]:
+    """The run prepared (`prepare_run`), then announced by the process that prepared it: its
+    configuration as saved, its layout and warnings, printed only once nothing can refuse the run."""
+    cfg, prepared = prepare_run(cfg)
+    print(f"# resolved configuration (saved as {cfg.run.out}/config.toml)\n{cfg.to_toml()}")
+    print(f"layout {dims.describe()} on {dims.world_size} process(es)\n{dims.layout_table()}\n")
+    if cfg.train.compile:
+        print(COMPILE_NOTE)
+    for sentence in setting_warnings(cfg):
+        print(f"warning: {sentence}", file=sys.stderr)
+    return cfg, prepared
 
 
 def execute(cfg: Config, prepared: PreparedData | None) -> RunSummary:
@@ -312,7 +334,8 @@ def _agreed_start(cfg: Config, prepared: PreparedData | None, runtime, env: Proc
     if runtime.is_main:
         try:
             cfg = continue_after_restart(cfg)
-            prepared = prepare_run(cfg) if prepared is None else prepared
+            if prepared is None:
+                cfg, prepared = prepare_started(cfg, cfg.parallel.mesh_dims(env.world_size))
             cfg, predicted = choose_micro_batch(cfg, prepared, runtime.device, env)
             outcome = (cfg, prepared, predicted)
         except UserError as exc:
@@ -325,13 +348,19 @@ def _agreed_start(cfg: Config, prepared: PreparedData | None, runtime, env: Proc
 
 def _announce(trainer: Trainer, is_main: bool, debug: bool, comm: Comm, world) -> None:
     """Before the first step: with --debug-dist, every copy of each weight checked alike (dense
-    ones over dense, experts over experts); a resume and a pipeline's schedule said."""
+    ones over dense, experts over experts); the parameter counts, an adapter rank above a layer's
+    width (warned), a resume and a pipeline's schedule said."""
     layout = trainer.layout
     if debug:
         experts = layout.expert_parallel.expert_params if layout.expert_parallel else {}
         for group, mine in ((layout.replicas.dense, False), (layout.replicas.experts, True)):
             check_same_parameters(comm, world, group.ranks,
                                   [(n, p) for n, p in layout.model.named_parameters() if (p in experts) == mine])
+    if is_main:
+        print(trainer.parameter_counts)
+    wasted_rank = rank_above_width(layout.model) if is_main else None
+    if wasted_rank:
+        print(f"warning: {wasted_rank}", file=sys.stderr)
     if trainer.start_step and is_main:
         print(f"resumed from checkpoint step_{trainer.start_step:06d}")
     if layout.pipeline and is_main:
@@ -449,11 +478,16 @@ def write_pipeline_timeline(cfg: Config, step: int, spans: list | None, mesh: Me
          "virtual_stages": virtual, "step": step, "ranks": ranks}))
 
 
+def _loss(value: float) -> str:
+    """A loss as the summary shows it: NaN, a mean over no trained token, as n/a (never 0.0000)."""
+    return "n/a (no trained token)" if math.isnan(value) else f"{value:.4f}"
+
+
 def print_summary(summary: RunSummary) -> None:
     entropy = summary.unigram_entropy
-    line = f"\nfinished step {summary.steps_done}: train loss {summary.final_loss:.4f}"
+    line = f"\nfinished step {summary.steps_done}: train loss {_loss(summary.final_loss)}"
     if summary.val_loss is not None:
-        line += f", validation loss {summary.val_loss:.4f}"
+        line += f", validation loss {_loss(summary.val_loss)}"
     if entropy is not None:
         line += f" (unigram entropy of the corpus: {entropy:.4f} nats)"
     print(line)

@@ -99,10 +99,8 @@ class DataConfig:
                             "rendered with the tokenizer's chat template; the loss is on the answers only")
     pack: bool | None = _opt(None, "several documents per sequence, attention kept inside each (default: on "
                                    "with --sft)")
-    chat_template: str | None = _opt(None, "with --sft: the template conversations are rendered in: tokenizer "
-                                           "(its own, else builtin), builtin, chatml, alpaca, another released "
-                                           "model's by name (docs/data.md), or a Jinja file; recorded in the run "
-                                           "and its export [tokenizer]")
+    chat_template: str | None = _opt(None, "with --sft: tokenizer (its own template, else builtin), builtin, "
+                                           "chatml, alpaca, another by name (docs/data.md) or a Jinja file")
     train_on_inputs: bool = _opt(False, "with --sft: the loss on the prompts too, not only the answers")
     system_prompt: str | None = _opt(None, "with --sft: a system turn of this text for every record that has none")
     too_long: str = _opt("truncate", "an example longer than --seq-len: cut it to fit (and count it) or refuse "
@@ -133,8 +131,7 @@ class TrainConfig:
     lr: float = _opt(1e-3, "peak learning rate")
     lr_schedule: str = _opt("cosine", "after the warm-up: cosine or linear decay to --min-lr-ratio x --lr at the last "
                                       "step, or constant at --lr", choices=SCHEDULES)
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (the floor of the cosine and linear "
-                                    "schedules)")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (the cosine or linear floor)")
     warmup_steps: int = _opt(20, "linear warm-up steps")
     weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only)")
     beta1: float = _opt(0.9, "AdamW beta1")
@@ -320,10 +317,9 @@ class FinetuneConfig:
     lora_targets: str = _opt("qkv,proj,fc", "the linear layers that get adapters: qkv, proj (the attention's "
                                             "and the MLP's output), fc, a group's layers one by one (q,v), or "
                                             "the model's Hugging Face module names (q_proj,v_proj,o_proj)")
-    lora_modules_to_save: str | None = _opt(None, "modules trained whole beside the adapters (PEFT's "
-                                                  "modules_to_save): embed, head, or both (or the model's Hugging "
-                                                  "Face names, embed_tokens,lm_head); a head tied to the "
-                                                  "embedding is one tensor, trained in both roles")
+    lora_modules_to_save: str | None = _opt(None, "trained whole beside the adapters (PEFT's modules_to_save): "
+                                                  "embed, head or both (or their HF names); a tied pair is one "
+                                                  "tensor, trained in both roles")
     quantize: str = _opt("none", "store the frozen base weights as 4-bit NormalFloat with double "
                                  "quantization (QLoRA; needs --lora-rank)", choices=("none", "nf4"))
     adapter: str | None = _opt(None, "a PEFT LoRA adapter folder (adapter_config.json, "

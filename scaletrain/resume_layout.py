@@ -19,6 +19,7 @@ import math
 
 from scaletrain.config import AUTO, Config, ParallelConfig
 from scaletrain.errors import UserError
+from scaletrain.run_length import batch_readers
 
 MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
 
@@ -34,7 +35,8 @@ def resumed_layout(saved: Config, cfg: Config, given: set[str], world: int) -> t
     kept = _kept_batch(saved, cfg, given)
     old_dp, new_dp = saved.parallel.dp, cfg.parallel.dp
     if kept is None:
-        knobs = "--micro-batch and --grad-accum" + ("" if _readers(cfg.parallel) == new_dp else " (or --microbatches)")
+        knobs = "--micro-batch and --grad-accum" + (
+            "" if batch_readers(cfg.parallel) == new_dp else " (or --microbatches)")
         raise UserError(f"resuming on {processes} with dp {new_dp}, the run's global batch of "
                         f"{_global_batch(saved)} does not split into equal whole micro-batches over "
                         f"{_readers_text(cfg.parallel)}{_fixed_batch_knobs(cfg, given)}; give {knobs} for a "
@@ -80,7 +82,8 @@ def _kept_batch(saved: Config, cfg: Config, given: set[str]) -> tuple[int | str,
         return t.micro_batch, t.grad_accum
     counted = AUTO in (saved.train.micro_batch, t.micro_batch)
     old_micro = 1 if counted else saved.train.micro_batch
-    per_reader, rest = divmod(old_micro * saved.train.grad_accum * _readers(saved.parallel), _readers(cfg.parallel))
+    per_reader, rest = divmod(old_micro * saved.train.grad_accum * batch_readers(saved.parallel),
+                              batch_readers(cfg.parallel))
     if rest:
         return None
     if "grad_accum" in given:
@@ -93,22 +96,16 @@ def _kept_batch(saved: Config, cfg: Config, given: set[str]) -> tuple[int | str,
     return micro, per_reader // micro
 
 
-def _readers(p: ParallelConfig) -> int:
-    """Micro-batches of different sequences per accumulation round: each dp x ep rank reads
-    one per pipeline micro-batch."""
-    return p.pipeline_sizes()[0] * p.dp * p.ep
-
-
 def _readers_text(p: ParallelConfig) -> str:
-    readers = _readers(p)
+    readers = batch_readers(p)
     return f"{p.dp} data-parallel ranks" if readers == p.dp else f"{readers} readers (dp x ep x --microbatches)"
 
 
 def _global_batch(cfg: Config) -> str:
     t = cfg.train
     if t.micro_batch == AUTO:
-        return f"{t.grad_accum * _readers(cfg.parallel)} micro-batches"
-    return f"{t.micro_batch * t.grad_accum * _readers(cfg.parallel)} sequences"
+        return f"{t.grad_accum * batch_readers(cfg.parallel)} micro-batches"
+    return f"{t.micro_batch * t.grad_accum * batch_readers(cfg.parallel)} sequences"
 
 
 def _fixed_batch_knobs(cfg: Config, given: set[str]) -> str:

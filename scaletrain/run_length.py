@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from scaletrain.config import Config
+from scaletrain.config import Config, ParallelConfig
 from scaletrain.config_checks import check_values
 from scaletrain.data.batches import TokenBatches
 from scaletrain.data.mixture import Mixture
@@ -41,11 +41,15 @@ def length_from_command(cfg: Config, given: set[str]) -> Config:
     return cfg.replace(epochs=None) if "steps" in given else cfg
 
 
+def batch_readers(p: ParallelConfig) -> int:
+    """Micro-batches of different sequences per accumulation round: each dp x ep rank reads one per
+    pipeline micro-batch (dp unresolved: one reader)."""
+    return p.pipeline_sizes()[0] * (p.dp or 1) * p.ep
+
+
 def sequences_per_step(cfg: Config) -> int:
-    """The global batch: sequences every optimizer step reads (dp unresolved: one reader)."""
-    p, t = cfg.parallel, cfg.train
-    micro_batches, _ = p.pipeline_sizes()
-    return t.micro_batch * t.grad_accum * micro_batches * (p.dp or 1) * p.ep
+    """The global batch: sequences every optimizer step reads."""
+    return cfg.train.micro_batch * cfg.train.grad_accum * batch_readers(cfg.parallel)
 
 
 def _parts(batches) -> list:

@@ -119,9 +119,9 @@ def generate(source: Path, prompt: str, tokens: int = 100, temperature: float = 
     generator = torch.Generator(device=device).manual_seed(seed)
     out = model.to(device).generate(ids[None].to(device), tokens, temperature=temperature, top_k=top_k or None,
                                     generator=generator, stop_id=None if ignore_eos else tokenizer.eos_id)
-    new = out[0, len(ids):].tolist()
     if ignore_eos:
         return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
+    new = out[0, len(ids):].tolist()
     if chat:
         return _answer(tokenizer, new, ends)
     return tokenizer.decode(ids.tolist() + until_end(tokenizer, new))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from scaletrain.job.base_model import as_finetune
 from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_tokenizer
 from scaletrain.job.eval_tasks import training_tasks
 from scaletrain.job.interrupt import interrupts_explained
-from scaletrain.job.loop import RunSummary, fit
+from scaletrain.job.loop import RunSummary, fit, loss_text
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
@@ -478,16 +477,11 @@ def write_pipeline_timeline(cfg: Config, step: int, spans: list | None, mesh: Me
          "virtual_stages": virtual, "step": step, "ranks": ranks}))
 
 
-def _loss(value: float) -> str:
-    """A loss as the summary shows it: NaN, a mean over no trained token, as n/a (never 0.0000)."""
-    return "n/a (no trained token)" if math.isnan(value) else f"{value:.4f}"
-
-
 def print_summary(summary: RunSummary) -> None:
     entropy = summary.unigram_entropy
-    line = f"\nfinished step {summary.steps_done}: train loss {_loss(summary.final_loss)}"
+    line = f"\nfinished step {summary.steps_done}: train loss {loss_text(summary.final_loss)}"
     if summary.val_loss is not None:
-        line += f", validation loss {_loss(summary.val_loss)}"
+        line += f", validation loss {loss_text(summary.val_loss)}"
     if entropy is not None:
         line += f" (unigram entropy of the corpus: {entropy:.4f} nats)"
     print(line)

@@ -91,9 +91,8 @@ class ByteTokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> np.ndarray:
         """The UTF-8 bytes of `text`, the end-of-text token's text as its one id; `special_tokens` is
         accepted for the BPE's interface (bytes add no BOS or EOS of their own)."""
-        if self.end_of_text is None:
-            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-        pieces = [np.frombuffer(piece.encode("utf-8"), dtype=np.uint8) for piece in text.split(self.end_of_text)]
+        texts = text.split(self.end_of_text) if self.end_of_text is not None else [text]
+        pieces = [np.frombuffer(piece.encode("utf-8"), dtype=np.uint8) for piece in texts]
         ids = [pieces[0]]
         for piece in pieces[1:]:
             ids += [np.array([self.eos_id]), piece]

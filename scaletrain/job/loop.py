@@ -103,16 +103,24 @@ def fit(trainer: Trainer) -> RunSummary:
     trainer.where = "in the end-of-run sample"
     sample = trainer.sample() if end == cfg.train.steps else None
     trainer.where = "at the end of the run"
-    untrained = record.get("trained_tokens") == 0  # a last step with no trained token has no loss, not 0
-    return RunSummary(run_dir=trainer.run_dir, steps_done=end,
-                      final_loss=math.nan if untrained else record.get("loss", math.nan),
+    return RunSummary(run_dir=trainer.run_dir, steps_done=end, final_loss=step_loss(record),
                       val_loss=val_loss, checkpoint=saved, sample=sample if trainer.is_main else None,
                       unigram_entropy=trainer.prepared.unigram_entropy)
+
+
+def loss_text(value: float) -> str:
+    """A loss as a person reads it: NaN, a mean over no trained token, as n/a (never 0.0000)."""
+    return "n/a (no trained token)" if math.isnan(value) else f"{value:.4f}"
+
+
+def step_loss(record: dict) -> float:
+    """A step record's loss; NaN for a step that trained no token (its record holds 0)."""
+    return math.nan if record.get("trained_tokens") == 0 else record.get("loss", math.nan)
 
 
 def step_line(record: dict) -> str:
     """A step's plain line: ``step N loss X lr Y tok/s Z`` (a step that trained no token has no loss,
     one the loss scaler skipped no learning rate)."""
-    loss = "n/a" if record.get("trained_tokens") == 0 else f"{record['loss']:.4f}"
+    loss = loss_text(step_loss(record))
     lr = "n/a" if record["lr"] is None else f"{record['lr']:.3g}"
     return f"step {record['step']} loss {loss} lr {lr} tok/s {record['tokens_per_s']:,.0f}"

@@ -140,13 +140,14 @@ class Decoder(nn.Module):
                  stop_id: int | None = None) -> torch.Tensor:
         """Sample up to ``new_tokens`` continuations of ``idx`` [batch, seq]; sooner once every row
         has written ``stop_id`` (the end-of-text id), as there is nothing left to say."""
-        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        written = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # rows that wrote stop_id
         for _ in range(new_tokens):
             logits = self(idx[:, -self.cfg.positions:])[:, -1, :self.cfg.vocab_size]
             idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
-            done |= idx[:, -1] == stop_id
-            if stop_id is not None and bool(done.all()):
-                break
+            if stop_id is not None:
+                written |= idx[:, -1] == stop_id
+                if bool(written.all()):
+                    break
         return idx
 
 

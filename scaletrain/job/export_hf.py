@@ -147,45 +147,58 @@ def _byte_to_char() -> dict[int, str]:
     return mapping
 
 
-def write_tokenizer(run_dir: Path, folder: Path) -> dict:
-    """The run's tokenizer files into ``folder``; the special token ids config.json names."""
-    cfg = load_run_config(run_dir)
-    base, tokenizer = cfg.data.tokenizer_from, run_tokenizer(run_dir)
-    if base and is_hf_folder(Path(base)):
-        for name in TOKENIZER_FILES:
-            if (Path(base) / name).is_file():
-                shutil.copyfile(Path(base) / name, folder / name)
-        if cfg.data.sft:  # the template the answers were trained in, which may be another than the base's
-            (folder / "chat_template.jinja").unlink(missing_ok=True)
-            written = folder / "tokenizer_config.json"
-            config = json.loads(written.read_text(encoding="utf-8")) if written.is_file() else {}
-            config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
-            written.write_text(json.dumps(config, indent=2))
-        source_config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
-        return {key: source_config[key] for key in SPECIAL_IDS if source_config.get(key) is not None}
+def hf_base(run_dir: Path) -> Path | None:
+    """The Hugging Face folder a run's tokenizer came from (its fine-tune's base), else None."""
+    base = load_run_config(run_dir).data.tokenizer_from
+    return Path(base) if base and is_hf_folder(Path(base)) else None
+
+
+def _copied_tokenizer(base: Path, folder: Path) -> dict:
+    """A base folder's tokenizer files as they were; the special token ids its config.json names."""
+    for name in TOKENIZER_FILES:
+        if (base / name).is_file():
+            shutil.copyfile(base / name, folder / name)
+    source_config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    return {key: source_config[key] for key in SPECIAL_IDS if source_config.get(key) is not None}
+
+
+def _own_tokenizer(tokenizer, folder: Path) -> dict:
+    """A tokenizer made here as transformers' files; the special token ids config.json names."""
     exported = byte_tokenizer(tokenizer) if isinstance(tokenizer, ByteTokenizer) else \
         Tokenizer.from_str(tokenizer.to_json())
     exported.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     special = tokenizer.config
     named = {} if special is None else {name: value for name, value in (("bos_token", special.bos_token),
                                                                        ("eos_token", special.eos_token),
                                                                        ("pad_token", special.pad_token))
                                         if value is not None}
-    config.update(named)
-    if cfg.data.sft:  # the template the answers were trained in, for apply_chat_template
-        config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **named}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (folder / "special_tokens_map.json").write_text(json.dumps(named, indent=2))
     return {f"{name}_id": exported.token_to_id(value) for name, value in named.items()}
+
+
+def write_tokenizer(run_dir: Path, folder: Path) -> dict:
+    """The run's tokenizer files into ``folder``; the special token ids config.json names. An
+    ``--sft`` run's template (the one its answers were trained in, which may be another than a
+    base's own) goes into tokenizer_config.json, for apply_chat_template."""
+    tokenizer, base = run_tokenizer(run_dir), hf_base(run_dir)
+    special = _copied_tokenizer(base, folder) if base else _own_tokenizer(tokenizer, folder)
+    if load_run_config(run_dir).data.sft:
+        (folder / "chat_template.jinja").unlink(missing_ok=True)  # transformers would read it first
+        written = folder / "tokenizer_config.json"
+        config = json.loads(written.read_text(encoding="utf-8")) if written.is_file() else {}
+        config["chat_template"] = ChatTemplate.for_tokenizer(tokenizer).source
+        written.write_text(json.dumps(config, indent=2))
+    return special
 
 
 def generation_config(run_dir: Path, special: dict) -> dict:
     """generation_config.json: a base folder's own (several EOS ids, where it names them), else the
     special ids, so that ``generate`` stops at the EOS. No ``max_length``: a caller's
     ``max_new_tokens`` is then the only limit, without transformers' warning that both are set."""
-    base = load_run_config(run_dir).data.tokenizer_from
-    source = Path(base) / "generation_config.json" if base and is_hf_folder(Path(base)) else None
+    base = hf_base(run_dir)
+    source = base / "generation_config.json" if base else None
     generation = json.loads(source.read_text(encoding="utf-8")) if source and source.is_file() else {}
     generation.pop("max_length", None)
     return {**special, **{key: value for key, value in generation.items() if key != "transformers_version"}}

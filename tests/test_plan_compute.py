@@ -11,21 +11,22 @@ import pytest
 from scaletrain.commands.cli import main
 from scaletrain.config import Config
 from scaletrain.planner import activations, compute
+from scaletrain.planner.curves import H200_BF16
 from scaletrain.planner.hardware import Cluster, cpu_device
 from scaletrain.planner.inventory import Planned
 
 
 def test_the_curve_reads_back_its_measured_points_and_grows_with_either_side():
-    for i, rows in enumerate(compute.SIDES):
-        for j, side in enumerate(compute.SIDES):
-            share = compute.matmul_share(rows, side, side)
-            assert share == pytest.approx(compute.MEASURED_TFLOPS[i][j] / compute.MEASURED_PEAK_TFLOPS)
+    curve = H200_BF16
+    for i, rows in enumerate(curve.sides):
+        for j, side in enumerate(curve.sides):
+            assert curve.share(rows, side, side) == pytest.approx(curve.tflops[i][j] / curve.peak_tflops)
     # between the points and beyond them: never falling as a side grows, held at the edges
     sides = [2 ** (e / 4) for e in range(28, 60)]
     for rows in sides:
-        shares = [compute.matmul_share(int(rows), int(s), int(s)) for s in sides]
+        shares = [curve.share(int(rows), int(s), int(s)) for s in sides]
         assert all(b >= a for a, b in zip(shares, shares[1:]))
-    assert compute.matmul_share(65536, 65536, 65536) == compute.matmul_share(8192, 8192, 8192)
+    assert curve.share(65536, 65536, 65536) == curve.share(8192, 8192, 8192)
 
 
 def test_a_wider_model_runs_its_products_nearer_the_peak():

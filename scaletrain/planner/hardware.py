@@ -27,12 +27,15 @@ microseconds each that is ``block_overhead_s`` (0.3 ms on a GPU, 2 ms for
 eager PyTorch on a CPU). It is why many small micro-batches run slower than
 a few large ones of the same FLOPs.
 
-Achievable fractions. No training step runs at the datasheet peak. On a GPU
-the share of the peak depends on the sizes of the step's matrix products and
-on its memory-bound work (planner/compute.py); on a CPU the planner multiplies
-the measured peak by ``efficiency`` (0.6: its smaller layers run far from
-it). The links' bandwidths are multiplied by 0.8 (bus bandwidth that NCCL's
-all-reduce tests reach of the link's rate).
+Achievable fractions. No training step runs at the datasheet peak. A device
+carries the rates its step's parts reach (planner/compute.py): its matrix
+products' curve by size (planner/curves.py; a GPU without a curve of its own
+reads the H200's as shares of its peak), attention's share of the peak on the
+formula's count, and its memory-bound work's share of the memory's bandwidth.
+On an uncalibrated CPU every FLOP runs at ``CPU_EFFICIENCY`` (0.6) of the
+measured peak (its smaller layers run far from it) and there is no separate
+memory-bound term. The links' bandwidths are multiplied by 0.8 (bus bandwidth
+that NCCL's all-reduce tests reach of the link's rate).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import re
 from dataclasses import dataclass, replace
 
 from scaletrain.errors import UserError
+from scaletrain.planner.curves import H200_BF16, MatmulCurve, flat
 
 GB = 10**9
 
@@ -54,12 +58,16 @@ class Device:
     memory_bytes: int
     intra_node_gbps: float  # GB/s one direction, per device (NVLink)
     inter_node_gbps: float  # GB/s per device across nodes (network)
-    memory_gbps: float = 0.0  # GB/s of the device's own memory (planner/compute.py; none for the CPU)
+    memory_gbps: float = 0.0  # GB/s of the device's own memory (planner/compute.py; 0: no memory-bound term)
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
-    efficiency: float = 0.6  # on a CPU: the share of the measured peak a training step reaches
     block_overhead_s: float = 3e-4  # launching one block's forward and backward kernels, per micro-batch
     link_efficiency: float = 0.8  # share of the link's rate a collective reaches
+    matmul: MatmulCurve = H200_BF16  # the matrix products' rate by size (planner/curves.py)
+    # cuDNN's flash kernels forward and backward on an H200 at head size 64: 364 and 342 TFLOP/s on the
+    # causal half of the square, 0.36 of the peak; twice that on the formula's whole square
+    attention_share: float = 0.72
+    memory_share: float = 0.68  # torch's fused AdamW moved 3.28 of the H200's 4.8 TB/s
 
 
 DEVICES = {
@@ -78,13 +86,16 @@ DEVICES = {
 CPU_LINK_GBPS = 1.27
 CPU_LATENCY_S = 1e-3
 CPU_BLOCK_OVERHEAD_S = 2e-3  # eager PyTorch, ~100 operators a block forward and backward
+CPU_EFFICIENCY = 0.6  # the share of the measured peak an uncalibrated CPU's training step reaches
 
 
 def cpu_device(peak_tflops: float, memory_bytes: int) -> Device:
     """This machine as a device: ``peak_tflops`` measured (or given), host memory."""
     peaks = dict.fromkeys(("bf16", "fp16", "fp32", "fp8"), peak_tflops)
-    return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, CPU_LATENCY_S, CPU_LATENCY_S,
-                  link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S)  # a measured bus bandwidth already
+    return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, intra_latency_s=CPU_LATENCY_S,
+                  inter_latency_s=CPU_LATENCY_S, link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S,  # a measured bus bandwidth already
+                  matmul=flat(CPU_EFFICIENCY, "an assumed share of one measured product"),
+                  attention_share=CPU_EFFICIENCY)
 
 
 @dataclass(frozen=True)

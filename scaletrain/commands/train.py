@@ -31,6 +31,7 @@ from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_token
 from scaletrain.job.eval_tasks import training_tasks
 from scaletrain.job.interrupt import interrupts_explained
 from scaletrain.job.loop import RunSummary, fit, loss_text
+from scaletrain.job.restart import continue_after_restart
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
@@ -183,21 +184,6 @@ def check_optimizer_layout(path: Path, cfg: Config) -> None:
                         f"{cfg.parallel.sync_every} keeps one per rank; resume without --sync-every.")
     raise UserError(f"checkpoint {path} holds the optimizer states of local SGD's {saved} ranks; resume with "
                     f"--sync-every above 1 over {saved} data-parallel ranks.")
-
-
-def continue_after_restart(cfg: Config) -> Config:
-    """A job that torchrun or --max-restarts restarted (attempt 1, 2, ...) continues
-    the run its first attempt began in --out, from the newest complete
-    checkpoint (from the start when none was complete yet): whenever that
-    folder holds a run of this very configuration. Any other folder gets the
-    first attempt's checks and refusals."""
-    out = Path(cfg.run.out)
-    if restart_attempt() == 0 or cfg.run.resume or not (out / "config.toml").is_file():
-        return cfg
-    begun = load_run_config(out).replace(resume=False)
-    # --epochs: the steps the first attempt derived, so that the job ends where it was to end
-    same = cfg.replace(steps=begun.train.steps) if cfg.train.steps is None else cfg
-    return same.replace(resume=True) if begun.to_dict() == same.to_dict() else cfg
 
 
 def prepare_run(cfg: Config) -> tuple[Config, PreparedData]:

@@ -141,4 +141,4 @@ def largest_relative_gap(values: Sequence[float], reference: Sequence[float]) ->
 
 
 BENCHMARKS = ("techniques", "dp", "zero", "tp", "pp", "allreduce", "adam", "softmax", "cross-entropy", "load",
-              "prepare", "finetune", "throughput")
+              "prepare", "finetune", "throughput", "planner")

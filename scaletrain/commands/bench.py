@@ -9,7 +9,7 @@ from pathlib import Path
 
 from scaletrain.bench import BENCHMARKS
 from scaletrain.bench.techniques import TECHNIQUES
-from scaletrain.config import Config, add_config_flags, resolve
+from scaletrain.config import Config, add_config_flags, given_values, resolve
 from scaletrain.config_checks import check_here
 from scaletrain.errors import UserError
 from scaletrain.models import LADDER_PRESET
@@ -33,6 +33,10 @@ def add_parser(commands) -> None:
                     "throughput: our trainer's step against a plain PyTorch loop over our model and "
                     "transformers' model of the same family and size, each in its own process: tokens/s, "
                     "MFU, peak memory, losses (docs/performance.md). "
+                    "planner: the planner's layouts for --nproc processes, each trained by scaletrain train, "
+                    "predicted against measured step time and memory, with the rank correlation (docs/planner.md); "
+                    "its defaults: the default model at 8 blocks, --seq-len 128 --micro-batch 4 (each layout "
+                    "keeps 4 x N sequences a step) --steps 7. "
                     "Defaults differ from train: "
                     "--steps 20 --eval-batches 4 --cache-dir runs/.cache.")
     bench.add_argument("what", choices=BENCHMARKS, help="what to measure")
@@ -49,18 +53,22 @@ def add_parser(commands) -> None:
     bench.add_argument("--gigabytes", default="0.5,3", metavar="A,B",
                        help="bench prepare's generated corpus sizes, in GB [0.5,3]")
     bench.add_argument("--folder", metavar="DIR", help="where bench prepare writes its corpora [a temporary folder]")
+    bench.add_argument("--layouts", default="core", metavar="core|all|A,B",
+                       help="bench planner's layouts: one of each kind, every one the planner enumerates (hours "
+                            "on a CPU), or the named ones of core (dp, zero1, tp-dp-sp, pp-interleaved, ...) [core]")
+    bench.add_argument("--rounds", type=int, default=2, metavar="R",
+                       help="bench planner: passes through the layouts, alternating them [2]")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_flags(bench)
     bench.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.bench.finetune import FINETUNE_DEFAULTS
     from scaletrain.bench.techniques import BENCH_DEFAULTS
 
     if args.warmup < 0:
         raise UserError(f"--warmup must not be negative, not {args.warmup}.")
-    defaults = {**BENCH_DEFAULTS, **(FINETUNE_DEFAULTS if args.what == "finetune" else {})}
+    defaults = {**BENCH_DEFAULTS, **_own_defaults(args)}
     cfg = resolve(args, Config().replace(**defaults))
     check_here(cfg, "bench")
     plot = Path(args.plot or Path("runs", f"bench-{args.what}.png"))
@@ -69,6 +77,17 @@ def run(args: argparse.Namespace) -> int:
     result, table = _measure(args, cfg, plot)
     print(json.dumps(result) if args.json else table(result))
     return 0
+
+
+def _own_defaults(args: argparse.Namespace) -> dict:
+    """The defaults a bench sets beside every bench's (BENCH_DEFAULTS)."""
+    from scaletrain.bench import finetune, planner
+
+    if args.what == "finetune":
+        return finetune.FINETUNE_DEFAULTS
+    if args.what == "planner":
+        return planner.defaults(set(given_values(args)))
+    return {}
 
 
 def _measure(args: argparse.Namespace, cfg: Config, plot: Path):
@@ -82,6 +101,10 @@ def _measure(args: argparse.Namespace, cfg: Config, plot: Path):
         result = finetune.run(cfg, args.rungs, args.warmup, memory)
         finetune_report.plot(result, plot)
         return result, finetune_report.format_table
+    if args.what == "planner":
+        from scaletrain.bench import planner
+
+        return planner.run(cfg, args.layouts, args.rounds, args.warmup), planner.format_table
     if args.what == "techniques":
         return techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), techniques.format_table
     if args.what in ("dp", "zero", "tp", "pp", "adam", "throughput"):  # a race of the config alone

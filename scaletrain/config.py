@@ -19,8 +19,9 @@ from typing import Any
 import tomli_w
 import tomllib
 
+from scaletrain.config_sections import AUTO, DataConfig, FinetuneConfig, ModelConfig, count_or_auto, option
 from scaletrain.errors import UserError
-from scaletrain.models import DEFAULT_PRESET, PRESET_NAMES, preset_experts
+from scaletrain.models import preset_experts
 from scaletrain.optim.schedule import SCHEDULES
 from scaletrain.parallel.pipeline import schedules
 from scaletrain.paths import readable_file
@@ -28,239 +29,154 @@ from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.runtime.ray_launch import RayPlacement
 
 
-def _opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
-         auto: bool = False) -> Any:
-    """A dataclass field that carries its flag's help text and choices; ``auto``: it also takes
-    the word ``auto``, resolved before training (``--micro-batch auto``: planner/fit.py)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "auto": auto}
-    return field(default=default, metadata=meta)
-
-
-AUTO = "auto"
-
-
-def count_or_auto(text: str) -> int | str:
-    """A flag's value that is a whole number or the word ``auto``."""
-    if text == AUTO:
-        return AUTO
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a whole number or 'auto'") from None
-
-
-@dataclass
-class ModelConfig:
-    name: str = _opt(DEFAULT_PRESET, "model preset (docs/models.md)", flag="model", choices=PRESET_NAMES)
-    n_layers: int | None = _opt(None, "transformer blocks (default: the preset's)")
-    n_heads: int | None = _opt(None, "attention heads (default: the preset's)")
-    n_kv_heads: int | None = _opt(None, "key/value heads of grouped-query attention, dividing --n-heads (1: "
-                                        "multi-query; default: the preset's, where its family has them)")
-    d_model: int | None = _opt(None, "hidden size (default: the preset's)")
-    ffn_hidden: int | None = _opt(None, "hidden width of a SwiGLU MLP (default: the preset's)")
-    rope_theta: float | None = _opt(None, "base of the rotary position frequencies (default: the "
-                                          "preset's)")
-    rope_scaling: str | None = _opt(None, "rotary frequency scaling of long contexts as FACTOR,LOW,HIGH,ORIGINAL "
-                                          "(8,1,4,8192; default: the preset's)")
-    tie_embeddings: bool | None = _opt(None, "the output head shares the token embedding's weight (default: "
-                                             "the preset's, where its family may untie them)")
-    sliding_window: int | None = _opt(None, "a Hugging Face folder's sliding attention window; sequences longer "
-                                            "than it are refused")
-    dropout: float = _opt(0.0, "dropout probability")
-    vocab_multiple: int = _opt(1, "pad the embedding and head rows to a multiple of this (64 suits GPU "
-                                  "matrix tiles); padded ids are never targets nor sampled")
-    mlp_hidden: int = _opt(128, "hidden width of the mlp classifier")
-    moe_experts: int = _opt(0, "experts in each mixture-of-experts block (0: dense MLPs only)")
-    moe_top_k: int = _opt(2, "experts each token is routed to; every expert is 4 x d_model / top-k wide, "
-                             "so a token meets as many weights as in the dense MLP")
-    moe_capacity: float | None = _opt(None, "capacity factor: an expert takes at most ceil(C x seq_len x "
-                                            "top-k / experts) tokens of a sequence, the others pass through "
-                                            "the residual (default: dropless)")
-    moe_every: int = _opt(1, "every this-many-th block is a mixture of experts (2: blocks 1, 3, ...)")
-    moe_aux_coef: float = _opt(0.01, "weight of the load-balancing loss (Switch Transformer)")
-    moe_z_coef: float = _opt(0.0, "weight of the router z-loss (ST-MoE uses 0.001)")
-    bias: bool = _opt(False, "biases where the family's released weights have them (docs/models.md: on "
-                             "every block linear layer, or on the queries, keys and values)")
-    norm_eps: float = _opt(1e-5, "epsilon of the layer or RMS norms (a folder's layer_norm_epsilon or rms_norm_eps)")
-    n_positions: int | None = _opt(None, "rows of the position embedding, the longest sequence the model "
-                                         "reads (default: --seq-len; a folder's max_position_embeddings)")
-    n_vocab: int | None = _opt(None, "the model's vocabulary before --vocab-multiple padding (default: the "
-                                     "tokenizer's; a Hugging Face folder's vocab_size)")
-
-
-@dataclass
-class DataConfig:
-    data: str | list[str] | None = _opt(None, "text file or folder; .jsonl/.json/.parquet records; a datasets "
-                                        "save_to_disk folder; a scaletrain prepare folder; repeat it to mix "
-                                        "sources, each PATH:WEIGHT (docs/data.md; default: the Python standard "
-                                        "library's own source, present on every machine)")
-    text_field: str = _opt("text", "the records' field that holds the text")
-    sft: bool = _opt(False, "instruction fine-tuning: records are chats (messages) or Alpaca instructions, "
-                            "rendered with the tokenizer's chat template; the loss is on the answers only")
-    pack: bool | None = _opt(None, "several documents per sequence, attention kept inside each (default: on "
-                                   "with --sft)")
-    chat_template: str | None = _opt(None, "with --sft: tokenizer (its own template, else builtin), builtin, "
-                                           "chatml, alpaca, another by name (docs/data.md) or a Jinja file")
-    train_on_inputs: bool = _opt(False, "with --sft: the loss on the prompts too, not only the answers")
-    system_prompt: str | None = _opt(None, "with --sft: a system turn of this text for every record that has none")
-    too_long: str = _opt("truncate", "an example longer than --seq-len: cut it to fit (and count it) or refuse "
-                                     "the data", choices=("truncate", "refuse"))
-    val_data: str | None = _opt(None, "a separate validation set, in any --data form (default: the last "
-                                      "--val-fraction of the data)")
-    workers: int = _opt(1, "processes that tokenize records into the cache (as scaletrain prepare --workers)")
-    tokenizer: str = _opt("byte", "byte-level, or a BPE trained locally on the corpus",
-                          choices=("byte", "bpe"))
-    vocab_size: int = _opt(4096, "vocabulary size of the BPE tokenizer")
-    val_fraction: float = _opt(0.02, "share of the corpus held out for validation")
-    seq_len: int = _opt(128, "tokens per sequence")
-    cache_dir: str | None = _opt(None, "folder for tokenizers and token files (default: .cache beside "
-                                       "the run folder)")
-    tokenizer_from: str | None = _opt(None, "tokenize with the tokenizer of this run folder or Hugging Face "
-                                            "model folder instead of --tokenizer (a fine-tune sets its --from)")
-
-
 @dataclass
 class TrainConfig:
-    steps: int = _opt(300, "optimizer steps (with --epochs: derived from the training rows, and recorded)")
-    epochs: float | None = _opt(None, "passes over the training rows (packed rows with --sft or --pack, windows of "
-                                      "text; 0.5 allowed): steps = ceil(N x rows / global batch), said when the run "
-                                      "starts; instead of --steps")
-    micro_batch: int | str = _opt(16, "sequences per rank per micro-batch, or 'auto': the largest power of two "
-                                      "the planner predicts to fit this device's memory (planner/fit.py)", auto=True)
-    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
-    lr: float = _opt(1e-3, "peak learning rate")
-    lr_schedule: str = _opt("cosine", "after the warm-up: cosine or linear decay to --min-lr-ratio x --lr at the last "
-                                      "step, or constant at --lr", choices=SCHEDULES)
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a share of --lr (the cosine or linear floor)")
-    warmup_steps: int = _opt(20, "linear warm-up steps")
-    weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only)")
-    beta1: float = _opt(0.9, "AdamW beta1")
-    beta2: float = _opt(0.95, "AdamW beta2")
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: off)")
-    seed: int = _opt(1234, "random seed for initialization, data order and dropout")
-    eval_every: int = _opt(100, "steps between validation passes (0: only at the end)")
-    eval_batches: int = _opt(8, "micro-batches per validation pass")
-    eval_tasks: str | None = _opt(None, "lm-evaluation-harness tasks, comma-separated, run on the model during "
-                                        "training (docs/evaluation.md; needs the [eval] extra)")
-    eval_tasks_every: int = _opt(0, "with --eval-tasks: steps between harness runs (0: only at the end)")
-    eval_tasks_include: str | None = _opt(None, "with --eval-tasks: a folder of the harness's YAML task files "
-                                                "to find tasks in besides its registry")
-    eval_tasks_limit: int | None = _opt(None, "with --eval-tasks: at most this many documents per task")
-    precision: str = _opt("fp32", "compute precision: fp32, bf16 autocast, fp16 autocast with dynamic loss "
-                                  "scaling, or fp8: bf16 autocast with the blocks' linear products in float8 "
-                                  "(docs/techniques.md)", choices=("fp32", "bf16", "fp16", "fp8"))
-    param_dtype: str = _opt("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
-                                    "the optimizer (needs --precision bf16 or fp8)", choices=("fp32", "bf16"))
-    masters: str = _opt("fp32", "'none' with --param-dtype bf16: pure bf16, the optimizer steps the bf16 weights "
-                                "themselves, its state in bf16, no fp32 master copy", choices=("fp32", "none"))
-    stochastic_rounding: bool = _opt(False, "with --masters none: round each updated bf16 weight up or down at "
-                                            "random, in proportion, so small updates survive in expectation")
-    optimizer: str = _opt("adamw", "AdamW, Adafactor with factored second moments, SGD (with --momentum: "
-                                   "one buffer per weight; without: no state at all), or AdamW with block-wise "
-                                   "8-bit moments (2 bytes per weight against 8)",
-                          choices=("adamw", "adafactor", "sgd", "adamw8bit"))
-    momentum: float = _opt(0.9, "SGD's momentum (0: plain SGD)")
-    offload: str = _opt("none", "'optimizer': fp32 master weights, optimizer state and step in host "
-                                "memory", choices=("none", "optimizer"))
-    recompute: str = _opt("none", "activation checkpointing: none, full, selective, every:K, sqrt")
-    compress_activations: str = _opt("none", "store the activations saved for backward in bf16 or as int8 "
-                                             "blocks with absmax scales (ActNN), restored in backward",
-                                     choices=("none", "bf16", "int8"))
-    fused: str = _opt("none", "Triton kernels: the fused AdamW (one launch updates every parameter) and the "
-                              "chunked fused cross-entropy (needs a GPU, or TRITON_INTERPRET=1)",
-                      choices=("none", "triton"))
-    head_loss: str | None = _opt(None, "the language model's head and cross-entropy: 'chunked' a chunk of rows at "
-                                       "a time, the logits never whole (a Triton kernel: a GPU, or "
-                                       "TRITON_INTERPRET=1), or 'logits' made whole (default: chunked on a GPU "
-                                       "where the head's weight is whole on each rank, else logits)",
-                                 choices=("logits", "chunked"))
-    compile: bool = _opt(False, "compile every transformer block with torch.compile (the first steps "
-                                "pay the compile time)")
-    peak_tflops: str | None = _opt(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
-                                         "(default: known GPUs from a table, otherwise MFU is n/a)")
-    on_nan: str | None = _opt(None, "a step whose loss or gradients are not finite on any rank: skip it on "
-                                    "every rank (the update left out, as fp16 loss scaling does), or stop "
-                                    "with a report naming the step and the first non-finite parameter "
-                                    "(default: skip with --precision fp16, else stop)",
-                              choices=("skip", "stop"))
+    steps: int = option(300, "optimizer steps (with --epochs: derived from the training rows, and recorded)")
+    epochs: float | None = option(None, "passes over the training rows (packed rows with --sft or --pack, windows of "
+                                        "text; 0.5 allowed): steps = ceil(N x rows / global batch), said when the run "
+                                        "starts; instead of --steps")
+    micro_batch: int | str = option(16, "sequences per rank per micro-batch, or 'auto': the largest power of two "
+                                        "the planner predicts to fit this device's memory (planner/fit.py)", auto=True)
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
+    lr: float = option(1e-3, "peak learning rate")
+    lr_schedule: str = option("cosine", "after the warm-up: cosine or linear decay to --min-lr-ratio x --lr at the "
+                                        "last step, or constant at --lr", choices=SCHEDULES)
+    min_lr_ratio: float = option(0.1, "final learning rate as a share of --lr (the cosine or linear floor)")
+    warmup_steps: int = option(20, "linear warm-up steps")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    seed: int = option(1234, "random seed for initialization, data order and dropout")
+    eval_every: int = option(100, "steps between validation passes (0: only at the end)")
+    eval_batches: int = option(8, "micro-batches per validation pass")
+    eval_tasks: str | None = option(None, "lm-evaluation-harness tasks, comma-separated, run on the model during "
+                                          "training (docs/evaluation.md; needs the [eval] extra)")
+    eval_tasks_every: int = option(0, "with --eval-tasks: steps between harness runs (0: only at the end)")
+    eval_tasks_include: str | None = option(None, "with --eval-tasks: a folder of the harness's YAML task files "
+                                                  "to find tasks in besides its registry")
+    eval_tasks_limit: int | None = option(None, "with --eval-tasks: at most this many documents per task")
+    precision: str = option("fp32", "compute precision: fp32, bf16 autocast, fp16 autocast with dynamic loss "
+                                    "scaling, or fp8: bf16 autocast with the blocks' linear products in float8 "
+                                    "(docs/techniques.md)", choices=("fp32", "bf16", "fp16", "fp8"))
+    param_dtype: str = option("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
+                                      "the optimizer (needs --precision bf16 or fp8)", choices=("fp32", "bf16"))
+    masters: str = option("fp32", "'none' with --param-dtype bf16: pure bf16, the optimizer steps the bf16 weights "
+                                  "themselves, its state in bf16, no fp32 master copy", choices=("fp32", "none"))
+    stochastic_rounding: bool = option(False, "with --masters none: round each updated bf16 weight up or down at "
+                                              "random, in proportion, so small updates survive in expectation")
+    optimizer: str = option("adamw", "AdamW, Adafactor with factored second moments, SGD (with --momentum: "
+                                     "one buffer per weight; without: no state at all), or AdamW with block-wise "
+                                     "8-bit moments (2 bytes per weight against 8)",
+                            choices=("adamw", "adafactor", "sgd", "adamw8bit"))
+    momentum: float = option(0.9, "SGD's momentum (0: plain SGD)")
+    offload: str = option("none", "'optimizer': fp32 master weights, optimizer state and step in host "
+                                  "memory", choices=("none", "optimizer"))
+    recompute: str = option("none", "activation checkpointing: none, full, selective, every:K, sqrt")
+    compress_activations: str = option("none", "store the activations saved for backward in bf16 or as int8 "
+                                               "blocks with absmax scales (ActNN), restored in backward",
+                                       choices=("none", "bf16", "int8"))
+    fused: str = option("none", "Triton kernels: the fused AdamW (one launch updates every parameter) and the "
+                                "chunked fused cross-entropy (needs a GPU, or TRITON_INTERPRET=1)",
+                        choices=("none", "triton"))
+    head_loss: str | None = option(None, "the language model's head and cross-entropy: 'chunked' a chunk of rows at "
+                                         "a time, the logits never whole (a Triton kernel: a GPU, or "
+                                         "TRITON_INTERPRET=1), or 'logits' made whole (default: chunked on a GPU "
+                                         "where the head's weight is whole on each rank, else logits)",
+                                   choices=("logits", "chunked"))
+    compile: bool = option(False, "compile every transformer block with torch.compile (the first steps "
+                                  "pay the compile time)")
+    peak_tflops: str | None = option(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
+                                           "(default: known GPUs from a table, otherwise MFU is n/a)")
+    on_nan: str | None = option(None, "a step whose loss or gradients are not finite on any rank: skip it on "
+                                      "every rank (the update left out, as fp16 loss scaling does), or stop "
+                                      "with a report naming the step and the first non-finite parameter "
+                                      "(default: skip with --precision fp16, else stop)",
+                                choices=("skip", "stop"))
 
 
 @dataclass
 class ParallelConfig:
-    nproc: int = _opt(1, "spawn this many local workers (otherwise read torchrun/SLURM/MPI)")
-    max_restarts: int = _opt(0, "with --nproc: restart the workers this many times after a failure, each "
-                                "time from the newest complete checkpoint (under torchrun: its own "
-                                "--max-restarts; under Ray: its FailureConfig)")
-    launcher: str = _opt("local", "who starts the --nproc workers: this machine (torch's elastic agent, as "
-                                  "torchrun), or Ray Train on a Ray cluster (pip install 'scaletrain[ray]')",
-                         choices=("local", "ray"))
-    ray_address: str | None = _opt(None, "with --launcher ray: the cluster ('auto': the one ray start began on "
-                                         "this machine, HOST:6379, ray://HOST:10001; default: the cluster of a "
-                                         "ray job submit, else a new one on this machine)")
-    cpus_per_worker: float = _opt(1.0, "with --launcher ray: CPUs reserved for each worker (its torch threads)")
-    gpus_per_worker: float = _opt(0.0, "with --launcher ray: GPUs reserved for each worker (0: gloo on CPUs; "
-                                       "1 or more: nccl; a fraction shares a GPU, for one-worker runs)")
-    dp: int | None = _opt(None, "data-parallel size (default: what the other sizes leave)")
-    tp: int = _opt(1, "tensor-parallel size (Megatron: attention heads, MLP features and the "
-                      "vocabulary split over this many ranks)")
-    sp: bool = _opt(False, "sequence parallelism inside the tp group: norms, dropout and residuals "
-                           "split along the sequence (needs --tp > 1)")
-    pp: int = _opt(1, "pipeline-parallel size: the model's blocks cut into stages, one (or "
-                      "--virtual-stages) per rank, micro-batches flowing through them")
-    microbatches: int | None = _opt(None, "micro-batches of --micro-batch sequences per pipeline round "
-                                          "(default: 2 x --pp with --pp, else 1); a step runs --grad-accum rounds")
-    pp_schedule: str = _opt("1f1b", "pipeline schedule (pipedream-2bw: no flush, two weight versions, each "
-                                    "step applying the previous step's gradient; with --pp 1, the same rule "
-                                    "on one device)", choices=schedules.ALL_SCHEDULES)
-    virtual_stages: int | None = _opt(None, "stages per rank for --pp-schedule interleaved (default: 2 "
-                                            "for interleaved, else 1)")
-    pp_balance: str = _opt("params", "cut stages for equal parameter counts, or equal measured forward and "
-                                     "backward time per block", choices=("params", "time"))
-    mesh_order: str = _opt("dp,ep,pp,cp,tp", "placement of ranks on the mesh, outermost dim first: "
-                                              "consecutive ranks differ in the last one, so the chattiest "
-                                              "group (tp) goes last to stay inside a node")
-    cp: int = _opt(1, "context-parallel size: every sequence split over this many ranks, attention "
-                      "computed by ring attention")
-    ep: int = _opt(1, "expert-parallel size: the experts of each mixture-of-experts block divided over "
-                      "this many ranks, tokens sent to them by all-to-all")
-    backend: str | None = _opt(None, "the network: nccl (default with a GPU), gloo (default without), or "
-                                     "mpi4py, MPI on host buffers for a data-parallel job started by mpirun -n N "
-                                     "(pip install 'scaletrain[mpi]')", choices=("nccl", "gloo", "mpi4py"))
-    timeout: float | None = _opt(None, "seconds a collective may wait for a rank before the job ends, naming "
-                                       "the rank it waits for (a rank that died is noticed sooner; default: 60 "
-                                       "on one machine's CPUs, 600 on GPUs or several nodes)")
-    bucket_mb: float = _opt(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
-                                  "communication starts earlier in backward, in more calls)")
-    allreduce: str = _opt("backend", "gradient all-reduce: the backend's, or the ring written with "
-                                     "send/recv in runtime/ring.py", choices=("backend", "ring"))
-    reduce_dtype: str = _opt("fp32", "dtype in which gradients accumulate and are all-reduced; bf16 "
-                                     "halves the bytes of --param-dtype bf16 runs",
-                             choices=("fp32", "bf16"))
-    compress: str = _opt("none", "gradient compression with error feedback: PowerSGD (low rank) or "
-                                 "scaled sign (1 bit per element)", choices=("none", "powersgd", "sign"))
-    powersgd_rank: int = _opt(4, "rank of PowerSGD's gradient approximation")
-    debug_dist: bool = _opt(False, "distributed debugging: torch's and NCCL's debug logs, a log file per rank "
-                                   "in RUN/logs, a check that every rank has the same configuration and "
-                                   "parameters, and a report of the rank a failed collective waits for")
-    zero: int = _opt(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
-                        "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
-    shard_group: int | None = _opt(None, "hybrid sharding (HSDP, akin to ZeRO++ hpZ): ZeRO shards within "
-                                         "groups of this many neighbouring dp ranks (a node) and replicates "
-                                         "across the groups, gradients reduce-scattered inside a group and "
-                                         "all-reduced across groups (default: one group of all dp ranks; "
-                                         "needs --zero)")
-    quantize_weights: str = _opt("none", "ZeRO-3's weight all-gathers in int8 with an fp32 absmax scale per "
-                                         "256-element block (ZeRO++ qwZ; forward and backward then run on "
-                                         "those weights), or fp8: e4m3 with a power-of-two scale per block "
-                                         "(lossless for --precision fp8's products but subnormals); needs --zero 3",
-                                 choices=("none", "int8", "fp8"))
-    zero3_gather: str = _opt("round", "with --zero 3 and --pp: gather each block's weights once per pipeline "
-                                      "round, held across its micro-batches (one all-gather per block per round), or "
-                                      "for every micro-batch's forward and again for its backward (2 x --microbatches "
-                                      "all-gathers, the least memory; docs/zero.md)", choices=("round", "micro-batch"))
-    sync_every: int = _opt(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
-                              "and the dp replicas' parameters are averaged every N steps (1: plain data "
-                              "parallelism, gradients averaged every step)")
+    nproc: int = option(1, "spawn this many local workers (otherwise read torchrun/SLURM/MPI)")
+    max_restarts: int = option(0, "with --nproc: restart the workers this many times after a failure, each "
+                                  "time from the newest complete checkpoint (under torchrun: its own "
+                                  "--max-restarts; under Ray: its FailureConfig)")
+    launcher: str = option("local", "who starts the --nproc workers: this machine (torch's elastic agent, as "
+                                    "torchrun), or Ray Train on a Ray cluster (pip install 'scaletrain[ray]')",
+                           choices=("local", "ray"))
+    ray_address: str | None = option(None, "with --launcher ray: the cluster ('auto': the one ray start began on "
+                                           "this machine, HOST:6379, ray://HOST:10001; default: the cluster of a "
+                                           "ray job submit, else a new one on this machine)")
+    cpus_per_worker: float = option(1.0, "with --launcher ray: CPUs reserved for each worker (its torch threads)")
+    gpus_per_worker: float = option(0.0, "with --launcher ray: GPUs reserved for each worker (0: gloo on CPUs; "
+                                         "1 or more: nccl; a fraction shares a GPU, for one-worker runs)")
+    layout: str | None = option(None, "'auto': the planner's fastest layout predicted to fit this machine, "
+                                      "searched over the sizes and options not given (dp, tp, sp, pp and its "
+                                      "schedule, cp, ep, ZeRO, recompute, micro-batch, accumulation) at the run's "
+                                      "global batch; predicted against measured in plan.json (planner/auto.py)",
+                                choices=(AUTO,))
+    dp: int | None = option(None, "data-parallel size (default: what the other sizes leave)")
+    tp: int = option(1, "tensor-parallel size (Megatron: attention heads, MLP features and the "
+                        "vocabulary split over this many ranks)")
+    sp: bool = option(False, "sequence parallelism inside the tp group: norms, dropout and residuals "
+                             "split along the sequence (needs --tp > 1)")
+    pp: int = option(1, "pipeline-parallel size: the model's blocks cut into stages, one (or "
+                        "--virtual-stages) per rank, micro-batches flowing through them")
+    microbatches: int | None = option(None, "micro-batches of --micro-batch sequences per pipeline round "
+                                            "(default: 2 x --pp with --pp, else 1); a step runs --grad-accum rounds")
+    pp_schedule: str = option("1f1b", "pipeline schedule (pipedream-2bw: no flush, two weight versions, each "
+                                      "step applying the previous step's gradient; with --pp 1, the same rule "
+                                      "on one device)", choices=schedules.ALL_SCHEDULES)
+    virtual_stages: int | None = option(None, "stages per rank for --pp-schedule interleaved (default: 2 "
+                                              "for interleaved, else 1)")
+    pp_balance: str = option("params", "cut stages for equal parameter counts, or equal measured forward and "
+                                       "backward time per block", choices=("params", "time"))
+    mesh_order: str = option("dp,ep,pp,cp,tp", "placement of ranks on the mesh, outermost dim first: "
+                                                "consecutive ranks differ in the last one, so the chattiest "
+                                                "group (tp) goes last to stay inside a node")
+    cp: int = option(1, "context-parallel size: every sequence split over this many ranks, attention "
+                        "computed by ring attention")
+    ep: int = option(1, "expert-parallel size: the experts of each mixture-of-experts block divided over "
+                        "this many ranks, tokens sent to them by all-to-all")
+    backend: str | None = option(None, "the network: nccl (default with a GPU), gloo (default without), or "
+                                       "mpi4py, MPI on host buffers for a data-parallel job started by mpirun -n N "
+                                       "(pip install 'scaletrain[mpi]')", choices=("nccl", "gloo", "mpi4py"))
+    timeout: float | None = option(None, "seconds a collective may wait for a rank before the job ends, naming "
+                                         "the rank it waits for (a rank that died is noticed sooner; default: 60 "
+                                         "on one machine's CPUs, 600 on GPUs or several nodes)")
+    bucket_mb: float = option(25.0, "MiB of gradients per data-parallel all-reduce bucket (smaller: "
+                                    "communication starts earlier in backward, in more calls)")
+    allreduce: str = option("backend", "gradient all-reduce: the backend's, or the ring written with "
+                                       "send/recv in runtime/ring.py", choices=("backend", "ring"))
+    reduce_dtype: str = option("fp32", "dtype in which gradients accumulate and are all-reduced; bf16 "
+                                       "halves the bytes of --param-dtype bf16 runs",
+                               choices=("fp32", "bf16"))
+    compress: str = option("none", "gradient compression with error feedback: PowerSGD (low rank) or "
+                                   "scaled sign (1 bit per element)", choices=("none", "powersgd", "sign"))
+    powersgd_rank: int = option(4, "rank of PowerSGD's gradient approximation")
+    debug_dist: bool = option(False, "distributed debugging: torch's and NCCL's debug logs, a log file per rank "
+                                     "in RUN/logs, a check that every rank has the same configuration and "
+                                     "parameters, and a report of the rank a failed collective waits for")
+    zero: int = option(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
+                          "3 also the parameters (0: replicate everything)", choices=(0, 1, 2, 3))
+    shard_group: int | None = option(None, "hybrid sharding (HSDP, akin to ZeRO++ hpZ): ZeRO shards within "
+                                           "groups of this many neighbouring dp ranks (a node) and replicates "
+                                           "across the groups, gradients reduce-scattered inside a group and "
+                                           "all-reduced across groups (default: one group of all dp ranks; "
+                                           "needs --zero)")
+    quantize_weights: str = option("none", "ZeRO-3's weight all-gathers in int8 with an fp32 absmax scale per "
+                                           "256-element block (ZeRO++ qwZ; forward and backward then run on "
+                                           "those weights), or fp8: e4m3 with a power-of-two scale per block "
+                                           "(lossless for --precision fp8's products but subnormals); needs --zero 3",
+                                   choices=("none", "int8", "fp8"))
+    zero3_gather: str = option("round", "with --zero 3 and --pp: gather each block's weights once per pipeline "
+                                        "round, held across its micro-batches (one all-gather per block per round), "
+                                        "or for every micro-batch's forward and again for its backward (2 x "
+                                        "--microbatches all-gathers, the least memory; docs/zero.md)",
+                               choices=("round", "micro-batch"))
+    sync_every: int = option(1, "local SGD: each rank steps on its own gradients (AdamW moments kept per rank) "
+                                "and the dp replicas' parameters are averaged every N steps (1: plain data "
+                                "parallelism, gradients averaged every step)")
 
     def ray_placement(self) -> RayPlacement:
         """Where --launcher ray puts the workers (runtime/ray_launch.py)."""
@@ -280,51 +196,30 @@ class ParallelConfig:
 
 @dataclass
 class RunConfig:
-    out: str | None = _opt(None, "run folder (default: runs/<model>-<time>)")
-    checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: only at the end)")
-    keep_last: int = _opt(0, "keep only the newest K complete checkpoints, older ones deleted once a new "
-                             "one is complete (0: keep all)")
-    resume: bool = _opt(False, "continue the run in --out from its latest complete checkpoint; on another number "
-                               "of processes dp derived anew, the global batch kept (docs/checkpoints.md)")
-    stop_at: int | None = _opt(None, "stop after this step with a checkpoint, the schedule still "
-                                      "planned for --steps (for jobs with a time limit)")
-    report_comm: bool = _opt(False, "write and print the communication ledger (comm.json)")
-    report_memory: bool = _opt(False, "write and print the memory ledger (memory.json)")
-    tracker: str = _opt("tensorboard", "where records go besides metrics.jsonl, comma-separated: tensorboard, "
-                                       "mlflow (MLFLOW_TRACKING_URI, else ./mlruns), wandb")
-    experiment: str = _opt("scaletrain", "the MLflow experiment, or the W&B project, of the run")
-    register: str | None = _opt(None, "with --tracker mlflow: register the final model under this name (a new "
-                                      "version each run)")
-    progress: bool = _opt(True, "show a progress bar")
-    log_every: int | None = _opt(None, "read each step's loss and gradient norm from the device every K steps, in "
-                                       "one transfer, so the host never waits for the device mid-run (records stay "
-                                       "per step), and print a line 'step N loss X lr Y tok/s Z' every K steps "
-                                       "where no progress bar is drawn (--no-progress, or output not a terminal; "
-                                       "default: 10 on a GPU, 1 on a CPU)")
-    sample_tokens: int = _opt(200, "tokens of text generated at the end (0: none)")
-    force: bool = _opt(False, "start even where the planner predicts the run does not fit this machine's "
-                              "memory (planner/gate.py)")
-
-
-@dataclass
-class FinetuneConfig:
-    base: str | None = _opt(None, "a checkpoint (run folder or step_NNNNNN) or a Hugging Face model folder "
-                                  "to start from: its model, tokenizer and weights", flag="from")
-    lora_rank: int = _opt(0, "rank r of the LoRA adapters on the --lora-targets layers, the base frozen "
-                             "(0: no adapters, every weight trains)")
-    lora_alpha: float = _opt(16.0, "LoRA scaling numerator: the update is alpha / r x B A")
-    lora_dropout: float = _opt(0.0, "dropout on the adapters' input")
-    lora_targets: str = _opt("qkv,proj,fc", "the linear layers that get adapters: qkv, proj (the attention's "
-                                            "and the MLP's output), fc, a group's layers one by one (q,v), or "
-                                            "the model's Hugging Face module names (q_proj,v_proj,o_proj)")
-    lora_modules_to_save: str | None = _opt(None, "trained whole beside the adapters (PEFT's modules_to_save): "
-                                                  "embed, head or both (or their HF names); a tied pair is one "
-                                                  "tensor, trained in both roles")
-    quantize: str = _opt("none", "store the frozen base weights as 4-bit NormalFloat with double "
-                                 "quantization (QLoRA; needs --lora-rank)", choices=("none", "nf4"))
-    adapter: str | None = _opt(None, "a PEFT LoRA adapter folder (adapter_config.json, "
-                                     "adapter_model.safetensors) over the --from base to continue from: its rank, "
-                                     "alpha, dropout, target layers and weights")
+    out: str | None = option(None, "run folder (default: runs/<model>-<time>)")
+    checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)")
+    keep_last: int = option(0, "keep only the newest K complete checkpoints, older ones deleted once a new "
+                               "one is complete (0: keep all)")
+    resume: bool = option(False, "continue the run in --out from its latest complete checkpoint; on another number "
+                                 "of processes dp derived anew, the global batch kept (docs/checkpoints.md)")
+    stop_at: int | None = option(None, "stop after this step with a checkpoint, the schedule still "
+                                        "planned for --steps (for jobs with a time limit)")
+    report_comm: bool = option(False, "write and print the communication ledger (comm.json)")
+    report_memory: bool = option(False, "write and print the memory ledger (memory.json)")
+    tracker: str = option("tensorboard", "where records go besides metrics.jsonl, comma-separated: tensorboard, "
+                                         "mlflow (MLFLOW_TRACKING_URI, else ./mlruns), wandb")
+    experiment: str = option("scaletrain", "the MLflow experiment, or the W&B project, of the run")
+    register: str | None = option(None, "with --tracker mlflow: register the final model under this name (a new "
+                                        "version each run)")
+    progress: bool = option(True, "show a progress bar")
+    log_every: int | None = option(None, "read each step's loss and gradient norm from the device every K steps, in "
+                                         "one transfer, so the host never waits for the device mid-run (records stay "
+                                         "per step), and print a line 'step N loss X lr Y tok/s Z' every K steps "
+                                         "where no progress bar is drawn (--no-progress, or output not a terminal; "
+                                         "default: 10 on a GPU, 1 on a CPU)")
+    sample_tokens: int = option(200, "tokens of text generated at the end (0: none)")
+    force: bool = option(False, "start even where the planner predicts the run does not fit this machine's "
+                                "memory (planner/gate.py)")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,

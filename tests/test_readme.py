@@ -2,8 +2,8 @@
 
 Each command of the README's shell blocks is run here (or, where it needs a service a module
 starts or a module checks it more closely, there: Ray's in tests/test_ray.py, mpirun's in
-tests/test_mpi.py, the examples' in tests/test_examples.py, the races' in tests/test_bench.py and
-tests/test_bench_throughput.py),
+tests/test_mpi.py, the examples' in tests/test_examples.py, the races' in tests/test_bench.py,
+tests/test_bench_throughput.py and tests/test_bench_planner.py),
 in a folder of its own that is also its HOME, with what it reads made first (`MAKERS`: corpora,
 a Hugging Face folder, an earlier run). It keeps every default a user
 gets (the end-of-run sample, the evaluation, the progress bar); `Example.extra` only makes it
@@ -277,7 +277,7 @@ EXAMPLES = [
 BY_COMMAND = {example.command: example for example in EXAMPLES}
 # Commands whose test lives beside a service or suite of its own, found there by their text.
 ELSEWHERE = ("tests/test_ray.py", "tests/test_mpi.py", "tests/test_examples.py", "tests/test_bench.py",
-             "tests/test_bench_throughput.py")
+             "tests/test_bench_throughput.py", "tests/test_bench_planner.py")
 
 
 # -- running one -----------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def run(cfg: Config, layouts_text: str, rounds: int, warmup: int) -> dict:
     return {"what": "planner", "machine": machine(), "device": cluster.device.name,
             "peak_tflops": cluster.device.tflops[t.precision if t.precision in cluster.device.tflops else "fp32"],
             "setup": {"model": base.model.name, "n_layers": base.model.n_layers, "seq_len": base.data.seq_len,
-                      "nproc": n, "global_batch": global_batch, "steps": t.steps, "warmup": warmup,
+                      "vocab_size": vocab, "nproc": n, "global_batch": global_batch, "steps": t.steps, "warmup": warmup,
                       "rounds": rounds, "precision": t.precision, "enumerated": len(enumerated)},
             "not_enumerated": missing, "layouts": rows, **summary(rows, layout_text(pick))}
 

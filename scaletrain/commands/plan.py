@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from scaletrain.config import Config, ModelConfig, add_field_flag, field_of, with_preset_experts
@@ -18,14 +19,14 @@ from scaletrain.errors import UserError
 from scaletrain.models import PLANNED_PRESET, PRESETS
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.paths import writable_file
-from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device, parse_size
+from scaletrain.planner.hardware import DEVICES, Cluster, Device, cpu_device, parse_size
 from scaletrain.planner.prediction import TRAINING_OPTIONS
 from scaletrain.planner.search import RECOMPUTE as PLANNED_RECOMPUTE
 
 FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "recompute", "pp_schedule", "microbatches",
          "virtual_stages", "micro_batch", "grad_accum", "shard_group", "quantize_weights", "zero3_gather")
 PLANNED_VOCAB = 50304  # a 50257-token byte-level BPE, rounded up to a multiple of 64
-POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top",
+POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "gpus", "gpus_per_node", "top", "nproc",
             "dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "microbatches", "virtual_stages",
             "moe_top_k", "shard_group")
 NON_NEGATIVE = ("moe_experts", "lora_rank")
@@ -77,7 +78,28 @@ def add_parser(commands) -> None:
     plan.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown [5]")
     plan.add_argument("--json", action="store_true", help="print one JSON object (CLI.md's shape)")
     plan.add_argument("--png", metavar="FILE", help="also plot memory per rank against tokens/s into this PNG")
+    _add_profile(plan)
     plan.set_defaults(handler=run)
+
+
+def _add_profile(plan: argparse.ArgumentParser) -> None:
+    profile = plan.add_argument_group(
+        "machine profile", "--calibrate measures this machine (about a minute) into a profile that plan --gpu here, "
+        "the gate, --micro-batch auto and --layout auto read: --profile FILE, else SCALETRAIN_PROFILE, else "
+        "$XDG_CACHE_HOME/scaletrain/machines/<device>-<backend>.json (docs/planner.md, Calibration).")
+    profile.add_argument("--calibrate", action="store_true",
+                         help="measure this machine's products, attention, memory, launches and collectives and "
+                              "write its profile")
+    profile.add_argument("--profile", metavar="FILE",
+                         help="the profile to write (with --calibrate) or plan with: alone, the machine it "
+                              "describes; with --gpu here, this machine's, refused if it measured another device")
+    profile.add_argument("--nproc", type=int, metavar="N",
+                         help="with --calibrate: processes measured, the largest group [the GPUs, or 2 on a CPU]")
+    profile.add_argument("--backend", choices=("gloo", "nccl", "mpi4py"),
+                         help="with --calibrate or --gpu here: the backend measured or read [nccl with a GPU, "
+                              "else gloo]")
+    profile.add_argument("--quick", action="store_true",
+                         help="with --calibrate: small ladders in a few seconds, a sanity check only")
 
 
 def _add_model_and_cluster(plan: argparse.ArgumentParser) -> None:
@@ -96,9 +118,10 @@ def _add_model_and_cluster(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--gpus", type=int, default=8, metavar="N", help="devices in the cluster [8]")
     plan.add_argument("--gpus-per-node", type=int, metavar="N",
                       help="devices per node, joined by the fast link [min(8, --gpus)]")
-    plan.add_argument("--gpu", choices=(*DEVICES, "cpu"), default="H100",
+    plan.add_argument("--gpu", choices=(*DEVICES, "cpu", "here"),
                       help="the device; cpu: this machine, its peak measured, its memory shared by the "
-                           "ranks of a node [H100]")
+                           "ranks of a node; here: this machine as its profile describes it (--calibrate) "
+                           "[H100, or the machine --profile describes]")
     plan.add_argument("--gpu-memory", metavar="SIZE",
                       help="memory of one device, such as 80GB, 40GiB or 512MB [the device's]")
 
@@ -113,10 +136,16 @@ def run(args: argparse.Namespace) -> int:
             value = getattr(args, name)
             if value is not None and value < least:
                 raise UserError(f"--{name.replace('_', '-')} must {wanted}, not {value}.")
+    if args.calibrate:
+        return _calibrate(args)
+    for name in ("nproc", "quick"):
+        if getattr(args, name):
+            raise UserError(f"--{name} sets what --calibrate measures; add --calibrate or drop --{name}.")
     if args.png:
         writable_file("--png", args.png)
-    base = base_config(args, gpu=args.gpu != "cpu")
-    cluster = _cluster(args)
+    profiled = _profiled_device(args)
+    base = base_config(args, gpu=profiled.name != "cpu" if profiled else args.gpu != "cpu")
+    cluster = _cluster(args, profiled)
     fixed = {name for name in FIXED if getattr(args, name) is not None}
     global_batch = args.global_batch or derived_global_batch(base, cluster.gpus, fixed)
     result = search(base, cluster, _vocab(args), global_batch, fixed, predict)
@@ -128,12 +157,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace) -> Cluster:
-    """The devices to plan for. A CPU "node" is this machine: its ranks share its memory."""
+def _calibrate(args: argparse.Namespace) -> int:
+    from scaletrain.planner.calibrate import calibrate, summary
+
+    measured, path = calibrate(args.nproc, args.backend, args.profile, args.quick)
+    if measured is not None:  # mpirun's rank 0 speaks for the others
+        print(json.dumps(measured) if args.json else summary(measured, path))
+    return 0
+
+
+def _profiled_device(args: argparse.Namespace) -> Device | None:
+    """The device of ``--gpu here`` (this machine's profile) or of ``--profile FILE`` alone (the
+    machine the file describes); None for a preset or ``--gpu cpu``."""
+    from scaletrain.planner import profile
+
+    if args.profile and args.gpu not in (None, "here"):
+        raise UserError(f"--profile {args.profile} describes its own device; drop --gpu {args.gpu}, or give "
+                        f"--gpu here to plan for this machine with it.")
+    if args.backend and args.gpu != "here":
+        raise UserError(f"--backend {args.backend} chooses what --calibrate measures or which profile --gpu here "
+                        f"reads; add one of them or drop --backend.")
+    if args.gpu == "here":
+        import torch
+
+        on_gpu = args.backend == "nccl" if args.backend else torch.cuda.is_available()
+        return profile.for_this_machine(on_gpu, args.backend, args.profile, required=True)
+    if args.profile:
+        return profile.device_of(profile.load(Path(args.profile), "--profile"))
+    return None
+
+
+def _cluster(args: argparse.Namespace, profiled: Device | None) -> Cluster:
+    """The devices to plan for. A CPU "node" is this machine (or the profile's): its ranks share its memory."""
     per_node = args.gpus_per_node or min(8, args.gpus)
     if args.gpus % per_node:
         raise UserError(f"--gpus-per-node {per_node} must divide --gpus {args.gpus}; the nodes are equal.")
-    if args.gpu == "cpu":
+    if profiled is not None:
+        device = replace(profiled, memory_bytes=profiled.memory_bytes // per_node) if profiled.name == "cpu" \
+            else profiled
+    elif args.gpu == "cpu":
         import torch
 
         from scaletrain.job.metrics import measure_peak_tflops
@@ -141,7 +203,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         device = cpu_device(measure_peak_tflops(torch.device("cpu")), host // per_node)
     else:
-        device = DEVICES[args.gpu]
+        device = DEVICES[args.gpu or "H100"]
     cluster = Cluster(device, args.gpus, per_node)
     return cluster.with_memory(parse_size(args.gpu_memory)) if args.gpu_memory else cluster
 

@@ -25,6 +25,7 @@ from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.planner.hardware import DEVICES, Cluster, cpu_device
 from scaletrain.planner.predict import predict
+from scaletrain.planner.profile import for_this_machine
 
 LARGEST = 1024  # sequences: past this a step is long whatever the device holds
 
@@ -39,8 +40,10 @@ def device_memory(device: torch.device, processes_here: int) -> int:
 
 def machine_cluster(world: int, memory: int, on_gpu: bool) -> Cluster:
     """``world`` ranks of ``memory`` bytes each, as the planner weighs their memory (a GPU's own, or on a
-    CPU the host's, where offloaded state counts too); its time model is not read."""
-    device = DEVICES["H100"] if on_gpu else cpu_device(1.0, memory)
+    CPU the host's, where offloaded state counts too): this machine's profile where it has one (a profile
+    of another device refused: planner/profile.py), else a preset; its time model is not read, and
+    nothing is measured."""
+    device = for_this_machine(on_gpu) or (DEVICES["H100"] if on_gpu else cpu_device(1.0, memory))
     return Cluster(device, world, world).with_memory(memory)
 
 

@@ -44,6 +44,7 @@ import re
 from dataclasses import dataclass, replace
 
 from scaletrain.errors import UserError
+from scaletrain.planner.collective_fits import CollectiveTable
 from scaletrain.planner.curves import H200_BF16, MatmulCurve, flat
 
 GB = 10**9
@@ -68,6 +69,8 @@ class Device:
     # causal half of the square, 0.36 of the peak; twice that on the formula's whole square
     attention_share: float = 0.72
     memory_share: float = 0.68  # torch's fused AdamW moved 3.28 of the H200's 4.8 TB/s
+    # every collective timed on this node, per group size (planner/collective_fits.py; None: the links' figures)
+    collectives: CollectiveTable | None = None
 
 
 DEVICES = {

@@ -71,11 +71,18 @@ def spans_nodes(dims: ParallelDims, group: str, gpus_per_node: int) -> bool:
 
 
 def collective_seconds(traffic: dict, sizes: dict[str, int], dims: ParallelDims, cluster: Cluster) -> dict:
-    """{group: seconds} of every collective in ``traffic`` on its link."""
+    """{group: seconds} of every collective in ``traffic``: from the device's measured table where it
+    has the operation at the group's size within a node (planner/collective_fits.py), else on its link."""
     seconds: dict[str, float] = {}
+    table = cluster.device.collectives
     for op, groups in traffic.items():
         for group, entry in groups.items():
-            alpha, beta = cluster.link(spans_nodes(dims, group, cluster.gpus_per_node))
+            spans = spans_nodes(dims, group, cluster.gpus_per_node)
+            measured = table.lookup(op, sizes[group]) if table is not None and not spans else None
+            if measured is not None:
+                seconds[group] = seconds.get(group, 0.0) + measured.seconds(entry["calls"], entry["bytes"])
+                continue
+            alpha, beta = cluster.link(spans)
             messages = entry["calls"] * _MESSAGES[op](sizes[group])
             seconds[group] = seconds.get(group, 0.0) + messages * alpha + entry["wire_bytes"] / beta
     return seconds

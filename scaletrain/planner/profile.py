@@ -1,0 +1,191 @@
+"""Machine profiles: what ``scaletrain plan --calibrate`` measured on a machine, as a file, and
+the planner's device made from it.
+
+A profile is one JSON object (``FORMAT`` 1):
+
+    machine      the device measured ("NVIDIA H200", or a CPU's model and core count), whether it
+                 is a GPU, the backend, processes and threads per process, the dtype of the
+                 products, the device's memory, hostname, CPU and GPU counts, torch's version,
+                 the date, quick or full, the seconds the calibration took
+    matmul       {"sides", "tflops"}: TFLOP/s of [m, k] @ [k, k], m rows and k columns over sides
+    attention    {"shapes", "tflops"}: scaled_dot_product_attention, causal, forward and backward,
+                 on the formula's 12·a·d·s FLOPs per token (planner/compute.py), over all shapes
+    memory       {"elementwise_gbps", "adamw_gbps"}: GB/s of a large add, and of torch's AdamW
+                 over a large flat tensor (28 bytes a weight: compute.py's optimizer bytes)
+    block_overhead_s  a small block's forward and backward, every kernel launched, none busy
+    collectives  {"measured": {op: {group size: {"bytes", "seconds"}}}, "fits": {op: {group size:
+                 {"alpha_s", "bytes_per_s"}}}} (planner/collective_fits.py)
+
+and the device it makes (`device_of`): the GPU's datasheet preset (planner/hardware.py) or,
+on a CPU, its largest measured product as the peak, with the measured curve, attention's
+share of the peak, the elementwise bandwidth as ``memory_gbps`` and AdamW's share of it as
+``memory_share`` (a preset's share is AdamW's too), the block overhead, the measured table
+of collectives, and the links' figures from the largest group's all-reduce (the latency of
+one of its ``2(g-1)`` messages, its bus bandwidth) for groups the table lacks.
+
+Where one is found, first match wins (`chosen_path`):
+
+    1. ``--profile FILE``             (scaletrain plan)
+    2. ``SCALETRAIN_PROFILE=FILE``    (every command, and the library)
+    3. ``$XDG_CACHE_HOME/scaletrain/machines/<device>-<backend>.json`` (``~/.cache`` without it),
+       where ``--calibrate`` writes unless told otherwise
+
+A run on this machine (the gate, ``--micro-batch auto``, ``--layout auto``, ``plan --gpu
+here``) refuses a profile of another device in one sentence; ``plan --profile FILE``
+plans for whichever machine the file describes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from scaletrain.errors import UserError
+from scaletrain.paths import readable_file
+from scaletrain.planner.collective_fits import CollectiveTable
+from scaletrain.planner.curves import MatmulCurve
+from scaletrain.planner.hardware import DEVICES, GB, Device, cpu_device
+
+FORMAT = 1
+PROFILE_VARIABLE = "SCALETRAIN_PROFILE"
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+
+
+def device_name(on_gpu: bool, local_rank: int = 0) -> str:
+    """This machine's device as a profile names it: the GPU's name, or the CPU's model and its core
+    count (a CPU's figures are its processes' shares of all its cores)."""
+    if on_gpu:
+        return torch.cuda.get_device_name(local_rank % torch.cuda.device_count())
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def default_backend(on_gpu: bool) -> str:
+    return "nccl" if on_gpu else "gloo"
+
+
+def default_path(device: str, backend: str) -> Path:
+    """Where ``device``'s profile on ``backend`` lives unless one is named (module docstring)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return Path(cache, "scaletrain", "machines", f"{slug}-{backend}.json")
+
+
+def chosen_path(given: str | None, device: str, backend: str) -> tuple[Path, str]:
+    """(the profile's path, what named it) by the precedence of the module docstring."""
+    if given:
+        return Path(given), "--profile"
+    if os.environ.get(PROFILE_VARIABLE):
+        return Path(os.environ[PROFILE_VARIABLE]), PROFILE_VARIABLE
+    return default_path(device, backend), "the default location"
+
+
+def save(profile: dict, path: Path) -> None:
+    """Write ``profile`` whole or not at all: to a temporary file beside ``path``, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
+        json.dump(profile, file, indent=1)
+    os.replace(file.name, path)
+
+
+def load(path: Path, named_by: str) -> dict:
+    """The profile at ``path`` (named by ``named_by``: a flag, the variable or the default
+    location); one sentence where it is unreadable or not a profile."""
+    readable_file(named_by, path, "a machine profile written by scaletrain plan --calibrate")
+    stat = path.stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: str, _mtime_ns: int, _size: int) -> dict:
+    """A profile's contents, read once per version of the file (the gate prices many candidates)."""
+    try:
+        profile = json.loads(Path(path).read_text())
+        if isinstance(profile, dict) and profile.get("format") == FORMAT:
+            device_of(profile)  # every figure the planner reads is there
+            return profile
+    except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError, AttributeError):
+        pass
+    raise UserError(f"{path} is not a machine profile this version reads; measure the machine again with "
+                    f"scaletrain plan --calibrate --profile {path}.")
+
+
+def check_here(profile: dict, path: Path, named_by: str, on_gpu: bool) -> None:
+    """One sentence where ``profile`` measured another device than this machine's."""
+    here, measured = device_name(on_gpu), profile["machine"]["device"]
+    if measured != here:
+        raise UserError(f"the machine profile {path} (from {named_by}) measured {measured}, not this machine's "
+                        f"{here}; calibrate this machine with scaletrain plan --calibrate, or name its own profile.")
+
+
+def for_this_machine(on_gpu: bool, backend: str | None = None, given: str | None = None,
+                     required: bool = False) -> Device | None:
+    """This machine's calibrated device from its profile (module docstring); None where there is none
+    and none was named, unless ``required`` (``plan --gpu here``): then one sentence."""
+    backend = backend or default_backend(on_gpu)
+    device = device_name(on_gpu)
+    path, named_by = chosen_path(given, device, backend)
+    if named_by == "the default location" and not path.exists():
+        if required:
+            raise UserError(f"no machine profile of this machine's {device} with {backend} at {path}; measure one "
+                            f"with scaletrain plan --calibrate (about a minute), or name one with --profile FILE.")
+        return None
+    profile = load(path, named_by)
+    check_here(profile, path, named_by, on_gpu)
+    return device_of(profile)
+
+
+def gpu_preset(name: str) -> Device | None:
+    """The datasheet preset whose name a GPU's contains (``NVIDIA H200`` is the H200), if any."""
+    return next((device for key, device in DEVICES.items() if key in name.upper()), None)
+
+
+def device_of(profile: dict) -> Device:
+    """The planner's device from a profile's measurements (module docstring)."""
+    machine, matmul = profile["machine"], profile["matmul"]
+    grid = tuple(tuple(float(value) for value in row) for row in matmul["tflops"])
+    fastest = max(max(row) for row in grid)
+    if machine["on_gpu"]:
+        preset = gpu_preset(machine["device"])
+        base = preset or replace(DEVICES["H100"], name=machine["device"], tflops=dict.fromkeys(PRECISIONS, fastest))
+        base = replace(base, memory_bytes=int(machine["memory_bytes"]))
+    else:
+        base = cpu_device(fastest, int(machine["memory_bytes"]))
+    peak = base.tflops[machine["dtype"]]
+    source = f"{machine['device']}, measured by scaletrain plan --calibrate on {machine['date']}"
+    memory = profile["memory"]
+    table = CollectiveTable.from_json(profile["collectives"]["fits"])
+    device = replace(base, matmul=MatmulCurve(tuple(matmul["sides"]), grid, peak, source),
+                     attention_share=profile["attention"]["tflops"] / peak,
+                     memory_gbps=memory["elementwise_gbps"],
+                     memory_share=memory["adamw_gbps"] / memory["elementwise_gbps"],
+                     block_overhead_s=profile["block_overhead_s"], collectives=table if table.fits else None)
+    return _with_links(device, table, on_gpu=machine["on_gpu"])
+
+
+def _with_links(device: Device, table: CollectiveTable, on_gpu: bool) -> Device:
+    """The node's link as its largest group's all-reduce shows it: per message of the ring's 2(g-1),
+    and the bus bandwidth; across nodes a GPU keeps its preset's network, a CPU its loopback."""
+    sizes = [size for op, size, _ in table.fits if op == "all_reduce"]
+    if not sizes:
+        return device
+    size = max(sizes)
+    fit = table.lookup("all_reduce", size)
+    messages = 2 * (size - 1)
+    latency, gbps = fit.alpha_s / messages, fit.bytes_per_s * messages / size / GB
+    linked = replace(device, intra_latency_s=latency, intra_node_gbps=gbps, link_efficiency=1.0)
+    if on_gpu:  # the network's rate at the preset's efficiency, the node's link measured
+        return replace(linked, inter_node_gbps=device.inter_node_gbps * device.link_efficiency)
+    return replace(linked, inter_latency_s=latency, inter_node_gbps=gbps)

@@ -1,0 +1,158 @@
+"""scaletrain plan --calibrate (planner/calibrate.py): this CPU measured by two real gloo processes
+into a machine profile at the default location, which plan, the gate and ``this_machine`` then read
+(planner/profile.py), and whose figures change the predictions: faster products a faster step, a
+collective's measured line its price (planner/step_time.py `collective_seconds`). The calibration
+runs in quick mode, once for the module (about ten seconds); no figure it measured is asserted
+beyond being positive and growing with the message."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from scaletrain.commands.cli import main
+from scaletrain.errors import UserError
+from scaletrain.planner import profile
+from scaletrain.planner.calibrate_collectives import OPERATIONS
+from scaletrain.planner.collective_fits import CollectiveFit, CollectiveTable, fit_alpha_beta
+from scaletrain.planner.fit import machine_cluster
+from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.machine import this_machine
+from scaletrain.planner.step_time import collective_seconds
+from scaletrain.runtime.mesh import ParallelDims
+
+PLAN = ["plan", "--model", "gpt-tiny", "--seq", "32", "--micro-batch", "4", "--recompute", "none", "--zero", "0",
+        "--json"]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> tuple[Path, dict, str]:
+    """(the cache folder, the profile, the command's output) of one quick calibration on 2 gloo processes,
+    written where XDG_CACHE_HOME puts it."""
+    cache = tmp_path_factory.mktemp("cache")
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    env.pop(profile.PROFILE_VARIABLE, None)
+    done = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--quick", "--nproc", "2",
+                           "--backend", "gloo"], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    written = cache / "scaletrain" / "machines" / profile.default_path(profile.device_name(False), "gloo").name
+    return cache, json.loads(written.read_text()), done.stdout
+
+
+@pytest.fixture
+def here(calibrated, monkeypatch) -> dict:
+    """This machine's profile found at its default location, and no other named."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(calibrated[0]))
+    monkeypatch.delenv(profile.PROFILE_VARIABLE, raising=False)
+    return calibrated[1]
+
+
+def test_calibrating_this_cpu_measures_every_collective_on_two_gloo_processes(calibrated):
+    _, measured, printed = calibrated
+    machine = measured["machine"]
+    assert machine["device"] == profile.device_name(False) and machine["backend"] == "gloo"
+    assert machine["processes"] == 2 and machine["hostname"] and machine["torch"] and machine["date"]
+    assert set(measured["collectives"]["measured"]) == set(OPERATIONS)
+    for op in OPERATIONS:
+        points = measured["collectives"]["measured"][op]["2"]
+        assert all(seconds > 0 for seconds in points["seconds"]) and points["bytes"] == sorted(points["bytes"])
+        assert points["seconds"][-1] > points["seconds"][0], op  # 4,096 times the bytes
+        fit = measured["collectives"]["fits"][op]["2"]
+        assert fit["alpha_s"] >= 0 and fit["bytes_per_s"] > 0
+    assert all(value > 0 for row in measured["matmul"]["tflops"] for value in row)
+    assert measured["attention"]["tflops"] > 0 and measured["block_overhead_s"] > 0
+    assert measured["memory"]["elementwise_gbps"] > 0 and measured["memory"]["adamw_gbps"] > 0
+    assert "machine profile: " in printed and "all_to_all" in printed
+
+
+def test_the_alpha_beta_fit_recovers_a_line_and_grows_with_the_message():
+    fit = fit_alpha_beta([4096, 262144, 16777216], [1e-4 + s / 2e9 for s in (4096, 262144, 16777216)])
+    assert fit.alpha_s == pytest.approx(1e-4) and fit.bytes_per_s == pytest.approx(2e9)
+    noisy = fit_alpha_beta([4096, 262144, 16777216], [3e-4, 1e-4, 8e-3])  # a slow small call
+    assert noisy.alpha_s >= 0 and noisy.seconds(1, 2**24) > noisy.seconds(1, 2**12)
+
+
+def test_the_profile_lives_under_xdg_cache_home_unless_one_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(profile.PROFILE_VARIABLE, raising=False)
+    assert profile.chosen_path(None, "NVIDIA H200", "nccl") == (
+        tmp_path / "scaletrain" / "machines" / "nvidia-h200-nccl.json", "the default location")
+    monkeypatch.setenv(profile.PROFILE_VARIABLE, "/cluster/h200.json")
+    assert profile.chosen_path(None, "NVIDIA H200", "nccl") == (Path("/cluster/h200.json"), "SCALETRAIN_PROFILE")
+    assert profile.chosen_path("mine.json", "NVIDIA H200", "nccl") == (Path("mine.json"), "--profile")
+
+
+def _plan(capsys, *flags: str) -> float:
+    assert main([*PLAN, *flags]) == 0
+    return json.loads(capsys.readouterr().out)["candidates"][0]["step_s"]
+
+
+def _written(tmp_path: Path, name: str, measured: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(measured))
+    return str(path)
+
+
+def test_a_profile_with_twice_the_products_rate_predicts_a_faster_step(here, tmp_path, capsys):
+    faster = copy.deepcopy(here)
+    faster["matmul"]["tflops"] = [[2 * value for value in row] for row in here["matmul"]["tflops"]]
+    measured = _plan(capsys, "--gpus", "1", "--profile", _written(tmp_path, "measured.json", here))
+    assert _plan(capsys, "--gpus", "1", "--gpu", "here") == measured  # the default location's, the same file
+    assert _plan(capsys, "--gpus", "1", "--profile", _written(tmp_path, "faster.json", faster)) < measured
+
+
+def test_collectives_on_a_node_are_priced_from_the_measured_table(here, tmp_path, capsys):
+    table = profile.device_of(here).collectives
+    assert table.lookup("all_reduce", 2) is not None and table.lookup("send", 4) == table.lookup("send", 2)
+    slow = copy.deepcopy(here)
+    slow["collectives"]["fits"]["all_reduce"]["2"]["alpha_s"] = 1.0
+    layout = ("--gpus", "2", "--dp", "2")
+    assert _plan(capsys, *layout, "--profile", _written(tmp_path, "slow.json", slow)) > \
+        _plan(capsys, *layout, "--profile", _written(tmp_path, "measured.json", here)) + 0.5
+
+    fit = CollectiveFit(alpha_s=1e-3, bytes_per_s=1e9)
+    device = cpu_device(1.0, 2**30)
+    traffic = {"all_reduce": {"dp": {"calls": 3, "bytes": 6_000_000, "wire_bytes": 6_000_000}}}
+    measured = Cluster(replace(device, collectives=CollectiveTable((("all_reduce", 2, fit),))), 2, 2)
+    assert collective_seconds(traffic, {"dp": 2}, ParallelDims(dp=2), measured)["dp"] == pytest.approx(3e-3 + 6e-3)
+    across_nodes = Cluster(measured.device, 2, 1)  # the table is this node's: a group over two takes the link
+    assert collective_seconds(traffic, {"dp": 2}, ParallelDims(dp=2), across_nodes) == \
+        collective_seconds(traffic, {"dp": 2}, ParallelDims(dp=2), Cluster(device, 2, 1))
+
+
+def test_this_machine_is_planned_with_its_profile(here):
+    cluster = this_machine(2, 2, on_gpu=False)
+    calibrated = profile.device_of(here)
+    assert cluster.device.matmul == calibrated.matmul and cluster.device.collectives == calibrated.collectives
+    assert cluster.device.memory_gbps == here["memory"]["elementwise_gbps"]
+    assert machine_cluster(2, 2**30, on_gpu=False).device.collectives == calibrated.collectives
+
+
+def test_a_profile_of_another_device_is_refused_in_one_sentence(here, tmp_path, monkeypatch, capsys):
+    other = copy.deepcopy(here)
+    other["machine"]["device"] = "NVIDIA H200"
+    monkeypatch.setenv(profile.PROFILE_VARIABLE, _written(tmp_path, "h200.json", other))
+    assert main([*PLAN, "--gpus", "1", "--gpu", "here"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert "measured NVIDIA H200, not this machine's" in said and len(said.splitlines()) == 1
+    with pytest.raises(UserError, match="SCALETRAIN_PROFILE"):
+        machine_cluster(2, 2**30, on_gpu=False)  # the gate's and --micro-batch auto's
+    with pytest.raises(UserError, match="not this machine's"):
+        this_machine(2, 2, on_gpu=False)
+    assert main([*PLAN, "--gpus", "1", "--profile", os.environ[profile.PROFILE_VARIABLE]]) == 0  # plan: any machine
+
+
+def test_a_damaged_profile_or_a_flag_without_calibrate_is_one_sentence(tmp_path, capsys):
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text('{"format": 1, "machine": {}}')
+    assert main([*PLAN, "--gpus", "1", "--profile", str(damaged)]) == 2
+    assert "is not a machine profile this version reads" in capsys.readouterr().err
+    assert main([*PLAN, "--gpus", "1", "--quick"]) == 2
+    assert "add --calibrate or drop --quick" in capsys.readouterr().err

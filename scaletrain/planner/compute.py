@@ -48,6 +48,25 @@ written again in backward,
     compress_bytes = COMPRESSION_PASSES * blocks * (block_bytes + stored_block_bytes)
 
 per micro-batch (an upper bound: it counts the few tensors kept as they are too).
+
+Materialised attention. Software before flash attention (a device with
+``materialized_attention``, as 2021's Megatron-LM ran: arXiv 2104.04473)
+writes each block's ``b (a/tp) s^2`` scores out and reads them back: the
+score product writes them (2 bytes each in 16 bits), the fused
+scale-mask-softmax reads and writes them (4), dropout reads them and writes
+its output and its one-byte mask (5), the product with v reads them (2):
+``MATERIALIZED_FORWARD_BYTES`` = 13 per score forward. Backward: the
+probabilities' gradient written (2) and the dropped probabilities read for
+v's gradient (2), dropout's backward reads the gradient and mask and writes
+(5), softmax's reads the gradient and its output and writes (6), the two
+products read the scores' gradient (4): ``MATERIALIZED_BACKWARD_BYTES`` = 19.
+A block whose forward reruns (recomputation) pays the forward's bytes again.
+These go at the memory's share of its bandwidth with the rest of the
+memory-bound work, and the two batched products (``[s, d_head] @ [d_head, s]``
+per head, the whole square) at the matrix curve's rate for their shape, the
+heads' rows stacked:
+
+    attention_matrix_s = (13 * (1 + rerun) + 19) * b * (a / tp) * s^2 * blocks * micro_batches / bandwidth
 """
 
 from __future__ import annotations
@@ -63,6 +82,8 @@ from scaletrain.planner.hardware import Cluster
 
 ELEMENTWISE_PASSES = 4.0
 COMPRESSION_PASSES = 2  # --compress-activations: a saved tensor and its stored copy, moved in forward and backward
+MATERIALIZED_FORWARD_BYTES = 13  # per attention score, written out forward (module docstring)
+MATERIALIZED_BACKWARD_BYTES = 19  # and backward
 
 
 def block_products(m: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int]]:
@@ -100,16 +121,27 @@ class Clock:
     memory_s: float
 
 
+def attention_rerun_share(recompute: str) -> float:
+    """The share of the blocks whose attention reruns its forward in backward under ``recompute``."""
+    if recompute == "none":
+        return 0.0
+    return 1 / int(recompute.split(":")[1]) if recompute.startswith("every:") else 1.0
+
+
 def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_batches: int,
-          state_bytes: int, precision: str, cluster: Cluster) -> Clock:
+          state_bytes: int, precision: str, cluster: Cluster, attention_rerun: float = 0.0) -> Clock:
     """The clock of the busiest rank (``blocks`` blocks, the head if ``last``, ``state_bytes``
-    of weights, gradients and optimizer state it updates) on ``cluster``'s device."""
+    of weights, gradients and optimizer state it updates) on ``cluster``'s device;
+    ``attention_rerun``: `attention_rerun_share` of the step's recomputation."""
     device = cluster.device
     peak = device.tflops[precision] * 1e12
     # fp8 runs the blocks' linear products in float8 (techniques/fp8.py), attention's own products in bf16
     attention_peak = device.tflops["bf16" if precision == "fp8" else precision] * 1e12
     matmul = peak * matmul_rate_share(m, x.b * x.s, x.tp, device.matmul)
     attention = attention_peak * device.attention_share
+    scores = x.b * (m.n_heads // x.tp) * x.s * x.s  # one block's attention scores on the rank
+    if device.materialized_attention:  # two batched products per head, the heads' rows stacked
+        attention = attention_peak * device.matmul.share(scores // x.s, m.head_dim, x.s)
     if not device.memory_gbps:  # no bandwidth known: the FLOP rates cover the whole step
         return Clock(matmul, attention, 0.0)
     # the elementwise work is on the tensors as computed: whole logits' worth of loss, however they
@@ -119,6 +151,8 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
                                    + (activations.head_and_loss(computed) if last else 0))
     if x.compress != "none":  # each tensor read and its copy written in forward, the reverse in backward
         passes += COMPRESSION_PASSES * blocks * (activations.block(computed) + activations.block(x))
+    if device.materialized_attention:
+        passes += (MATERIALIZED_FORWARD_BYTES * (1 + attention_rerun) + MATERIALIZED_BACKWARD_BYTES) * scores * blocks
     bandwidth = device.memory_gbps * 1e9 * device.memory_share
     return Clock(matmul_flops_s=matmul, attention_flops_s=attention,
                  memory_s=(passes * micro_batches + state_bytes) / bandwidth)

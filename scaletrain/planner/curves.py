@@ -70,3 +70,18 @@ H200_BF16 = MatmulCurve(
     peak_tflops=989.4,
     source="one H200, cuBLAS under torch 2.11 (docs/performance.md)",
 )
+
+
+def capped(curve: MatmulCurve, plateau_tflops: float, peak_tflops: float, source: str) -> MatmulCurve:
+    """A slower device's curve from a faster one's: at every size the smaller of the faster device's
+    rate and the slower one's published best. A product too small to fill the faster device (its
+    launch and its tail dominate) fills the slower no better; a large one runs at the slower device's
+    best."""
+    tflops = tuple(tuple(min(rate, plateau_tflops) for rate in row) for row in curve.tflops)
+    return MatmulCurve(curve.sides, tflops, peak_tflops, source)
+
+
+# bf16 on an A100 SXM: its maximum achievable matmul rate, 271.2 TFLOP/s (1024 x 10240 x 5120, torch
+# 2.6; stas00/ml-engineering, compute/accelerator's MAMF table), over the H200's measured curve.
+A100_BF16 = capped(H200_BF16, 271.2, 312.0, "the H200's curve capped at an A100 SXM's published best "
+                                            "(ml-engineering's MAMF table: 271.2 TFLOP/s)")

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 from scaletrain.errors import UserError
 from scaletrain.planner.collective_fits import CollectiveTable
-from scaletrain.planner.curves import H200_BF16, MatmulCurve, flat
+from scaletrain.planner.curves import A100_BF16, H200_BF16, MatmulCurve, flat
 
 GB = 10**9
 
@@ -69,6 +69,7 @@ class Device:
     # causal half of the square, 0.36 of the peak; twice that on the formula's whole square
     attention_share: float = 0.72
     memory_share: float = 0.68  # torch's fused AdamW moved 3.28 of the H200's 4.8 TB/s
+    materialized_attention: bool = False  # scores written out, as before flash attention (planner/compute.py)
     # every collective timed on this node, per group size (planner/collective_fits.py; None: the links' figures)
     collectives: CollectiveTable | None = None
 
@@ -76,7 +77,7 @@ class Device:
 DEVICES = {
     # the A100 has no float8 tensor cores: an fp8 run's products go at its bf16 rate
     "A100": Device("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0, "fp8": 312.0}, 80 * GB, 300.0, 25.0,
-                   2039.0),
+                   2039.0, matmul=A100_BF16),
     "H100": Device("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 1978.9}, 80 * GB, 450.0, 50.0,
                    3350.0),
     "H200": Device("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 1978.9}, 141 * GB, 450.0, 50.0,

@@ -50,7 +50,8 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     # the optimizer reads and writes the weights it steps (not a fine-tune's frozen base) and its state
     stepped = held["params"] - rank_weights(model, split, busiest).untrained_bytes(dtype_bytes(t.param_dtype))
     clock = compute.clock(model.shape, x, blocks[slowest], slowest == p.pp - 1, micro_batches,
-                          2 * (stepped + held["optimizer"]) + held["grads"], t.precision, cluster)
+                          2 * (stepped + held["optimizer"]) + held["grads"], t.precision, cluster,
+                          compute.attention_rerun_share(t.recompute))
     time = step_seconds(cfg, world, _flops(model, t.recompute, tokens),
                         _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs, clock)
     return Prediction(cfg=cfg, world=world, memory=stages[busiest], stages=stages, comm=traffics,

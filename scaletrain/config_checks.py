@@ -197,6 +197,10 @@ def check_here(cfg: Config, command: str) -> None:
     if cfg.parallel.launcher != "local":
         raise UserError(f"{command} starts its processes on this machine itself; drop --launcher "
                         f"{cfg.parallel.launcher}.")
+    if cfg.parallel.layout == AUTO:  # chosen where a training run starts (planner/auto.py)
+        raise UserError(f"{command} runs the layout it is given, and --layout auto is chosen by a training run "
+                        f"(scaletrain train or finetune); give the sizes (--dp, --tp, --pp, --zero, ...) and drop "
+                        f"--layout.")
     refuse_auto(cfg, command)
 
 

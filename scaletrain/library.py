@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.config import AUTO
 from scaletrain.config_checks import setting_warnings
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.data.sampler import ShardedSampler
@@ -60,6 +61,7 @@ from scaletrain.library_checks import (
 from scaletrain.models.hf_plans import ready_plan
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
+from scaletrain.planner.auto import agreed, module_layout
 from scaletrain.planner.gate import Machine, check_module
 from scaletrain.runtime.launch import (
     DistRuntime,
@@ -94,21 +96,29 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     gradients and optimizer state under the layout, ZeRO's shards included, from its parameters
     (planner/gate.py). Its activations, which only its forward knows, are not priced, so only a
     module whose known part already exceeds the device's memory (a GPU's, or this machine's shared
-    by its processes) is refused, in one sentence naming a setting that fits; ``force=True`` skips it."""
+    by its processes) is refused, in one sentence naming a setting that fits; ``force=True`` skips it.
+    ``layout="auto"`` chooses ZeRO's stage (unless ``zero`` is given) by the same price: the lowest
+    predicted to fit (planner/auto.py `module_layout`), said once by rank 0."""
     cfg = engine_config(options)
     env = detect_environment()
     dims = layout_for_world(cfg, env.world_size)
     plan = plan if plan is not None else ready_plan(model, dims.tp, cfg.parallel.sp)  # models/hf_plans.py
     check_plan(model, plan, dims, cfg, seq_len, sample)
     checked = check_combinations(cfg, model, seq_len, sync_batchnorm)
-    if not force:
-        gpu = check_backend(cfg.parallel.backend, env) == "nccl"
-        check_module(model, checked, dims, Machine.here(gpu, env.local_world_size, env.local_rank))
+    machine = Machine.here(check_backend(cfg.parallel.backend, env) == "nccl", env.local_world_size, env.local_rank)
+    if not force and cfg.parallel.layout != AUTO:  # auto's choice is its own gate (planner/auto.py)
+        check_module(model, checked, dims, machine)
     if env.rank == 0:  # settings that do nothing, said once for the job
         for sentence in setting_warnings(cfg, options):
             warnings.warn(sentence, stacklevel=2)
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
     try:
+        if cfg.parallel.layout == AUTO:  # rank 0 chooses ZeRO's stage, every rank takes it
+            zero, sentence = agreed(lambda: module_layout(model, checked, dims, machine, options, force),
+                                    runtime.is_main, runtime.backend)
+            cfg = cfg.replace(zero=zero)
+            if runtime.is_main:
+                print(sentence)
         mesh, comm = connect(runtime, dims)
         # Every rank starts from rank 0's weights, whatever seed each built its model with.
         model.to(runtime.device)

@@ -35,6 +35,7 @@ from scaletrain.job.restart import continue_after_restart
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
+from scaletrain.planner.auto import announce, kept_axes, plan_for_run, plan_in_workers, record_measured
 from scaletrain.planner.fit import (
     chosen_sentence,
     device_memory,
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, change = resumed_layout(base, cfg, set(given_values(args)), world_size_for(cfg, detect_environment()))
         if change and detect_environment().rank == 0:
             print(change)
-    summary = launch(cfg)
+    summary = launch(cfg, set(given_values(args)))
     if summary is not None and detect_environment().rank == 0:  # under a launcher, rank 0 speaks for the job
         print_summary(summary)
     return 0
@@ -204,28 +205,43 @@ def prepare_run(cfg: Config) -> tuple[Config, PreparedData]:
     return cfg, prepared
 
 
-def launch(cfg: Config) -> RunSummary:
-    """The command line's door: validate, prepare, then run or spawn workers."""
+def launch(cfg: Config, given: set[str] = frozenset()) -> RunSummary:
+    """The command line's door: validate, prepare, then run or spawn workers; ``given``: the fields
+    the command line set, which --layout auto keeps."""
     cfg = as_finetune(cfg)  # first: a fine-tune's default folder is named after its base's model
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
     with interrupts_explained(Path(cfg.run.out)):  # Ctrl-C: one line saying how to go on
-        return _check_and_start(cfg)
+        return _check_and_start(cfg, kept_axes(cfg, given))
 
 
-def _check_and_start(cfg: Config) -> RunSummary:
-    """`launch`'s checks, then the run prepared and started."""
+def _check_and_start(cfg: Config, kept: frozenset[str] | None = None) -> RunSummary:
+    """`launch`'s checks, then the run prepared and started; ``kept``: the sizes --layout auto
+    keeps, while it is still to choose (planner/auto.py), else None."""
     env = detect_environment()
     check_values(cfg)
     training_tasks(cfg.train)  # the harness's tasks found and their data read before the run folder is made
+    # A torchrun restart, maybe on another world (an elastic node range): every rank reads the run's
+    # config.toml here, before the group forms, so before rank 0 rewrites it (job/restart.py).
+    cfg, relaid = continue_after_restart(cfg, world_size_for(cfg, env))
+    if relaid and env.rank == 0:
+        print(relaid)
+    kept = None if cfg.run.resume else kept  # a restart continues the run's own choice
+    planned = None
+    if kept is not None and cfg.parallel.nproc > 1:  # the launching process chooses for the workers it starts
+        planned = plan_for_run(cfg, cfg.parallel.nproc, cfg.parallel.nproc,
+                               check_backend(cfg.parallel.backend, env) == "nccl", kept)
+        cfg, kept = planned.cfg, None
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     timeout = CLUSTER_TIMEOUT_S
     if cfg.parallel.launcher == "local":  # Ray's workers, not this process, have the devices to check
         backend = check_backend(cfg.parallel.backend, env)
         timeout = default_timeout(backend, env)
-        # a run predicted not to fit this machine's memory stops here, in one sentence (planner/gate.py)
-        check_run(cfg, dims.world_size, Machine.here(backend == "nccl", max(cfg.parallel.nproc, env.local_world_size),
-                                                     env.local_rank))
+        # a run predicted not to fit this machine's memory stops here, in one sentence (planner/gate.py);
+        # --layout auto's search was its gate
+        if planned is None and kept is None:
+            check_run(cfg, dims.world_size,
+                      Machine.here(backend == "nccl", max(cfg.parallel.nproc, env.local_world_size), env.local_rank))
     if cfg.parallel.timeout is None:  # the number in config.toml, the same in every worker
         cfg = cfg.replace(timeout=timeout)
     if cfg.parallel.debug_dist:
@@ -233,7 +249,11 @@ def _check_and_start(cfg: Config) -> RunSummary:
     if cfg.parallel.launcher == "ray":
         with ray_cluster(cfg.parallel.ray_placement(), cfg.parallel.nproc):
             return execute(*prepare_started(cfg, dims))
-    return execute(*prepare_started(cfg, dims)) if cfg.parallel.nproc > 1 else execute(cfg, None)
+    if cfg.parallel.nproc == 1:  # every process a worker: rank 0 chooses --layout auto's layout
+        return run_worker(cfg, None, kept)
+    started = prepare_started(cfg, dims)
+    announce(planned, Path(started[0].run.out))
+    return execute(*started)
 
 
 def prepare_started(cfg: Config, dims: ParallelDims) -> tuple[Config, PreparedData]:
@@ -263,8 +283,9 @@ def execute(cfg: Config, prepared: PreparedData | None) -> RunSummary:
     return run_worker(cfg, prepared)
 
 
-def run_worker(cfg: Config, prepared: PreparedData | None) -> RunSummary:
-    """One worker: join the group, (prepare if nobody did), train, report."""
+def run_worker(cfg: Config, prepared: PreparedData | None, kept: frozenset[str] | None = None) -> RunSummary:
+    """One worker: join the group, (choose --layout auto's layout, keeping ``kept``, and prepare, if
+    nobody did), train, report."""
     env = detect_environment()
     debug = cfg.parallel.debug_dist
     # --debug-dist: a log per rank, from the start where the launching process made the run folder.
@@ -279,6 +300,7 @@ def run_worker(cfg: Config, prepared: PreparedData | None) -> RunSummary:
     health = Health(env, runtime.timeout_s) if runtime.torch_group else None
     trainer: Trainer | None = None
     try:
+        cfg, planned = plan_in_workers(cfg, kept, runtime)  # before the mesh: it is the chosen layout's
         dims = cfg.parallel.mesh_dims(env.world_size)
         tracker = CollectiveTracker()  # the desync detector's record: who a timed-out collective waits for
         mesh, comm = connect(runtime, dims, tracker)
@@ -288,6 +310,8 @@ def run_worker(cfg: Config, prepared: PreparedData | None) -> RunSummary:
         if debug:  # every rank started alike, before rank 0 writes anything
             check_same_config(comm, world, cfg.to_dict())
         cfg, prepared, predicted = _agreed_start(cfg, prepared, runtime, env, comm, world)
+        if runtime.is_main:
+            announce(planned, Path(cfg.run.out))
         if debug and rank_log is None:
             rank_log = RankLog(Path(cfg.run.out), env.rank, env.world_size, echo=env.rank == 0)
         trainer = Trainer(cfg, prepared, runtime, mesh, comm, Path(cfg.run.out))
@@ -318,7 +342,7 @@ def _agreed_start(cfg: Config, prepared: PreparedData | None, runtime, env: Proc
     outcome: tuple[Config, PreparedData, dict | None] | str | None = None
     if runtime.is_main:
         try:
-            cfg = continue_after_restart(cfg)
+            cfg, _ = continue_after_restart(cfg, env.world_size)  # workers --max-restarts restarts: one world
             if prepared is None:
                 cfg, prepared = prepare_started(cfg, cfg.parallel.mesh_dims(env.world_size))
             cfg, predicted = choose_micro_batch(cfg, prepared, runtime.device, env)
@@ -379,6 +403,9 @@ def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_
         write_memory_report(trainer.memory_report(), comm, world, run_dir, is_main)
     if predicted is not None and is_main:
         print(measured_sentence(cfg.train.micro_batch, predicted, trainer.memory_report()))
+    layout_measured = record_measured(cfg, run_dir, trainer.start_step) if is_main else None
+    if layout_measured:
+        print(layout_measured)
     if layout.pipeline:
         write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, run_dir)
     return summary

@@ -267,14 +267,11 @@ def module_weights(model: nn.Module) -> RankWeights:
                        layer_modules(model), {0: []}, 1)
 
 
-def check_module(model: nn.Module, cfg: Config, dims: ParallelDims, machine: Machine) -> None:
-    """setup()'s gate: one sentence where ``model``'s weights, gradients and optimizer state alone
-    (module docstring) are predicted not to fit ``machine`` under ``cfg`` on the mesh ``dims``;
-    ``cfg`` as the command's checks passed it, told the module's experts and dropout (library_checks.py).
-
-    Priced from the parameters: with tp, pp or ep the rank's share is taken as an even split of the
-    whole (the busiest rank holds at least that), ZeRO shards over the data-parallel copies."""
-    weights = module_weights(model)
+def module_price(weights: RankWeights, cfg: Config, dims: ParallelDims, machine: Machine) -> Price:
+    """A user's module's weights, gradients and optimizer state per process under ``cfg`` with
+    ``changes``, on the mesh ``dims`` over ``scale`` times its processes (None: ``check_values``
+    refuses the changes). With tp, pp or ep the rank's share is taken as an even split of the
+    whole (the busiest rank holds at least that); ZeRO shards over the data-parallel copies."""
     split = dims.tp * dims.pp * dims.ep
 
     def price(changes: dict, scale: int) -> dict | None:
@@ -288,6 +285,16 @@ def check_module(model: nn.Module, cfg: Config, dims: ParallelDims, machine: Mac
         rows = {row: held[row] // split for row in ("params", "grads", "optimizer")}
         return {**rows, "total": sum(rows.values()) + (held["buffers"] - held["host"]) // split}
 
+    return price
+
+
+def check_module(model: nn.Module, cfg: Config, dims: ParallelDims, machine: Machine) -> None:
+    """setup()'s gate: one sentence where ``model``'s weights, gradients and optimizer state alone
+    (module docstring) are predicted not to fit ``machine`` under ``cfg`` on the mesh ``dims``;
+    ``cfg`` as the command's checks passed it, told the module's experts and dropout (library_checks.py).
+
+    Priced by `module_price`."""
+    price = module_price(module_weights(model), cfg, dims, machine)
     needed = price({}, 1)
     if needed["total"] <= machine.memory:
         return

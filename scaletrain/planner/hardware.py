@@ -30,7 +30,8 @@ a few large ones of the same FLOPs.
 Achievable fractions. No training step runs at the datasheet peak. A device
 carries the rates its step's parts reach (planner/compute.py): its matrix
 products' curve by size (planner/curves.py; a GPU without a curve of its own
-reads the H200's as shares of its peak), attention's share of the peak on the
+reads the H200's as shares of its peak; the A100's is the H200's capped at its
+published best, planner/curves.py), attention's share of the peak on the
 formula's count, and its memory-bound work's share of the memory's bandwidth.
 On an uncalibrated CPU every FLOP runs at ``CPU_EFFICIENCY`` (0.6) of the
 measured peak (its smaller layers run far from it) and there is no separate

@@ -38,21 +38,19 @@ def resumed_layout(saved: Config, cfg: Config, given: set[str], world: int) -> t
         knobs = "--micro-batch and --grad-accum" + (
             "" if batch_readers(cfg.parallel) == new_dp else " (or --microbatches)")
         raise UserError(f"resuming on {processes} with dp {new_dp}, the run's global batch of "
-                        f"{_global_batch(saved)} does not split into equal whole micro-batches over "
+                        f"{global_batch(saved)} does not split into equal whole micro-batches over "
                         f"{_readers_text(cfg.parallel)}{_fixed_batch_knobs(cfg, given)}; give {knobs} for a "
                         f"new global batch, or resume on another number of processes.")
-    batch = [f"--{flag} {before} -> {after}" for flag, before, after in (
-        ("micro-batch", cfg.train.micro_batch, kept[0]), ("grad-accum", cfg.train.grad_accum, kept[1]))
-        if before != after]
-    cfg = cfg.replace(micro_batch=kept[0], grad_accum=kept[1])
+    before, cfg = cfg, cfg.replace(micro_batch=kept[0], grad_accum=kept[1])
+    batch = batch_change(before, cfg)
     if old_dp == new_dp and not batch:
         return cfg, None
     if batch:
         told = f"the global batch kept by {', '.join(batch)}"
-    elif _global_batch(saved) == _global_batch(cfg):
+    elif global_batch(saved) == global_batch(cfg):
         told = "the global batch as it was"
     else:
-        told = f"the global batch {_global_batch(saved)} -> {_global_batch(cfg)}, as given"
+        told = f"the global batch {global_batch(saved)} -> {global_batch(cfg)}, as given"
     return cfg, f"resuming on {processes}: dp {old_dp} -> {new_dp} ({_sources(cfg, given)}); {told}"
 
 
@@ -101,7 +99,15 @@ def _readers_text(p: ParallelConfig) -> str:
     return f"{p.dp} data-parallel ranks" if readers == p.dp else f"{readers} readers (dp x ep x --microbatches)"
 
 
-def _global_batch(cfg: Config) -> str:
+def batch_change(before: Config, after: Config) -> list[str]:
+    """The per-rank share's knobs that differ: ``["--grad-accum 1 -> 2"]``."""
+    return [f"--{flag} {getattr(before.train, name)} -> {getattr(after.train, name)}"
+            for flag, name in (("micro-batch", "micro_batch"), ("grad-accum", "grad_accum"))
+            if getattr(before.train, name) != getattr(after.train, name)]
+
+
+def global_batch(cfg: Config) -> str:
+    """The sequences (or micro-batches, with ``--micro-batch auto``) of one optimizer step."""
     t = cfg.train
     if t.micro_batch == AUTO:
         return f"{t.grad_accum * batch_readers(cfg.parallel)} micro-batches"

@@ -1,29 +1,100 @@
-"""A restarted job goes on with the run its first attempt began.
+"""A restarted job goes on with the run its first attempt began, on the world it now has.
 
 torchrun's agent, or ``--max-restarts``, starts a failed job's workers again with
 the same command line (attempt 1, 2, ...: runtime/launch.py ``restart_attempt``).
 Such an attempt continues the run in --out from its newest complete checkpoint
 instead of refusing the folder its first attempt filled.
+
+Under torchrun with an elastic node range (``--nnodes MIN:MAX``) the attempt may
+meet on fewer ranks (a node was lost) or more (one joined). The run then goes on
+re-laid-out, as ``--resume`` on another number of processes does
+(resume_layout.py): tp, pp, cp and ep as the run had them, dp what they leave of
+the new world, the global batch kept by accumulation, so that the losses go on
+as the uninterrupted run's would (data-parallel training's invariance to how the
+global batch is split: the same sequences, summed alike, per step). The
+checkpoint holds whole tensors or chunks any layout reads (train/checkpoint.py).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from scaletrain.config import Config, load_run_config
+from scaletrain.errors import UserError
+from scaletrain.resume_layout import MODEL_PARALLEL, batch_change, global_batch, resumed_layout
 from scaletrain.runtime.launch import restart_attempt
+from scaletrain.train.checkpoint import latest_checkpoint
 
 
-def continue_after_restart(cfg: Config) -> Config:
-    """A job that torchrun or --max-restarts restarted (attempt 1, 2, ...) continues
-    the run its first attempt began in --out, from the newest complete
-    checkpoint (from the start when none was complete yet): whenever that
-    folder holds a run of this very configuration. Any other folder gets the
-    first attempt's checks and refusals."""
+def continue_after_restart(cfg: Config, world: int) -> tuple[Config, str | None]:
+    """A job that torchrun or --max-restarts restarted (attempt 1, 2, ...) on ``world`` ranks
+    continues the run its first attempt began in --out, from the newest complete checkpoint
+    (from the start when none was complete yet), whenever that folder holds a run of this very
+    configuration; on a world of another size re-laid-out, with the sentence that says what
+    was lost or gained and the new layout (None: the layout as it was). Any other folder gets
+    the first attempt's checks and refusals."""
     out = Path(cfg.run.out)
     if restart_attempt() == 0 or cfg.run.resume or not (out / "config.toml").is_file():
-        return cfg
+        return cfg, None
     begun = load_run_config(out).replace(resume=False)
-    # --epochs: the steps the first attempt derived, so that the job ends where it was to end
-    same = cfg.replace(steps=begun.train.steps) if cfg.train.steps is None else cfg
-    return same.replace(resume=True) if begun.to_dict() == same.to_dict() else cfg
+    if not same_run(begun, cfg):
+        return cfg, None
+    resumed = begun.replace(resume=True)
+    before = run_world(begun)
+    if before == world:
+        return resumed, None
+    change = world_change(before, world)
+    product = math.prod(getattr(begun.parallel, name) for name in MODEL_PARALLEL)
+    if world % product:
+        sizes = " x ".join(f"{name} {getattr(begun.parallel, name)}" for name in MODEL_PARALLEL
+                           if getattr(begun.parallel, name) > 1)
+        raise UserError(f"{change}, which cannot hold the run's {sizes} (their product {product} must divide "
+                        f"the world); start the job again on a multiple of {product} ranks, with --resume and "
+                        f"the same --out.")
+    try:
+        relaid, _ = resumed_layout(begun, resumed, set(), world)
+    except UserError as exc:
+        raise UserError(f"{change}: {exc}") from None
+    return relaid, f"{change}; {resumed_from(out)} as {layout_change(begun, relaid)}"
+
+
+def same_run(begun: Config, cfg: Config) -> bool:
+    """Whether ``cfg`` (the restarted command line) is the run ``begun`` saved, apart from what
+    its first attempt (or a restart before this one) derived: dp and the per-rank share of the
+    global batch from the world, the collective timeout from the backend, --epochs' steps."""
+    derived = {"dp": begun.parallel.dp, "micro_batch": begun.train.micro_batch,
+               "grad_accum": begun.train.grad_accum}
+    if cfg.parallel.timeout is None:
+        derived["timeout"] = begun.parallel.timeout
+    if cfg.train.steps is None:  # --epochs: the steps the first attempt derived, so the job ends where it was to
+        derived["steps"] = begun.train.steps
+    return begun.to_dict() == cfg.replace(**derived).to_dict()
+
+
+def run_world(cfg: Config) -> int:
+    """The ranks the saved run's layout spans."""
+    return cfg.parallel.dp * math.prod(getattr(cfg.parallel, name) for name in MODEL_PARALLEL)
+
+
+def world_change(before: int, after: int) -> str:
+    """``restart 1: 2 of 4 ranks lost (the world is 2)``."""
+    if after < before:
+        return f"restart {restart_attempt()}: {before - after} of {before} ranks lost (the world is {after})"
+    return f"restart {restart_attempt()}: {after - before} rank{'s' if after - before > 1 else ''} joined " \
+           f"(the world is {after}, was {before})"
+
+
+def resumed_from(out: Path) -> str:
+    latest = latest_checkpoint(out)
+    return f"resuming from {latest.name}" if latest else "starting over (no checkpoint was complete)"
+
+
+def layout_change(before: Config, after: Config) -> str:
+    """``dp 2 -> 1, tp 1, pp 1, the global batch of 16 sequences kept by --grad-accum 1 -> 2``."""
+    sizes = [f"dp {before.parallel.dp} -> {after.parallel.dp}"] + [
+        f"{name} {getattr(after.parallel, name)}" for name in MODEL_PARALLEL
+        if name in ("tp", "pp") or getattr(after.parallel, name) > 1]
+    knobs = batch_change(before, after)
+    kept = f"kept by {', '.join(knobs)}" if knobs else "kept"
+    return f"{', '.join(sizes)}, the global batch of {global_batch(after)} {kept}"

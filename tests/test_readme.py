@@ -194,6 +194,8 @@ EXAMPLES = [
     Example("scaletrain parity --model llama-tiny --nproc 4 --dp 2 --tp 2 --sp", "--steps 2", says=("PASS",)),
     _train("scaletrain train --model llama-tiny --nproc 2 --ep 2 --moe-experts 4", "--steps 2"),
     Example("scaletrain plan --model llama3-8b --gpus 8", says=("best first",)),
+    _train("scaletrain train --model llama-tiny --nproc 2 --layout auto", "--steps 2", says=("--layout auto: ",),
+           writes=("RUN/plan.json",)),
     _train("scaletrain train --data ~/books/ --tokenizer bpe", needs=("books",), writes=("RUN/tokenizer.json",)),
     _train("scaletrain train --data corpus.jsonl --text-field body", needs=("corpus.jsonl",)),
     Example(*RUNS["prepared"], needs=("corpus.jsonl",), writes=("prepared/manifest.json",)),

@@ -35,7 +35,7 @@ from scaletrain.job.restart import continue_after_restart
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
-from scaletrain.planner.auto import announce, kept_axes, plan_for_run, plan_in_workers, record_measured
+from scaletrain.planner.auto import announce, kept_axes, plan_for_run, plan_in_workers, report_measured
 from scaletrain.planner.fit import (
     chosen_sentence,
     device_memory,
@@ -206,8 +206,7 @@ def prepare_run(cfg: Config) -> tuple[Config, PreparedData]:
 
 
 def launch(cfg: Config, given: set[str] = frozenset()) -> RunSummary:
-    """The command line's door: validate, prepare, then run or spawn workers; ``given``: the fields
-    the command line set, which --layout auto keeps."""
+    """The command line's door: validate, prepare, then run or spawn workers (--layout auto keeps ``given``)."""
     cfg = as_finetune(cfg)  # first: a fine-tune's default folder is named after its base's model
     if cfg.run.out is None:
         cfg = cfg.replace(out=default_out(cfg))
@@ -227,18 +226,15 @@ def _check_and_start(cfg: Config, kept: frozenset[str] | None = None) -> RunSumm
     if relaid and env.rank == 0:
         print(relaid)
     kept = None if cfg.run.resume else kept  # a restart continues the run's own choice
-    planned = None
-    if kept is not None and cfg.parallel.nproc > 1:  # the launching process chooses for the workers it starts
-        planned = plan_for_run(cfg, cfg.parallel.nproc, cfg.parallel.nproc,
-                               check_backend(cfg.parallel.backend, env) == "nccl", kept)
-        cfg, kept = planned.cfg, None
+    planned = plan_for_run(cfg, cfg.parallel.nproc, cfg.parallel.nproc, check_backend(cfg.parallel.backend, env)
+                           == "nccl", kept) if kept is not None and cfg.parallel.nproc > 1 else None
+    cfg, kept = (planned.cfg, None) if planned else (cfg, kept)  # the launching process chose for its workers
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     timeout = CLUSTER_TIMEOUT_S
     if cfg.parallel.launcher == "local":  # Ray's workers, not this process, have the devices to check
         backend = check_backend(cfg.parallel.backend, env)
         timeout = default_timeout(backend, env)
-        # a run predicted not to fit this machine's memory stops here, in one sentence (planner/gate.py);
-        # --layout auto's search was its gate
+        # a run predicted not to fit this machine's memory stops here (planner/gate.py); auto's search was its gate
         if planned is None and kept is None:
             check_run(cfg, dims.world_size,
                       Machine.here(backend == "nccl", max(cfg.parallel.nproc, env.local_world_size), env.local_rank))
@@ -284,8 +280,7 @@ def execute(cfg: Config, prepared: PreparedData | None) -> RunSummary:
 
 
 def run_worker(cfg: Config, prepared: PreparedData | None, kept: frozenset[str] | None = None) -> RunSummary:
-    """One worker: join the group, (choose --layout auto's layout, keeping ``kept``, and prepare, if
-    nobody did), train, report."""
+    """One worker: join the group, (choose --layout auto's layout keeping ``kept``, prepare) if nobody did, train."""
     env = detect_environment()
     debug = cfg.parallel.debug_dist
     # --debug-dist: a log per rank, from the start where the launching process made the run folder.
@@ -403,9 +398,8 @@ def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_
         write_memory_report(trainer.memory_report(), comm, world, run_dir, is_main)
     if predicted is not None and is_main:
         print(measured_sentence(cfg.train.micro_batch, predicted, trainer.memory_report()))
-    layout_measured = record_measured(cfg, run_dir, trainer.start_step) if is_main else None
-    if layout_measured:
-        print(layout_measured)
+    if is_main:
+        report_measured(cfg, run_dir, trainer.start_step)
     if layout.pipeline:
         write_pipeline_timeline(cfg, summary.steps_done, trainer.timeline, mesh, comm, run_dir)
     return summary

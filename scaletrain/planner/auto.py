@@ -126,8 +126,9 @@ def plan_for_run(cfg: Config, world: int, processes_here: int, on_gpu: bool, kep
     sentence = (f"--layout auto: {layout_text(best)}, the fastest of {len(result.ranked)} layouts predicted to fit "
                 f"{processes} of this machine: {best.step_s:.3g} s a step, {size_text(best.memory['total'])} on "
                 f"the busiest rank")
-    record = {"layout": best.layout(), "layout_text": layout_text(best), "kept": sorted(kept & set(best.layout())), "global_batch": batch,
-              "processes": world, "device": cluster.device.name, "device_memory_bytes": cluster.device.memory_bytes,
+    record = {"layout": best.layout(), "layout_text": layout_text(best), "kept": sorted(kept & set(best.layout())),
+              "global_batch": batch, "processes": world, "device": cluster.device.name,
+              "device_memory_bytes": cluster.device.memory_bytes,
               "layouts_fitting": len(result.ranked), "layouts_weighed": result.considered, "sentence": sentence,
               "predicted": {"step_s": best.step_s, "tokens_per_s": best.tokens_per_s,
                             "memory_bytes": dict(best.memory)}}
@@ -186,16 +187,16 @@ def measured_step_s(run_dir: Path, first_step: int) -> tuple[float | None, int]:
     return (statistics.median(times) if times else None), len(times)
 
 
-def record_measured(cfg: Config, run_dir: Path, first_step: int) -> str | None:
-    """plan.json's prediction beside what this run measured (module docstring), and the sentence
-    that says both; None where the run has no prediction of its layout (not auto, or resumed on
-    another layout than the one chosen) or no memory ledger."""
+def report_measured(cfg: Config, run_dir: Path, first_step: int) -> None:
+    """plan.json's prediction beside what this run measured (module docstring), written there and
+    said; nothing where the run has no prediction of its layout (not auto, or resumed on another
+    layout than the one chosen) or no memory ledger."""
     path, ledger_path = run_dir / PLAN_FILE, run_dir / "memory.json"
     if cfg.parallel.layout != AUTO or not path.is_file() or not ledger_path.is_file():
-        return None
+        return
     plan = json.loads(path.read_text())
     if any(plan["layout"].get(name) != value for name, value in _sizes(cfg).items()):
-        return None
+        return
     step_s, timed = measured_step_s(run_dir, first_step)
     ledgers = list(json.loads(ledger_path.read_text()).values())
     busiest = max(ledgers, key=_counted)
@@ -206,7 +207,7 @@ def record_measured(cfg: Config, run_dir: Path, first_step: int) -> str | None:
         measured["cuda_peak_bytes"] = max(cuda_peaks)
     plan["measured"] = measured
     path.write_text(json.dumps(plan, indent=2))
-    return _measured_sentence(plan, path)
+    print(_measured_sentence(plan, path))
 
 
 def _sizes(cfg: Config) -> dict[str, int]:

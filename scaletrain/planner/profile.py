@@ -135,6 +135,11 @@ def for_this_machine(on_gpu: bool, backend: str | None = None, given: str | None
     """This machine's calibrated device from its profile (module docstring); None where there is none
     and none was named, unless ``required`` (``plan --gpu here``): then one sentence."""
     backend = backend or default_backend(on_gpu)
+    if on_gpu and not torch.cuda.device_count():  # a GPU priced where there is none: no profile of it here
+        if required:
+            raise UserError(f"--backend {backend} plans for this machine's GPU, but it shows none; give --backend "
+                            f"gloo, or name a GPU machine's profile with --profile FILE alone.")
+        return None
     device = device_name(on_gpu)
     path, named_by = chosen_path(given, device, backend)
     if named_by == "the default location" and not path.exists():

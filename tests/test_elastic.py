@@ -19,7 +19,7 @@ import pytest
 
 from scaletrain.config import Config, load_run_config
 from scaletrain.errors import UserError
-from scaletrain.job.restart import continue_after_restart
+from scaletrain.restart import continue_after_restart
 from scaletrain.runtime import free_port
 from scaletrain.train.checkpoint import latest_checkpoint
 from tests.conftest import run_cli

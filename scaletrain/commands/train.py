@@ -31,7 +31,6 @@ from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_token
 from scaletrain.job.eval_tasks import training_tasks
 from scaletrain.job.interrupt import interrupts_explained
 from scaletrain.job.loop import RunSummary, fit, loss_text
-from scaletrain.job.restart import continue_after_restart
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
@@ -43,6 +42,7 @@ from scaletrain.planner.fit import (
     measured_sentence,
 )
 from scaletrain.planner.gate import Machine, check_run
+from scaletrain.restart import continue_after_restart
 from scaletrain.resume_layout import resumed_layout
 from scaletrain.run_length import length_from_command, settle_steps
 from scaletrain.runtime.comm import Comm
@@ -221,7 +221,7 @@ def _check_and_start(cfg: Config, kept: frozenset[str] | None = None) -> RunSumm
     check_values(cfg)
     training_tasks(cfg.train)  # the harness's tasks found and their data read before the run folder is made
     # A torchrun restart, maybe on another world (an elastic node range): every rank reads the run's
-    # config.toml here, before the group forms, so before rank 0 rewrites it (job/restart.py).
+    # config.toml here, before the group forms, so before rank 0 rewrites it (restart.py).
     cfg, relaid = continue_after_restart(cfg, world_size_for(cfg, env))
     if relaid and env.rank == 0:
         print(relaid)

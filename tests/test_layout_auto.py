@@ -15,8 +15,15 @@ import torch
 from torch import nn
 
 from scaletrain.config import Config
+from scaletrain.config_checks import check_here
 from scaletrain.errors import UserError
-from scaletrain.planner.auto import module_layout, plan_for_run, run_global_batch
+from scaletrain.library_checks import engine_config
+from scaletrain.planner.auto import (
+    kept_axes,
+    module_layout,
+    plan_for_run,
+    run_global_batch,
+)
 from scaletrain.planner.gate import Machine, module_price, module_weights, run_vocab
 from scaletrain.planner.predict import predict
 from scaletrain.planner.prediction import as_flags
@@ -89,21 +96,27 @@ def test_nproc_4_trains_the_planners_pick_as_a_plain_run_of_it_does(corpus, tmp_
     assert _losses(auto) == pytest.approx(_losses(plain), rel=1e-6)
 
 
-@pytest.mark.parametrize("extra, words", [
-    (("--model", "mlp"), "--layout auto plans a decoder's layout"),
-    (("--micro-batch", "auto"), "drop --micro-batch auto"),
-    (("--layout", "fast"), "invalid choice: 'fast'"),
-])
-def test_what_auto_cannot_plan_is_one_sentence(corpus, tmp_path, extra, words):
-    result = run_cli(*_auto_run(corpus, tmp_path / "run", *extra))
-    assert result.returncode == 2 and words in result.stderr, result.stderr
+def test_what_auto_cannot_plan_is_one_sentence_before_any_work(corpus, tmp_path):
+    result = run_cli(*_auto_run(corpus, tmp_path / "run", "--model", "mlp"))
+    assert result.returncode == 2 and "--layout auto plans a decoder's layout" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
 
 
-def test_parity_compares_given_layouts_and_refuses_auto(corpus, tmp_path):
-    result = run_cli("parity", "--layout", "auto", "--model", "gpt-tiny", "--nproc", "2", "--steps", "1")
-    assert result.returncode == 2 and "--layout auto is chosen by a training run" in result.stderr, result.stderr
+@pytest.mark.parametrize("changes, words", [
+    ({"micro_batch": "auto"}, "drop --micro-batch auto"),
+    ({"launcher": "ray"}, "does not; give the layout's sizes"),
+])
+def test_auto_beside_what_plans_elsewhere_is_refused(changes, words):
+    with pytest.raises(UserError, match=words):
+        kept_axes(Config().replace(layout="auto", **changes), ())
+
+
+def test_only_auto_is_a_layout_and_parity_runs_the_one_given():
+    with pytest.raises(UserError, match="'layout' must be one of auto, not 'fast'"):
+        engine_config({"layout": "fast"})
+    with pytest.raises(UserError, match="--layout auto is chosen by a training run"):
+        check_here(Config().replace(layout="auto"), "parity")
 
 
 def test_no_fitting_layout_is_the_search_sentence():
@@ -138,3 +151,14 @@ def _auto_setup_step() -> tuple[int, float]:
         x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
         engine.backward(nn.functional.cross_entropy(engine(x), y))
         return engine.stepper.parallel.zero, engine.step()["loss"]
+
+
+def test_rank_0s_refusal_under_torchrun_reaches_every_rank(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "scaletrain",
+                             *_auto_run(corpus, out, "--micro-batch", "1000000")],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert result.stderr.count("--layout auto: no layout fits") == 2, result.stderr[-3000:]
+    assert 'scaletrain/' not in "".join(l for l in result.stderr.splitlines() if l.strip().startswith("File"))

@@ -17,54 +17,95 @@ checkpoint holds whole tensors or chunks any layout reads (train/checkpoint.py).
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
-from scaletrain.config import Config, load_run_config
+from scaletrain.config import AUTO, Config, load_run_config
 from scaletrain.errors import UserError
+from scaletrain.planner.auto import PLAN_FILE, run_global_batch
 from scaletrain.resume_layout import MODEL_PARALLEL, batch_change, global_batch, resumed_layout
+from scaletrain.run_length import sequences_per_step
 from scaletrain.runtime.launch import restart_attempt
 from scaletrain.train.checkpoint import latest_checkpoint
 
+Kept = frozenset[str] | None  # the sizes --layout auto keeps while it is still to choose; None: nothing to choose
 
-def continue_after_restart(cfg: Config, world: int) -> tuple[Config, str | None]:
+
+def continue_after_restart(cfg: Config, world: int, kept: Kept = None) -> tuple[Config, str | None, Kept]:
     """A job that torchrun or --max-restarts restarted (attempt 1, 2, ...) on ``world`` ranks
     continues the run its first attempt began in --out, from the newest complete checkpoint
     (from the start when none was complete yet), whenever that folder holds a run of this very
     configuration; on a world of another size re-laid-out, with the sentence that says what
-    was lost or gained and the new layout (None: the layout as it was). Any other folder gets
-    the first attempt's checks and refusals."""
+    was lost or gained and the new layout (None: the layout as it was). ``kept``: the command's
+    --layout auto axes, returned as they are for any other folder (which gets the first
+    attempt's checks and refusals), None for the run's own layout, or the axes to re-plan a
+    ``--layout auto`` run over on its new world (`replanned`)."""
     out = Path(cfg.run.out)
     if restart_attempt() == 0 or cfg.run.resume or not (out / "config.toml").is_file():
-        return cfg, None
+        return cfg, None, kept
     begun = load_run_config(out).replace(resume=False)
-    if not same_run(begun, cfg):
-        return cfg, None
+    if not same_run(begun, cfg, planned_fields(out) if begun.parallel.layout == AUTO else ()):
+        return cfg, None, kept
     resumed = begun.replace(resume=True)
     before = run_world(begun)
     if before == world:
-        return resumed, None
+        return resumed, None, None
     change = world_change(before, world)
+    if begun.parallel.layout == AUTO:
+        return replanned(begun, cfg, world, kept or frozenset(), change)
     product = math.prod(getattr(begun.parallel, name) for name in MODEL_PARALLEL)
     if world % product:
         sizes = " x ".join(f"{name} {getattr(begun.parallel, name)}" for name in MODEL_PARALLEL
                            if getattr(begun.parallel, name) > 1)
         raise UserError(f"{change}, which cannot hold the run's {sizes} (their product {product} must divide "
                         f"the world); start the job again on a multiple of {product} ranks, with --resume and "
-                        f"the same --out.")
+                        f"the same --out, or give it --layout auto to re-plan.")
     try:
         relaid, _ = resumed_layout(begun, resumed, set(), world)
     except UserError as exc:
         raise UserError(f"{change}: {exc}") from None
-    return relaid, f"{change}; {resumed_from(out)} as {layout_change(begun, relaid)}"
+    return relaid, f"{change}; {resumed_from(out)} as {layout_change(begun, relaid)}", None
 
 
-def same_run(begun: Config, cfg: Config) -> bool:
+def replanned(begun: Config, command: Config, world: int, kept: frozenset[str],
+              change: str) -> tuple[Config, str, frozenset[str]]:
+    """A ``--layout auto`` run on another world: the command's settings (its given sizes, the rest
+    the search's again) at the run's global batch, for the workers to plan (planner/auto.py
+    `plan_in_workers`, rank 0 deciding for all). dp and the accumulation the world changes are
+    not kept; the accumulation is set so that the planner's batch (`run_global_batch`) is the run's."""
+    kept = kept - {"dp", "grad_accum"}
+    batch = sequences_per_step(begun)
+    base = command.replace(resume=True, steps=begun.train.steps, timeout=begun.parallel.timeout)
+    for micro in (base.train.micro_batch,) if "micro_batch" in kept else (base.train.micro_batch, 1):
+        one_round = run_global_batch(base.replace(micro_batch=micro, grad_accum=1), world, kept)
+        if batch % one_round == 0:
+            said = f"{change}; {resumed_from(Path(begun.run.out))}, re-planned by --layout auto at the global " \
+                   f"batch of {batch} sequences"
+            return base.replace(micro_batch=micro, grad_accum=batch // one_round), said, kept
+    raise UserError(f"{change}: the run's global batch of {batch} sequences does not split over the ranks the "
+                    f"given sizes leave of {world}; start the job again on {run_world(begun)} ranks, with --resume and "
+                    f"the same --out.")
+
+
+def planned_fields(out: Path) -> tuple[str, ...]:
+    """The fields ``--layout auto`` chose for the run in ``out`` (plan.json's layout), and the
+    memory ledger it turns on: the restarted command line leaves them to the planner."""
+    plan = out / PLAN_FILE
+    chosen = json.loads(plan.read_text()).get("layout", {}) if plan.is_file() else {}
+    return (*(name for name in chosen if name in Config().flat()), "report_memory")
+
+
+def same_run(begun: Config, cfg: Config, planned: Iterable[str] = ()) -> bool:
     """Whether ``cfg`` (the restarted command line) is the run ``begun`` saved, apart from what
     its first attempt (or a restart before this one) derived: dp and the per-rank share of the
-    global batch from the world, the collective timeout from the backend, --epochs' steps."""
+    global batch from the world, the collective timeout from the backend, --epochs' steps, and
+    the ``planned`` fields --layout auto chose."""
     derived = {"dp": begun.parallel.dp, "micro_batch": begun.train.micro_batch,
                "grad_accum": begun.train.grad_accum}
+    chosen = begun.flat()
+    derived.update({name: chosen[name] for name in planned})
     if cfg.parallel.timeout is None:
         derived["timeout"] = begun.parallel.timeout
     if cfg.train.steps is None:  # --epochs: the steps the first attempt derived, so the job ends where it was to

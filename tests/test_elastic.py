@@ -19,6 +19,7 @@ import pytest
 
 from scaletrain.config import Config, load_run_config
 from scaletrain.errors import UserError
+from scaletrain.planner.auto import PLAN_FILE, run_global_batch
 from scaletrain.restart import continue_after_restart
 from scaletrain.runtime import free_port
 from scaletrain.train.checkpoint import latest_checkpoint
@@ -45,8 +46,9 @@ def restarted(monkeypatch):
 
 def test_a_restart_on_fewer_ranks_shrinks_dp_and_keeps_the_global_batch(restarted, tmp_path):
     command = _begun(tmp_path / "run")
-    cfg, sentence = continue_after_restart(command, 2)
+    cfg, sentence, kept = continue_after_restart(command, 2)
     assert (cfg.parallel.dp, cfg.train.micro_batch, cfg.train.grad_accum, cfg.run.resume) == (2, 4, 2, True)
+    assert kept is None  # nothing for --layout auto to choose
     assert cfg.parallel.timeout == 20.0  # the first attempt's, the same in every worker
     assert sentence == ("restart 1: 2 of 4 ranks lost (the world is 2); starting over (no checkpoint was complete) "
                         "as dp 4 -> 2, tp 1, pp 1, the global batch of 16 sequences kept by --grad-accum 1 -> 2")
@@ -54,10 +56,10 @@ def test_a_restart_on_fewer_ranks_shrinks_dp_and_keeps_the_global_batch(restarte
 
 def test_a_restart_on_the_same_world_or_of_another_run_changes_nothing(restarted, tmp_path):
     command = _begun(tmp_path / "run")
-    cfg, sentence = continue_after_restart(command, 4)
+    cfg, sentence, _ = continue_after_restart(command, 4)
     assert (cfg.parallel.dp, cfg.train.grad_accum, cfg.run.resume, sentence) == (4, 1, True, None)
     other = command.replace(lr=0.5)  # not the run in the folder: the first attempt's refusals apply
-    assert continue_after_restart(other, 2) == (other, None)
+    assert continue_after_restart(other, 2, frozenset({"lr"})) == (other, None, frozenset({"lr"}))
 
 
 def test_a_world_the_saved_model_parallel_sizes_cannot_use_is_one_sentence(restarted, tmp_path):
@@ -66,7 +68,26 @@ def test_a_world_the_saved_model_parallel_sizes_cannot_use_is_one_sentence(resta
         continue_after_restart(command, 2)
     assert str(refused.value) == (
         "restart 1: 2 of 4 ranks lost (the world is 2), which cannot hold the run's tp 4 (their product 4 must "
-        "divide the world); start the job again on a multiple of 4 ranks, with --resume and the same --out.")
+        "divide the world); start the job again on a multiple of 4 ranks, with --resume and the same --out, or "
+        "give it --layout auto to re-plan.")
+
+
+def test_a_layout_auto_run_on_fewer_ranks_is_planned_anew_at_its_global_batch(restarted, tmp_path):
+    """The planner chose tp 2 x dp 2, ZeRO-1 and 4 x 2 sequences on 4 ranks; on 2 the workers plan
+    again (rank 0 for all), keeping what the command gave, at the run's 16 sequences a step."""
+    run = tmp_path / "run"
+    command = Config().replace(name="gpt-tiny", seq_len=32, layout="auto", out=str(run))
+    chosen = {"dp": 2, "tp": 2, "zero": 1, "micro_batch": 4, "grad_accum": 2}
+    run.mkdir()
+    (run / "config.toml").write_text(command.replace(**chosen, timeout=20.0, report_memory=True).to_toml())
+    (run / PLAN_FILE).write_text(json.dumps({"layout": {**chosen, "pp": 1, "cp": 1, "ep": 1, "sp": False}}))
+    cfg, sentence, kept = continue_after_restart(command, 2, frozenset({"seq_len", "layout", "dp", "grad_accum"}))
+    assert kept == {"seq_len", "layout"}  # the world's sizes are the planner's again
+    assert (cfg.parallel.tp, cfg.parallel.zero, cfg.run.resume, cfg.parallel.timeout) == (1, 0, True, 20.0)
+    assert run_global_batch(cfg, 2, kept) == 16
+    assert sentence == ("restart 1: 2 of 4 ranks lost (the world is 2); starting over (no checkpoint was complete), "
+                        "re-planned by --layout auto at the global batch of 16 sequences")
+    assert continue_after_restart(command, 4, kept)[0].parallel.tp == 2  # on its own world: the run's choice
 
 
 def _train(corpus: Path, out: Path, *extra: str) -> list[str]:

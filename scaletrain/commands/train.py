@@ -222,10 +222,9 @@ def _check_and_start(cfg: Config, kept: frozenset[str] | None = None) -> RunSumm
     training_tasks(cfg.train)  # the harness's tasks found and their data read before the run folder is made
     # A torchrun restart, maybe on another world (an elastic node range): every rank reads the run's
     # config.toml here, before the group forms, so before rank 0 rewrites it (restart.py).
-    cfg, relaid = continue_after_restart(cfg, world_size_for(cfg, env))
+    cfg, relaid, kept = continue_after_restart(cfg, world_size_for(cfg, env), kept)  # its layout, or re-planned
     if relaid and env.rank == 0:
         print(relaid)
-    kept = None if cfg.run.resume else kept  # a restart continues the run's own choice
     planned = plan_for_run(cfg, cfg.parallel.nproc, cfg.parallel.nproc, check_backend(cfg.parallel.backend, env)
                            == "nccl", kept) if kept is not None and cfg.parallel.nproc > 1 else None
     cfg, kept = (planned.cfg, None) if planned else (cfg, kept)  # the launching process chose for its workers
@@ -337,7 +336,7 @@ def _agreed_start(cfg: Config, prepared: PreparedData | None, runtime, env: Proc
     outcome: tuple[Config, PreparedData, dict | None] | str | None = None
     if runtime.is_main:
         try:
-            cfg, _ = continue_after_restart(cfg, env.world_size)  # workers --max-restarts restarts: one world
+            cfg = continue_after_restart(cfg, env.world_size)[0]  # workers --max-restarts restarts: one world
             if prepared is None:
                 cfg, prepared = prepare_started(cfg, cfg.parallel.mesh_dims(env.world_size))
             cfg, predicted = choose_micro_batch(cfg, prepared, runtime.device, env)

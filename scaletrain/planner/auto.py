@@ -78,8 +78,9 @@ class Planned:
 
 
 def kept_axes(cfg: Config, given: Iterable[str]) -> frozenset[str] | None:
-    """The layout fields the command line gave, which the search keeps, where ``--layout auto`` is
-    still to choose; None where it is not (no auto, or a resume, which keeps the run's choice)."""
+    """The fields the command line gave, each layout field among them kept by the search, where
+    ``--layout auto`` is still to choose; None where it is not (no auto, or a resume, which keeps
+    the run's choice)."""
     if cfg.parallel.layout != AUTO or cfg.run.resume:
         return None
     refuse_unplannable(cfg)

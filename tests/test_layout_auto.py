@@ -1,7 +1,8 @@
 """``--layout auto`` (planner/auto.py): the run takes the planner's first-ranked layout, keeps the
 sizes the user gave, agrees on every rank, records predicted against measured, and refuses what
-it cannot plan in one sentence. The four-process run against a plain run of its layout is slow
-(about 60 s on two cores): ``python3 -m pytest -q -m slow tests/test_layout_auto.py``."""
+it cannot plan in one sentence. The four-process run against a plain run of its layout (about
+60 s on two cores) and rank 0's refusal under torchrun are slow:
+``python3 -m pytest -q -m slow tests/test_layout_auto.py``."""
 
 from __future__ import annotations
 
@@ -153,6 +154,7 @@ def _auto_setup_step() -> tuple[int, float]:
         return engine.stepper.parallel.zero, engine.step()["loss"]
 
 
+@pytest.mark.slow  # a third torchrun job, about 12 s on two cores
 def test_rank_0s_refusal_under_torchrun_reaches_every_rank(corpus, tmp_path):
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

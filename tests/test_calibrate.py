@@ -156,3 +156,15 @@ def test_a_damaged_profile_or_a_flag_without_calibrate_is_one_sentence(tmp_path,
     assert "is not a machine profile this version reads" in capsys.readouterr().err
     assert main([*PLAN, "--gpus", "1", "--quick"]) == 2
     assert "add --calibrate or drop --quick" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_first_plan_on_a_machine_without_a_profile_measures_and_saves_it(tmp_path, monkeypatch):
+    """A whole calibration (about half a minute on two cores):
+    ``python3 -m pytest -m slow tests/test_calibrate.py``."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(profile.PROFILE_VARIABLE, raising=False)
+    cluster = this_machine(2, 2, on_gpu=False, calibrate_if_missing=True)
+    saved = profile.default_path(profile.device_name(False), "gloo")
+    assert saved.is_relative_to(tmp_path) and cluster.device.collectives is not None
+    assert this_machine(2, 2, on_gpu=False).device == cluster.device  # read back, not measured again

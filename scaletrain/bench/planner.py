@@ -20,9 +20,10 @@ written as a TOML file, ``--report-memory``) for --steps steps, --rounds times, 
 passing through every layout (starting one further on each round), so that a slow spell of a
 shared machine falls on all of them. Measured: the median of rank 0's step times after --warmup,
 over all rounds; the memory ledger's params + grads + optimizer + activations_peak on its busiest
-rank (memory.json: the second step). Predicted: ``predict`` for the same configuration, its step
-time and the same four rows on its busiest pipeline rank (``other``, the allocator's allowance
-and the loss's logits, is not in the ledger, so not compared).
+rank (memory.json: the second step); and, not compared, the largest ``mem_bytes`` rank 0 logged
+(its whole process's resident set on a CPU, CUDA's peak on a GPU). Predicted: ``predict`` for the
+same configuration, its step time and the same four rows on its busiest pipeline rank (``other``,
+the allocator's allowance and the loss's logits, is not in the ledger, so not compared).
 
 Reported: both figures and their ratio (predicted / measured) per layout; Spearman's rank
 correlation of the step times (Spearman 1904: Pearson's correlation of the two rankings, tied
@@ -33,6 +34,7 @@ and within 10% of the measured memory; and the planner's pick against the fastes
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -132,6 +134,7 @@ def run(cfg: Config, layouts_text: str, rounds: int, warmup: int) -> dict:
     """Every chosen layout predicted and trained here; the result of ``bench planner --json``."""
     names = check(cfg, layouts_text, rounds, warmup)
     n = cfg.parallel.nproc
+    load_before = os.getloadavg()[0]
     base = cfg.replace(report_memory=True, progress=False, resume=False, eval_every=0, sample_tokens=0,
                        checkpoint_every=0)
     vocab = prepare_data(base, cache_dir=Path(base.data.cache_dir)).vocab_size
@@ -152,7 +155,8 @@ def run(cfg: Config, layouts_text: str, rounds: int, warmup: int) -> dict:
             "peak_tflops": cluster.device.tflops[t.precision if t.precision in cluster.device.tflops else "fp32"],
             "setup": {"model": base.model.name, "n_layers": base.model.n_layers, "seq_len": base.data.seq_len,
                       "vocab_size": vocab, "nproc": n, "global_batch": global_batch, "steps": t.steps, "warmup": warmup,
-                      "rounds": rounds, "precision": t.precision, "enumerated": len(enumerated)},
+                      "rounds": rounds, "precision": t.precision, "enumerated": len(enumerated),
+                      "load_average": [load_before, os.getloadavg()[0]]},
             "not_enumerated": missing, "layouts": rows, **summary(rows, layout_text(pick))}
 
 
@@ -188,7 +192,8 @@ def train_once(cfg: Config, n: int, run_dir: Path) -> dict[str, Any]:
     ledgers = [rank for rank in json.loads((run_dir / "memory.json").read_text()).values() if "params" in rank]
     shutil.rmtree(run_dir)
     return {"step_s": [record["step_s"] for record in records], "wall_s": time.perf_counter() - start,
-            "memory_bytes": max(sum(ledger[row] for row in LEDGER_ROWS) for ledger in ledgers)}
+            "memory_bytes": max(sum(ledger[row] for row in LEDGER_ROWS) for ledger in ledgers),
+            "rank0_mem_bytes": max(record.get("mem_bytes") or 0 for record in records)}
 
 
 def _row(name: str, prediction: Prediction, base: Config, measured: dict) -> dict[str, Any]:
@@ -201,7 +206,8 @@ def _row(name: str, prediction: Prediction, base: Config, measured: dict) -> dic
     if "error" in measured:
         return {**row, "error": measured["error"]}
     shown = {"step_s": statistics.median(measured["step_s"]), "steps_s": measured["step_s"],
-             "memory_bytes": measured["memory_bytes"]}
+             "memory_bytes": measured["memory_bytes"], "rank0_mem_bytes": measured["rank0_mem_bytes"],
+             "wall_s": measured["wall_s"]}
     return {**row, "measured": shown, "time_ratio": predicted["step_s"] / shown["step_s"],
             "memory_ratio": predicted["memory_bytes"] / shown["memory_bytes"]}
 
@@ -250,21 +256,25 @@ def summary(rows: list[dict], pick_layout: str) -> dict[str, Any]:
 
 def format_table(result: dict) -> str:
     s = result["setup"]
+    load = s["load_average"]
     depth = f" at {s['n_layers']} blocks" if s["n_layers"] else ""
     lines = [f"{s['model']}{depth}, {s['global_batch']} x {s['seq_len']} tokens a step, {s['nproc']} processes, "
              f"{s['precision']}, on {result['machine']}; planned for {result['device']} at "
              f"{result['peak_tflops']:.3g} TFLOP/s; median step after {s['warmup']} of {s['steps']}, "
-             f"{s['rounds']} round{'s' if s['rounds'] > 1 else ''}; memory: params + grads + optimizer + "
-             f"activations of the busiest rank",
-             f"{'layout':<64}{'pred s':>9}{'meas s':>9}{'ratio':>7}{'pred MiB':>10}{'meas MiB':>10}{'ratio':>7}"]
-    for row in result["layouts"]:
-        label = row["layout"] + ("" if row["name"].startswith("#") else f" ({row['name']})")
+             f"{s['rounds']} round{'s' if s['rounds'] > 1 else ''}; load average {load[0]:.1f} before, "
+             f"{load[1]:.1f} after; memory: params + grads + optimizer + activations of the busiest rank"]
+    labels = [row["layout"] + ("" if row["name"].startswith("#") else f" ({row['name']})")
+              for row in result["layouts"]]
+    width = max(map(len, labels)) + 2
+    lines.append(f"{'layout':<{width}}{'pred s':>9}{'meas s':>9}{'ratio':>7}{'pred MiB':>10}{'meas MiB':>10}"
+                 f"{'ratio':>7}")
+    for label, row in zip(labels, result["layouts"]):
         p = row["predicted"]
         if "error" in row:
-            lines.append(f"{label:<64}{p['step_s']:>9.3f}  {row['error']}")
+            lines.append(f"{label:<{width}}{p['step_s']:>9.3f}  {row['error']}")
             continue
         m = row["measured"]
-        lines.append(f"{label:<64}{p['step_s']:>9.3f}{m['step_s']:>9.3f}{row['time_ratio']:>7.2f}"
+        lines.append(f"{label:<{width}}{p['step_s']:>9.3f}{m['step_s']:>9.3f}{row['time_ratio']:>7.2f}"
                      f"{p['memory_bytes'] / MIB:>10.1f}{m['memory_bytes'] / MIB:>10.1f}{row['memory_ratio']:>7.2f}")
     if result["not_enumerated"]:
         lines.append(f"not among the planner's layouts here: {', '.join(result['not_enumerated'])}")

@@ -23,6 +23,12 @@ _CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "native")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       str(Path(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{_CAPABILITY}")))
 
+# A machine profile of this machine (scaletrain plan --calibrate, planner/profile.py) changes what the
+# gate, --micro-batch auto and --layout auto plan with: the tests plan without one unless they write
+# their own, whatever the machine's user has calibrated.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="scaletrain-tests-cache-")
+os.environ.pop("SCALETRAIN_PROFILE", None)
+
 from scaletrain.config import Config
 
 

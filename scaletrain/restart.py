@@ -13,6 +13,11 @@ the new world, the global batch kept by accumulation, so that the losses go on
 as the uninterrupted run's would (data-parallel training's invariance to how the
 global batch is split: the same sequences, summed alike, per step). The
 checkpoint holds whole tensors or chunks any layout reads (train/checkpoint.py).
+A ``--layout auto`` run is planned anew for the new world instead (planner/auto.py),
+the command's given sizes kept, at the run's global batch.
+
+Every rank decides this alike before the process group forms, from the run's
+config.toml, which rank 0 rewrites only after the group has formed.
 """
 
 from __future__ import annotations
@@ -53,15 +58,17 @@ def continue_after_restart(cfg: Config, world: int, kept: Kept = None) -> tuple[
     if before == world:
         return resumed, None, None
     change = world_change(before, world)
-    if begun.parallel.layout == AUTO:
-        return replanned(begun, cfg, world, kept or frozenset(), change)
-    product = math.prod(getattr(begun.parallel, name) for name in MODEL_PARALLEL)
+    auto = begun.parallel.layout == AUTO
+    # The sizes the new world must hold: the run's, or under --layout auto only those the command gave.
+    held = {name: getattr(begun.parallel, name) for name in MODEL_PARALLEL if not auto or name in (kept or ())}
+    product = math.prod(held.values())
     if world % product:
-        sizes = " x ".join(f"{name} {getattr(begun.parallel, name)}" for name in MODEL_PARALLEL
-                           if getattr(begun.parallel, name) > 1)
-        raise UserError(f"{change}, which cannot hold the run's {sizes} (their product {product} must divide "
-                        f"the world); start the job again on a multiple of {product} ranks, with --resume and "
-                        f"the same --out, or give it --layout auto to re-plan.")
+        sizes = " x ".join(f"{name} {size}" for name, size in held.items() if size > 1)
+        raise UserError(f"{change}, which cannot hold the run's {sizes} (their product {product} must divide the "
+                        f"world); start the job again on a multiple of {product} ranks with --resume and the same "
+                        f"--out (a run started with --layout auto and without them is planned anew).")
+    if auto:
+        return replanned(begun, cfg, world, kept or frozenset(), change)
     try:
         relaid, _ = resumed_layout(begun, resumed, set(), world)
     except UserError as exc:
@@ -85,8 +92,8 @@ def replanned(begun: Config, command: Config, world: int, kept: frozenset[str],
                    f"batch of {batch} sequences"
             return base.replace(micro_batch=micro, grad_accum=batch // one_round), said, kept
     raise UserError(f"{change}: the run's global batch of {batch} sequences does not split over the ranks the "
-                    f"given sizes leave of {world}; start the job again on {run_world(begun)} ranks, with --resume and "
-                    f"the same --out.")
+                    f"given sizes leave of {world}; start the job again on {run_world(begun)} ranks with --resume "
+                    f"and the same --out.")
 
 
 def planned_fields(out: Path) -> tuple[str, ...]:

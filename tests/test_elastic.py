@@ -20,7 +20,8 @@ import pytest
 from scaletrain.config import Config, load_run_config
 from scaletrain.errors import UserError
 from scaletrain.planner.auto import PLAN_FILE, run_global_batch
-from scaletrain.restart import continue_after_restart
+from scaletrain.restart import continue_after_restart, run_world
+from scaletrain.run_length import sequences_per_step
 from scaletrain.runtime import free_port
 from scaletrain.train.checkpoint import latest_checkpoint
 from tests.conftest import run_cli
@@ -68,8 +69,8 @@ def test_a_world_the_saved_model_parallel_sizes_cannot_use_is_one_sentence(resta
         continue_after_restart(command, 2)
     assert str(refused.value) == (
         "restart 1: 2 of 4 ranks lost (the world is 2), which cannot hold the run's tp 4 (their product 4 must "
-        "divide the world); start the job again on a multiple of 4 ranks, with --resume and the same --out, or "
-        "give it --layout auto to re-plan.")
+        "divide the world); start the job again on a multiple of 4 ranks with --resume and the same --out (a run "
+        "started with --layout auto and without them is planned anew).")
 
 
 def test_a_layout_auto_run_on_fewer_ranks_is_planned_anew_at_its_global_batch(restarted, tmp_path):
@@ -104,24 +105,33 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow  # 30 s alone, 55 s on two loaded cores: python3 -m pytest -m slow tests/test_elastic.py
-def test_a_lost_node_restarts_on_the_survivor_re_laid_out_with_the_same_losses(corpus, tmp_path):
+@pytest.mark.parametrize("layout,said", [
+    ([], "restart 1: 2 of 4 ranks lost (the world is 2); resuming from step_000003 as dp 4 -> 2, tp 1, pp 1, the "
+         "global batch of 16 sequences kept by --grad-accum 1 -> 2"),
+    (["--layout", "auto"], "restart 1: 2 of 4 ranks lost (the world is 2); resuming from step_000003, re-planned "
+                           "by --layout auto at the global batch of 16 sequences"),
+], ids=["given", "auto"])
+def test_a_lost_node_restarts_on_the_survivor_re_laid_out_with_the_same_losses(corpus, tmp_path, layout, said):
     """Two agents of 2 workers (dp 4); the one that does not serve the rendezvous store hangs its
     workers in step 4 of the first attempt and is then killed, agent and workers, as a node is lost.
     The survivor's workers fail their collective at once (the dead peer's sockets close), its agent
     restarts them, the rendezvous settles on one node, and the run goes on from step_000003 as
-    dp 2 with --grad-accum 2: steps 4 to 6 those of one process reading the global batch of 16."""
+    dp 2 with --grad-accum 2 (or as --layout auto plans it anew): steps 4 to 6 those of one process
+    reading the global batch of 16."""
     run = tmp_path / "elastic" / "run"
     logs = tmp_path / "elastic" / "logs"
     logs.mkdir(parents=True)
     port = free_port()
-    # A dead node is dropped once its heartbeats stop (keep_alive_interval x keep_alive_max_attempt
-    # seconds), and the rendezvous then waits last_call_timeout for more nodes: seconds, not torch's
-    # default 45. --timeout 20 sets the heartbeats that name the dead rank (runtime/health.py) to 1 s.
-    conf = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+    # A dead node is dropped once its keep-alives stop (keep_alive_interval x keep_alive_max_attempt
+    # seconds, 15 by default), and the rendezvous then waits last_call_timeout for more nodes (30 s by
+    # default). The first round waits as long, and with a minimum of one node an agent that joins
+    # later than that would start the job alone: 5 s leaves a loaded machine's second agent time to
+    # join. --timeout 20 sets the heartbeats that name the dead rank (runtime/health.py) to 1 s.
+    conf = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic-{port}",
              "--local-addr", "127.0.0.1", "--max-restarts", "1", "--monitor-interval", "0.1"]
-    job = ["-m", "scaletrain", *_train(corpus, run, "--timeout", "20")]
+    job = ["-m", "scaletrain", *_train(corpus, run, "--timeout", "20", *layout)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Only the lost node's workers see the fault, whichever ranks the rendezvous gives them.
     lost_env = {**env, "SCALETRAIN_FAULT": "; ".join(f"hang rank={rank} step=4" for rank in range(4))}
@@ -143,11 +153,11 @@ def test_a_lost_node_restarts_on_the_survivor_re_laid_out_with_the_same_losses(c
                 _kill_tree(process)
     out, err = (logs / "true.out").read_text(), (logs / "true.err").read_text()
     assert code == 0, err[-4000:]
-    said = [line for line in out.splitlines() if line.startswith("restart 1:")]
-    assert said == ["restart 1: 2 of 4 ranks lost (the world is 2); resuming from step_000003 as dp 4 -> 2, tp 1, "
-                    "pp 1, the global batch of 16 sequences kept by --grad-accum 1 -> 2"]
+    assert [line for line in out.splitlines() if line.startswith("restart 1:")] == [said]
     saved = load_run_config(run)
-    assert (saved.parallel.dp, saved.train.micro_batch, saved.train.grad_accum) == (2, 4, 2)
+    assert (run_world(saved), sequences_per_step(saved)) == (2, 16)
+    if not layout:
+        assert (saved.parallel.dp, saved.train.micro_batch, saved.train.grad_accum) == (2, 4, 2)
 
     straight = tmp_path / "straight" / "run"
     result = run_cli(*_train(corpus, straight, "--grad-accum", "4"), timeout=TIMEOUT_S)

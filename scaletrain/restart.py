@@ -66,7 +66,7 @@ def continue_after_restart(cfg: Config, world: int, kept: Kept = None) -> tuple[
         sizes = " x ".join(f"{name} {size}" for name, size in held.items() if size > 1)
         raise UserError(f"{change}, which cannot hold the run's {sizes} (their product {product} must divide the "
                         f"world); start the job again on a multiple of {product} ranks with --resume and the same "
-                        f"--out (a run started with --layout auto and without them is planned anew).")
+                        f"--out (under --layout auto, sizes the command line does not give are planned anew).")
     if auto:
         return replanned(begun, cfg, world, kept or frozenset(), change)
     try:

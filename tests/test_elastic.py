@@ -69,8 +69,8 @@ def test_a_world_the_saved_model_parallel_sizes_cannot_use_is_one_sentence(resta
         continue_after_restart(command, 2)
     assert str(refused.value) == (
         "restart 1: 2 of 4 ranks lost (the world is 2), which cannot hold the run's tp 4 (their product 4 must "
-        "divide the world); start the job again on a multiple of 4 ranks with --resume and the same --out (a run "
-        "started with --layout auto and without them is planned anew).")
+        "divide the world); start the job again on a multiple of 4 ranks with --resume and the same --out (under "
+        "--layout auto, sizes the command line does not give are planned anew).")
 
 
 def test_a_layout_auto_run_on_fewer_ranks_is_planned_anew_at_its_global_batch(restarted, tmp_path):

@@ -50,6 +50,7 @@ def test_a_restart_on_fewer_ranks_shrinks_dp_and_keeps_the_global_batch(restarte
     cfg, sentence, kept = continue_after_restart(command, 2)
     assert (cfg.parallel.dp, cfg.train.micro_batch, cfg.train.grad_accum, cfg.run.resume) == (2, 4, 2, True)
     assert kept is None  # nothing for --layout auto to choose
+    assert continue_after_restart(command.replace(dp=4), 2)[0].parallel.dp == 2  # a given --dp: the world sets it
     assert cfg.parallel.timeout == 20.0  # the first attempt's, the same in every worker
     assert sentence == ("restart 1: 2 of 4 ranks lost (the world is 2); starting over (no checkpoint was complete) "
                         "as dp 4 -> 2, tp 1, pp 1, the global batch of 16 sequences kept by --grad-accum 1 -> 2")

@@ -69,6 +69,10 @@ def continue_after_restart(cfg: Config, world: int, kept: Kept = None) -> tuple[
                         f"--out (under --layout auto, sizes the command line does not give are planned anew).")
     if auto:
         return replanned(begun, cfg, world, kept or frozenset(), change)
+    if begun.parallel.sync_every > 1:
+        raise UserError(f"{change}, but local SGD (--sync-every {begun.parallel.sync_every}) saved one optimizer "
+                        f"state per data-parallel rank, which cannot follow dp to another size; start the job again "
+                        f"on {before} ranks with --resume and the same --out.")
     try:
         relaid, _ = resumed_layout(begun, resumed, set(), world)
     except UserError as exc:

@@ -74,6 +74,13 @@ def test_a_world_the_saved_model_parallel_sizes_cannot_use_is_one_sentence(resta
         "--layout auto, sizes the command line does not give are planned anew).")
 
 
+def test_local_sgd_which_keeps_an_optimizer_state_per_rank_is_refused_on_another_world(restarted, tmp_path):
+    command = _begun(tmp_path / "run", sync_every=4)
+    with pytest.raises(UserError, match=r"^restart 1: 2 of 4 ranks lost \(the world is 2\), but local SGD "
+                                        r"\(--sync-every 4\) saved one optimizer state per data-parallel rank"):
+        continue_after_restart(command, 2)
+
+
 def test_a_layout_auto_run_on_fewer_ranks_is_planned_anew_at_its_global_batch(restarted, tmp_path):
     """The planner chose tp 2 x dp 2, ZeRO-1 and 4 x 2 sequences on 4 ranks; on 2 the workers plan
     again (rank 0 for all), keeping what the command gave, at the run's 16 sequences a step."""

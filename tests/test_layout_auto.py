@@ -82,11 +82,17 @@ def test_torchrun_ranks_take_rank_0s_choice_and_keep_the_given_tp(corpus, tmp_pa
     assert plan["measured"]["memory_bytes"]["counted"] > 0
 
 
-@pytest.mark.slow  # two four-process runs, about 60 s on two cores
-def test_nproc_4_trains_the_planners_pick_as_a_plain_run_of_it_does(corpus, tmp_path):
+@pytest.mark.slow  # a calibration and two four-process runs, about 2 minutes on two cores
+def test_nproc_4_trains_the_planners_pick_as_a_plain_run_of_it_does(corpus, tmp_path, monkeypatch):
+    """The first auto run on a machine without a profile measures it (4 processes, as the run starts)
+    and saves it where the next run finds it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache-home"))
     auto, plain = tmp_path / "auto", tmp_path / "plain"
     result = run_cli(*_auto_run(corpus, auto, "--nproc", "4"))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "this machine has no profile yet: measuring it once" in result.stdout
+    (written,) = (tmp_path / "cache-home" / "scaletrain" / "machines").glob("*-gloo.json")
+    assert json.loads(written.read_text())["machine"]["processes"] == 4
     plan, sizes = _chosen(auto)
     assert result.stdout.count(plan["sentence"]) == 1
     assert plan["global_batch"] == 16 * 4 and "step_s" in plan["measured"]

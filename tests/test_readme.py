@@ -146,9 +146,20 @@ def _folder(name: str, link: str) -> Callable[[Path, Path], None]:
 
 # What a command's workspace must hold first, by name: files made here, or an earlier
 # command's run, produced once per session by running that README command.
+def _machine_profile(ws: Path) -> None:
+    """This machine's profile where --layout auto finds it (the folder's own cache, as _prepare sets it):
+    measured by the quick calibration, seconds where a user's first auto run takes about a minute
+    (that first run: tests/test_layout_auto.py, slow)."""
+    done = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--quick", "--nproc", "2"],
+                          capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": str(ws / ".cache")},
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+
+
 MAKERS: dict[str, Callable[[Path], None]] = {
     "prose.txt": _text, "books": _books, "corpus.jsonl": _jsonl, "code.parquet": _parquet,
     "alpaca.json": _alpaca, "run.toml": _toml, "my_train.py": _script, "tasks": _tasks,
+    "machine profile": _machine_profile,
 }
 FOLDERS = {"HF_DIR": _folder("llama", "models/chat-llama"), "gpt2": _folder("gpt2", "models/gpt2"),
            "TinyLlama": _folder("llama", "models/TinyLlama-1.1B")}
@@ -194,8 +205,8 @@ EXAMPLES = [
     Example("scaletrain parity --model llama-tiny --nproc 4 --dp 2 --tp 2 --sp", "--steps 2", says=("PASS",)),
     _train("scaletrain train --model llama-tiny --nproc 2 --ep 2 --moe-experts 4", "--steps 2"),
     Example("scaletrain plan --model llama3-8b --gpus 8", says=("best first",)),
-    _train("scaletrain train --model llama-tiny --nproc 2 --layout auto", "--steps 2", says=("--layout auto: ",),
-           writes=("RUN/plan.json",)),
+    _train("scaletrain train --model llama-tiny --nproc 2 --layout auto", "--steps 2", needs=("machine profile",),
+           says=("--layout auto: ",), writes=("RUN/plan.json",)),
     _train("scaletrain train --data ~/books/ --tokenizer bpe", needs=("books",), writes=("RUN/tokenizer.json",)),
     _train("scaletrain train --data corpus.jsonl --text-field body", needs=("corpus.jsonl",)),
     Example(*RUNS["prepared"], needs=("corpus.jsonl",), writes=("prepared/manifest.json",)),
@@ -362,6 +373,7 @@ def _prepare(example: Example, ws: Path, produce, monkeypatch, capfd, hf: Path) 
             shutil.copytree(source, ws / need, symlinks=True)
     monkeypatch.chdir(ws)
     monkeypatch.setenv("HOME", str(ws))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(ws / ".cache"))  # its own, as its HOME: a machine profile there
 
 
 @pytest.mark.parametrize("example", [pytest.param(e, id=e.id, marks=[pytest.mark.slow] if e.slow else [])

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import AUTO, Config, add_config_flags, given_values, load_run_config, resolve
+from scaletrain.config import (
+    AUTO,
+    Config,
+    add_config_flags,
+    given_values,
+    load_run_config,
+    resolve,
+)
 from scaletrain.config_checks import check_values, resolve_layout, setting_warnings
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
@@ -31,10 +38,22 @@ from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_token
 from scaletrain.job.eval_tasks import training_tasks
 from scaletrain.job.interrupt import interrupts_explained
 from scaletrain.job.loop import RunSummary, fit, loss_text
+from scaletrain.job.reports import (
+    write_comm_report,
+    write_memory_report,
+    write_pipeline_timeline,
+)
 from scaletrain.job.trainer import Trainer
 from scaletrain.models import build_model, spec_for
 from scaletrain.paths import readable_dir, writable_dir
-from scaletrain.planner.auto import announce, kept_axes, plan_for_run, plan_in_workers, report_measured
+from scaletrain.planner.auto import (
+    Planned,
+    announce,
+    kept_axes,
+    plan_for_run,
+    plan_in_workers,
+    report_measured,
+)
 from scaletrain.planner.fit import (
     chosen_sentence,
     device_memory,
@@ -71,8 +90,6 @@ from scaletrain.runtime.spawn import WorkerKilled, spawn_local
 from scaletrain.techniques.compile import COMPILE_NOTE
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.manifest import verify_checkpoint
-from scaletrain.train.memory import format_table as format_memory_table
-from scaletrain.train.step_memory import format_points
 
 
 def add_parser(commands) -> None:
@@ -225,8 +242,9 @@ def _check_and_start(cfg: Config, kept: frozenset[str] | None = None) -> RunSumm
     cfg, relaid, kept = continue_after_restart(cfg, world_size_for(cfg, env), kept)  # its layout, or re-planned
     if relaid and env.rank == 0:
         print(relaid)
-    planned = plan_for_run(cfg, cfg.parallel.nproc, cfg.parallel.nproc, check_backend(cfg.parallel.backend, env)
-                           == "nccl", kept) if kept is not None and cfg.parallel.nproc > 1 else None
+    world = world_size_for(cfg, env)
+    planned = plan_for_run(cfg, world, world, check_backend(cfg.parallel.backend, env) == "nccl", kept,
+                           calibrate_if_missing=True) if kept is not None and env.world_size == 1 else None
     cfg, kept = (planned.cfg, None) if planned else (cfg, kept)  # the launching process chose for its workers
     cfg, dims = resolve_layout(cfg, world_size_for(cfg, env))
     timeout = CLUSTER_TIMEOUT_S
@@ -244,8 +262,8 @@ def _check_and_start(cfg: Config, kept: frozenset[str] | None = None) -> RunSumm
     if cfg.parallel.launcher == "ray":
         with ray_cluster(cfg.parallel.ray_placement(), cfg.parallel.nproc):
             return execute(*prepare_started(cfg, dims))
-    if cfg.parallel.nproc == 1:  # every process a worker: rank 0 chooses --layout auto's layout
-        return run_worker(cfg, None, kept)
+    if cfg.parallel.nproc == 1:  # every process a worker: under a launcher rank 0 chooses --layout auto's layout
+        return run_worker(cfg, None, kept, planned)
     started = prepare_started(cfg, dims)
     announce(planned, Path(started[0].run.out))
     return execute(*started)
@@ -278,8 +296,10 @@ def execute(cfg: Config, prepared: PreparedData | None) -> RunSummary:
     return run_worker(cfg, prepared)
 
 
-def run_worker(cfg: Config, prepared: PreparedData | None, kept: frozenset[str] | None = None) -> RunSummary:
-    """One worker: join the group, (choose --layout auto's layout keeping ``kept``, prepare) if nobody did, train."""
+def run_worker(cfg: Config, prepared: PreparedData | None, kept: frozenset[str] | None = None,
+               planned: Planned | None = None) -> RunSummary:
+    """One worker: join the group, (choose --layout auto's layout keeping ``kept``, prepare) if nobody did, train;
+    ``planned``: the choice this one process made before it joined."""
     env = detect_environment()
     debug = cfg.parallel.debug_dist
     # --debug-dist: a log per rank, from the start where the launching process made the run folder.
@@ -294,7 +314,8 @@ def run_worker(cfg: Config, prepared: PreparedData | None, kept: frozenset[str] 
     health = Health(env, runtime.timeout_s) if runtime.torch_group else None
     trainer: Trainer | None = None
     try:
-        cfg, planned = plan_in_workers(cfg, kept, runtime)  # before the mesh: it is the chosen layout's
+        cfg, chosen_here = plan_in_workers(cfg, kept, runtime)  # before the mesh: it is the chosen layout's
+        planned = chosen_here or planned
         dims = cfg.parallel.mesh_dims(env.world_size)
         tracker = CollectiveTracker()  # the desync detector's record: who a timed-out collective waits for
         mesh, comm = connect(runtime, dims, tracker)
@@ -442,45 +463,6 @@ def restart_hint(run_dir: Path) -> str:
         return "the run has no complete checkpoint yet: run the same command again"
     return (f"its newest complete checkpoint is {latest.name}: run the same command with --resume to go on from "
             f"there (a launch with --max-restarts, ours or torchrun's, does it by itself)")
-
-
-def write_comm_report(comm: Comm, world, run_dir: Path, is_main: bool) -> None:
-    """comm.json: every rank's ledger, gathered to the main rank and printed."""
-    mine = comm.ledger.to_json()
-    table = comm.ledger.table()
-    ledgers = comm.all_gather_object(mine, world)
-    if is_main:
-        (run_dir / "comm.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
-        print(f"\ncommunication ledger, rank 0 (all ranks in {run_dir}/comm.json)\n{table}")
-
-
-def write_memory_report(mine: dict, comm: Comm, world, run_dir: Path, is_main: bool) -> None:
-    """memory.json: every rank's memory ledger, gathered to the main rank and printed."""
-    ledgers = comm.all_gather_object(mine, world)
-    if is_main:
-        (run_dir / "memory.json").write_text(json.dumps({str(r): l for r, l in enumerate(ledgers)}, indent=2))
-        print(f"\nmemory ledger, rank 0 (all ranks in {run_dir}/memory.json)\n{format_memory_table(mine)}")
-        for rank, ledger in enumerate(ledgers):
-            if ledger.get("points"):
-                print(f"\nrank {rank}, step {ledger['step']}\n{format_points(ledger['points'])}")
-
-
-def write_pipeline_timeline(cfg: Config, step: int, spans: list | None, mesh: Mesh, comm: Comm,
-                            run_dir: Path) -> None:
-    """pipeline.json: the computations of the run's last step on each pp rank of
-    the first replica, in seconds from the step's start (``scaletrain schedule
-    --measured`` draws them beside the plan)."""
-    first_replica = all(mesh.coords[dim] == 0 for dim in ("dp", "ep", "cp", "tp"))
-    mine = [{"kind": s.action.kind, "micro": s.action.micro, "stage": s.action.stage, "start": s.start,
-             "end": s.end} for s in spans or ()] if first_replica else None
-    gathered = comm.all_gather_object((mesh.coords["pp"], mine), mesh.group("world"))
-    if mesh.rank != 0:
-        return
-    micro, virtual = cfg.parallel.pipeline_sizes()
-    ranks = [entries for _, entries in sorted((pp, e) for pp, e in gathered if e is not None)]
-    (run_dir / "pipeline.json").write_text(json.dumps(
-        {"schedule": cfg.parallel.pp_schedule, "pp": len(ranks), "microbatches": micro,
-         "virtual_stages": virtual, "step": step, "ranks": ranks}))
 
 
 def print_summary(summary: RunSummary) -> None:

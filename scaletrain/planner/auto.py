@@ -15,9 +15,12 @@ the batch a plain ``--nproc 4`` run trains (search.py `derived_global_batch`).
 step and transfers, so an offloaded layout would tie on time and win on memory.
 
 One process decides and every rank takes its choice: the launching process of
-``--nproc N``, else rank 0 of the workers after the process group exists and
-before the mesh is built, its choice (or its refusal) broadcast on the default
-group. The run records the choice in config.toml (its sizes, ``layout =
+``--nproc N`` or of a single process, which first measures a machine that has
+no profile yet (``scaletrain plan --calibrate``'s figures, saved for the next
+run: planner/machine.py); under torchrun, SLURM or MPI rank 0 of the workers,
+after the process group exists and before the mesh is built, on the machine's
+profile or without one its datasheet figures, its choice (or its refusal)
+broadcast on the default group. The run records the choice in config.toml (its sizes, ``layout =
 "auto"``) and in plan.json, the prediction beside what the run measured: the
 median step time after the first two steps (metrics.jsonl's ``step_s``) and
 the memory ledger's counted rows on the busiest rank (``--report-memory``, on
@@ -109,14 +112,17 @@ def run_global_batch(cfg: Config, world: int, kept: Iterable[str]) -> int:
 
 
 def plan_for_run(cfg: Config, world: int, processes_here: int, on_gpu: bool, kept: Iterable[str],
-                 global_batch: int | None = None, local_rank: int = 0) -> Planned:
+                 global_batch: int | None = None, local_rank: int = 0, calibrate_if_missing: bool = False) -> Planned:
     """The fastest layout of ``cfg`` predicted to fit ``world`` ranks, ``processes_here`` of them on this
     machine, the ``kept`` fields as ``cfg`` has them, at ``global_batch`` sequences a step (default:
     `run_global_batch`); its memory ledger on, to measure the prediction. A restart on another world
-    calls it with the run's global batch. Where no layout fits: the search's sentence."""
+    calls it with the run's global batch. Where no layout fits: the search's sentence.
+    ``calibrate_if_missing``: a machine without a profile is measured first (planner/machine.py), by
+    the process that launches the run's, before they start."""
     refuse_unplannable(cfg)
     kept = set(kept)
-    cluster = this_machine(world, processes_here, on_gpu, local_rank)
+    cluster = this_machine(world, processes_here, on_gpu, local_rank, backend=cfg.parallel.backend,
+                           calibrate_if_missing=calibrate_if_missing)
     batch = global_batch or run_global_batch(cfg, world, kept)
     try:
         result = search(cfg, cluster, run_vocab(cfg), batch, kept, predict)

@@ -50,6 +50,10 @@ def _calibrated(on_gpu: bool, backend: str | None, processes_here: int) -> Devic
     if backend == "mpi4py":  # mpirun's processes are the run's own: none to start for a calibration
         raise UserError("this machine has no profile for --backend mpi4py; measure it first with mpirun -n N "
                         "scaletrain plan --calibrate --backend mpi4py.")
+    backend = backend or profile.default_backend(on_gpu)
+    path, _ = profile.chosen_path(None, profile.device_name(on_gpu), backend)
+    print(f"this machine has no profile yet: measuring it once (scaletrain plan --calibrate, about a minute) "
+          f"into {path}")
     measured, _ = calibrate(None if on_gpu else max(processes_here, 2), backend, None, quick=False)
     return profile.device_of(measured)
 

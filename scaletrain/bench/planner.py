@@ -259,7 +259,8 @@ def format_table(result: dict) -> str:
     load = s["load_average"]
     depth = f" at {s['n_layers']} blocks" if s["n_layers"] else ""
     lines = [f"{s['model']}{depth}, {s['global_batch']} x {s['seq_len']} tokens a step, {s['nproc']} processes, "
-             f"{s['precision']}, on {result['machine']}; planned for {result['device']} at "
+             f"{s['precision']}, on {result['machine']}",
+             f"planned for {result['device']} at "
              f"{result['peak_tflops']:.3g} TFLOP/s; median step after {s['warmup']} of {s['steps']}, "
              f"{s['rounds']} round{'s' if s['rounds'] > 1 else ''}; load average {load[0]:.1f} before, "
              f"{load[1]:.1f} after; memory: params + grads + optimizer + activations of the busiest rank"]

@@ -18,14 +18,21 @@ from pathlib import Path
 import pytest
 
 from scaletrain.commands.cli import main
+from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.planner import profile
 from scaletrain.planner.calibrate_collectives import OPERATIONS
-from scaletrain.planner.collective_fits import CollectiveFit, CollectiveTable, fit_alpha_beta
+from scaletrain.planner.collective_fits import (
+    CollectiveFit,
+    CollectiveTable,
+    fit_alpha_beta,
+)
 from scaletrain.planner.fit import machine_cluster
-from scaletrain.planner.hardware import Cluster, cpu_device
+from scaletrain.planner.hardware import Cluster, cpu_device, shared_cpu
 from scaletrain.planner.machine import this_machine
+from scaletrain.planner.predict import predict
 from scaletrain.planner.step_time import collective_seconds
+from scaletrain.planner.traffic import Groups
 from scaletrain.runtime.mesh import ParallelDims
 
 PLAN = ["plan", "--model", "gpt-tiny", "--seq", "32", "--micro-batch", "4", "--recompute", "none", "--zero", "0",
@@ -69,7 +76,8 @@ def test_calibrating_this_cpu_measures_every_collective_on_two_gloo_processes(ca
     assert all(value > 0 for row in measured["matmul"]["tflops"] for value in row)
     assert measured["attention"]["tflops"] > 0 and measured["block_overhead_s"] > 0
     assert measured["memory"]["elementwise_gbps"] > 0 and measured["memory"]["adamw_gbps"] > 0
-    assert "machine profile: " in printed and "all_to_all" in printed
+    assert measured["step_overhead_s"] >= 0  # the trainer's own steps, timed (planner/calibrate_engine.py)
+    assert "machine profile: " in printed and "all_to_all" in printed and "fixed cost of a step" in printed
 
 
 def test_the_alpha_beta_fit_recovers_a_line_and_grows_with_the_message():
@@ -156,6 +164,46 @@ def test_a_damaged_profile_or_a_flag_without_calibrate_is_one_sentence(tmp_path,
     assert "is not a machine profile this version reads" in capsys.readouterr().err
     assert main([*PLAN, "--gpus", "1", "--quick"]) == 2
     assert "add --calibrate or drop --quick" in capsys.readouterr().err
+
+
+def test_an_older_profile_nobody_named_is_warned_of_and_left_unread(here, monkeypatch):
+    """A run must not stop on a profile an earlier version left at the default location: the planner
+    says so and uses the datasheet figures; a profile named by SCALETRAIN_PROFILE is refused."""
+    saved = profile.default_path(profile.device_name(False), "gloo")
+    older = saved.with_name("older.json")
+    older.write_text(json.dumps({**here, "format": profile.FORMAT - 1}))
+    monkeypatch.setattr(profile, "default_path", lambda device, backend: older)
+    with pytest.warns(UserWarning, match="not a machine profile this version reads"):
+        assert this_machine(2, 2, on_gpu=False).device.collectives is None
+    monkeypatch.setenv(profile.PROFILE_VARIABLE, str(older))
+    with pytest.raises(UserError, match="not a machine profile this version reads"):
+        this_machine(2, 2, on_gpu=False)
+
+
+def test_a_cpus_processes_share_its_cores():
+    """Figures one single-threaded process measured alone on two cores, as each process of a run sees them:
+    one process computes with both cores' threads, two with one each, four take turns two at a time."""
+    measured = replace(cpu_device(1.0, 2**30), memory_gbps=10.0, block_overhead_s=1e-3, step_overhead_s=2e-3)
+    one, two, four = (shared_cpu(measured, measured_threads=1, cores=2, processes=n) for n in (1, 2, 4))
+    assert (one.tflops["fp32"], two.tflops["fp32"], four.tflops["fp32"]) == (2.0, 1.0, 0.5)
+    assert (one.memory_gbps, four.memory_gbps) == (20.0, 5.0)
+    assert (two.block_overhead_s, four.block_overhead_s, four.step_overhead_s) == (1e-3, 2e-3, 4e-3)
+    assert not two.lends_idle_cores and four.lends_idle_cores
+
+
+def test_on_a_cpu_no_collective_hides_and_lent_cores_make_the_bubble_free():
+    """gloo's transfers take the cores the compute uses: the step waits for every collective; a rank idle
+    in a pipeline's bubble lends its core where processes outnumber cores (planner/step_time.py)."""
+    dense = Config().replace(name="gpt-tiny", seq_len=32, micro_batch=4, dp=2)
+    cpu = Cluster(cpu_device(0.1, 2**34), 2, 2)
+    predicted = predict(dense, 2, 257, cpu)
+    groups = Groups.of(dense, 2)
+    every = sum(collective_seconds(predicted.comm[0], groups.sizes, dense.parallel.mesh_dims(2), cpu).values())
+    assert predicted.time["comm"] == pytest.approx(every)
+    assert predict(dense, 2, 257, Cluster(replace(cpu.device, hides_communication=True), 2, 2)).time["comm"] < every
+    piped = dense.replace(dp=1, pp=2, microbatches=4, micro_batch=1)
+    assert predict(piped, 2, 257, cpu).time["bubble"] > 0
+    assert predict(piped, 2, 257, Cluster(replace(cpu.device, lends_idle_cores=True), 2, 2)).time["bubble"] == 0
 
 
 @pytest.mark.slow

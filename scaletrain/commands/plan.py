@@ -19,7 +19,7 @@ from scaletrain.errors import UserError
 from scaletrain.models import PLANNED_PRESET, PRESETS
 from scaletrain.parallel.pipeline.schedules import SCHEDULES
 from scaletrain.paths import writable_file
-from scaletrain.planner.hardware import DEVICES, Cluster, Device, cpu_device, parse_size
+from scaletrain.planner.hardware import DEVICES, Cluster, Device, parse_size
 from scaletrain.planner.prediction import TRAINING_OPTIONS
 from scaletrain.planner.search import RECOMPUTE as PLANNED_RECOMPUTE
 
@@ -168,7 +168,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _profiled_device(args: argparse.Namespace) -> Device | None:
     """The device of ``--gpu here`` (this machine's profile) or of ``--profile FILE`` alone (the
-    machine the file describes); None for a preset or ``--gpu cpu``."""
+    machine the file describes), as each process of a node sees it; None for a preset or ``--gpu cpu``."""
     from scaletrain.planner import profile
 
     if args.profile and args.gpu not in (None, "here"):
@@ -181,27 +181,32 @@ def _profiled_device(args: argparse.Namespace) -> Device | None:
         import torch
 
         on_gpu = args.backend == "nccl" if args.backend else torch.cuda.is_available()
-        return profile.for_this_machine(on_gpu, args.backend, args.profile, required=True)
+        return profile.for_this_machine(on_gpu, args.backend, args.profile, required=True,
+                                        processes=_per_node(args))
     if args.profile:
-        return profile.device_of(profile.load(Path(args.profile), "--profile"))
+        return profile.device_of(profile.load(Path(args.profile), "--profile"), _per_node(args))
     return None
+
+
+def _per_node(args: argparse.Namespace) -> int:
+    """Devices (on a CPU: processes) per node."""
+    per_node = args.gpus_per_node or min(8, args.gpus)
+    if args.gpus % per_node:
+        raise UserError(f"--gpus-per-node {per_node} must divide --gpus {args.gpus}; the nodes are equal.")
+    return per_node
 
 
 def _cluster(args: argparse.Namespace, profiled: Device | None) -> Cluster:
     """The devices to plan for. A CPU "node" is this machine (or the profile's): its ranks share its memory."""
-    per_node = args.gpus_per_node or min(8, args.gpus)
-    if args.gpus % per_node:
-        raise UserError(f"--gpus-per-node {per_node} must divide --gpus {args.gpus}; the nodes are equal.")
+    per_node = _per_node(args)
     if profiled is not None:
         device = replace(profiled, memory_bytes=profiled.memory_bytes // per_node) if profiled.name == "cpu" \
             else profiled
     elif args.gpu == "cpu":
-        import torch
-
-        from scaletrain.job.metrics import measure_peak_tflops
+        from scaletrain.planner.machine import this_cpu
 
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        device = cpu_device(measure_peak_tflops(torch.device("cpu")), host // per_node)
+        device = this_cpu(host // per_node, per_node)
     else:
         device = DEVICES[args.gpu or "H100"]
     cluster = Cluster(device, args.gpus, per_node)

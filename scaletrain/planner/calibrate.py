@@ -4,8 +4,11 @@
 N processes are started as ``--nproc N`` starts a run's (runtime/spawn.py; under
 mpirun with ``--backend mpi4py``, the processes mpirun started), each on its
 device as a run's rank would be: its GPU with nccl, else its share of the CPU's
-cores (runtime/launch.py). Every rank measures at once, as a run's ranks
-compute at once, and rank 0's figures are kept:
+cores (runtime/launch.py). On GPUs every rank measures its own at once and rank
+0's figures are kept; a CPU's arithmetic is measured by rank 0 alone, its
+threads undisturbed, since the processes of a run share the cores in a way
+planner/hardware.py `shared_cpu` computes for any number of them. Then every
+rank measures the collectives together:
 
     matrix products   TFLOP/s of [m, k] @ [k, k] over a grid of m and k (bf16 on a GPU, fp32 on a
                       CPU): the device's MatmulCurve (planner/curves.py)
@@ -19,6 +22,8 @@ compute at once, and rank 0's figures are kept:
                       residuals; 16 positions of width 32) forward and backward: its kernels' launch
                       and dispatch with no arithmetic to speak of, which is what a block of any size
                       pays per micro-batch beyond its FLOPs (``block_overhead_s``)
+    the engine        the trainer's fixed cost of a step beyond its blocks (``step_overhead_s``,
+                      planner/calibrate_engine.py: the smallest preset trained by scaletrain train)
     collectives       every operation the layouts use, at each group size and message size
                       (planner/calibrate_collectives.py), fitted to alpha-beta
 
@@ -46,6 +51,7 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.paths import writable_file
 from scaletrain.planner import calibrate_collectives
+from scaletrain.planner.calibrate_engine import step_overhead_s
 from scaletrain.planner.profile import FORMAT, chosen_path, device_name, device_of, save
 from scaletrain.runtime.launch import check_backend, detect_environment, init_distributed, shutdown
 from scaletrain.runtime.spawn import spawn_local
@@ -106,6 +112,8 @@ def calibrate(nproc: int | None, backend: str | None, given: str | None, quick: 
     measured = _worker(*request) if chosen == "mpi4py" else spawn_local(nproc, _worker, request)[0]
     if measured is None:
         return None, path
+    # mpirun's variables would make the timed run one of its ranks: an MPI machine's steps go unpriced
+    measured["step_overhead_s"] = 0.0 if chosen == "mpi4py" else step_overhead_s(measured["block_overhead_s"])
     machine = {"device": device, "on_gpu": on_gpu, "backend": chosen, "processes": nproc,
                "threads_per_process": measured.pop("threads"), "dtype": "bf16" if on_gpu else "fp32",
                "memory_bytes": _memory_bytes(on_gpu), "hostname": socket.gethostname(),
@@ -133,13 +141,22 @@ def _worker(backend: str, ladders: Ladders) -> dict | None:
     try:
         device = runtime.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        figures = {"matmul": {"sides": list(ladders.sides), "tflops": _matmul_grid(device, dtype, ladders)},
-                   "attention": _attention(device, dtype, ladders),
-                   "memory": _memory(device, ladders),
-                   "block_overhead_s": _block_overhead(device, dtype, ladders.repeats),
-                   "collectives": calibrate_collectives.measure(runtime, ladders.messages, ladders.repeats),
-                   "threads": torch.get_num_threads(), "ladders": asdict(ladders)}
-        return figures if env.rank == 0 else None
+        # GPUs are measured all at once, each its own; a CPU's processes share its cores, so rank 0
+        # measures one process's threads alone while the others wait (planner/hardware.py `shared_cpu`
+        # shares them out for a run of any number of processes)
+        alone = device.type == "cpu"
+        figures = None
+        if env.rank == 0 or not alone:
+            figures = {"matmul": {"sides": list(ladders.sides), "tflops": _matmul_grid(device, dtype, ladders)},
+                       "attention": _attention(device, dtype, ladders), "memory": _memory(device, ladders),
+                       "block_overhead_s": _block_overhead(device, dtype, ladders.repeats)}
+        if alone and runtime.torch_group:
+            torch.distributed.barrier()
+        collectives = calibrate_collectives.measure(runtime, ladders.messages, ladders.repeats)
+        if env.rank:
+            return None
+        return {**figures, "collectives": collectives, "threads": torch.get_num_threads(),
+                "ladders": asdict(ladders)}
     finally:
         shutdown(runtime)
 
@@ -245,7 +262,8 @@ def summary(profile: dict, path: Path) -> str:
               f"{profile['attention']['tflops']:.3g} TFLOP/s, {device.attention_share:.2f} of the peak {peak:.3g}",
               f"  memory: an add {memory['elementwise_gbps']:.1f} GB/s; AdamW {memory['adamw_gbps']:.1f} GB/s "
               f"({device.memory_share:.2f} of it)",
-              f"  launches: a small block forward and backward {profile['block_overhead_s'] * 1e3:.3f} ms"]
+              f"  launches: a small block forward and backward {profile['block_overhead_s'] * 1e3:.3f} ms",
+              f"  the trainer's fixed cost of a step: {profile['step_overhead_s'] * 1e3:.1f} ms"]
     if device.collectives:
         lines.append("  collectives, alpha + bytes / beta:  op  group  alpha (us)  beta (GB/s of the ledger's bytes)")
         lines += [f"    {op:<15}{size:>4}{fit.alpha_s * 1e6:>12.1f}{fit.bytes_per_s / 1e9:>10.3f}"

@@ -64,6 +64,7 @@ class Device:
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
     block_overhead_s: float = 3e-4  # launching one block's forward and backward kernels, per micro-batch
+    step_overhead_s: float = 0.0  # the trainer's fixed cost of a step beyond its blocks (measured by calibration)
     link_efficiency: float = 0.8  # share of the link's rate a collective reaches
     matmul: MatmulCurve = H200_BF16  # the matrix products' rate by size (planner/curves.py)
     # cuDNN's flash kernels forward and backward on an H200 at head size 64: 364 and 342 TFLOP/s on the
@@ -73,6 +74,11 @@ class Device:
     materialized_attention: bool = False  # scores written out, as before flash attention (planner/compute.py)
     # every collective timed on this node, per group size (planner/collective_fits.py; None: the links' figures)
     collectives: CollectiveTable | None = None
+    # A CPU's collectives (gloo's copies and loopback transfers) run on the cores the compute uses: none hides
+    # behind it. Where a node's processes outnumber its cores, a rank idle in a pipeline's bubble lends its core
+    # to a busy one: the bubble costs no time (`shared_cpu`).
+    hides_communication: bool = True
+    lends_idle_cores: bool = False
 
 
 DEVICES = {
@@ -98,9 +104,33 @@ def cpu_device(peak_tflops: float, memory_bytes: int) -> Device:
     """This machine as a device: ``peak_tflops`` measured (or given), host memory."""
     peaks = dict.fromkeys(("bf16", "fp16", "fp32", "fp8"), peak_tflops)
     return Device("cpu", peaks, memory_bytes, CPU_LINK_GBPS, CPU_LINK_GBPS, intra_latency_s=CPU_LATENCY_S,
-                  inter_latency_s=CPU_LATENCY_S, link_efficiency=1.0, block_overhead_s=CPU_BLOCK_OVERHEAD_S,  # a measured bus bandwidth already
+                  inter_latency_s=CPU_LATENCY_S, block_overhead_s=CPU_BLOCK_OVERHEAD_S,
+                  link_efficiency=1.0,  # a measured bus bandwidth already
                   matmul=flat(CPU_EFFICIENCY, "an assumed share of one measured product"),
-                  attention_share=CPU_EFFICIENCY)
+                  attention_share=CPU_EFFICIENCY, hides_communication=False)
+
+
+def run_threads(cores: int, processes: int) -> int:
+    """The threads a run gives each of its ``processes`` processes on ``cores`` (runtime/launch.py)."""
+    return max(1, cores // processes)
+
+
+def shared_cpu(device: Device, measured_threads: int, cores: int, processes: int) -> Device:
+    """A CPU whose figures one process of ``measured_threads`` threads measured alone, as each of a run's
+    ``processes`` processes on its ``cores`` sees it. Each process computes with its threads' share of the
+    measured ones, and where the run's threads outnumber the cores they take turns on them:
+
+        rate = measured * (threads / measured_threads) / max(1, processes * threads / cores)
+
+    for the arithmetic and the memory traffic alike; launching a block's operators (one thread) waits its
+    turn only, as does the trainer's fixed cost of a step. The processes then also lend their cores in a
+    pipeline's bubble (`Device.lends_idle_cores`)."""
+    threads = run_threads(cores, processes)
+    turns = max(1.0, processes * threads / cores)
+    rate = threads / measured_threads / turns
+    return replace(device, tflops={name: value * rate for name, value in device.tflops.items()},
+                   memory_gbps=device.memory_gbps * rate, block_overhead_s=device.block_overhead_s * turns,
+                   step_overhead_s=device.step_overhead_s * turns, lends_idle_cores=turns > 1)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,14 @@ from the process that launches the run's, before they start.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from scaletrain.errors import UserError
 from scaletrain.planner import profile
 from scaletrain.planner.fit import device_memory
-from scaletrain.planner.hardware import DEVICES, Cluster, Device, cpu_device
+from scaletrain.planner.hardware import DEVICES, Cluster, Device, cpu_device, shared_cpu
 
 
 def this_machine(world: int, processes_here: int, on_gpu: bool, local_rank: int = 0, *,
@@ -34,11 +35,11 @@ def this_machine(world: int, processes_here: int, on_gpu: bool, local_rank: int 
     (nccl on a GPU, else gloo), whose profile is read."""
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     memory = device_memory(device, processes_here)
-    planned = profile.for_this_machine(on_gpu, backend)
+    planned = profile.for_this_machine(on_gpu, backend, processes=processes_here)
     if planned is None and calibrate_if_missing:
         planned = _calibrated(on_gpu, backend, processes_here)
     if planned is None:
-        planned = _gpu_preset(torch.cuda.get_device_name(device)) if on_gpu else _this_cpu(memory)
+        planned = _gpu_preset(torch.cuda.get_device_name(device)) if on_gpu else this_cpu(memory, processes_here)
     return Cluster(planned, world, min(processes_here, world)).with_memory(memory)
 
 
@@ -55,7 +56,7 @@ def _calibrated(on_gpu: bool, backend: str | None, processes_here: int) -> Devic
     print(f"this machine has no profile yet: measuring it once (scaletrain plan --calibrate, about a minute) "
           f"into {path}")
     measured, _ = calibrate(None if on_gpu else max(processes_here, 2), backend, None, quick=False)
-    return profile.device_of(measured)
+    return profile.device_of(measured, processes_here)
 
 
 def _gpu_preset(name: str) -> Device:
@@ -70,5 +71,8 @@ def _measured_cpu_peak() -> float:
     return measure_peak_tflops(torch.device("cpu"))
 
 
-def _this_cpu(memory: int) -> Device:
-    return cpu_device(_measured_cpu_peak(), memory)
+def this_cpu(memory: int, processes: int) -> Device:
+    """This CPU uncalibrated: its matmul peak measured by this process's threads, shared by ``processes``
+    processes (planner/hardware.py `shared_cpu`)."""
+    return shared_cpu(cpu_device(_measured_cpu_peak(), memory), torch.get_num_threads(), os.cpu_count() or 1,
+                      processes)

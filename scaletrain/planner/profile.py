@@ -1,7 +1,7 @@
 """Machine profiles: what ``scaletrain plan --calibrate`` measured on a machine, as a file, and
 the planner's device made from it.
 
-A profile is one JSON object (``FORMAT`` 1):
+A profile is one JSON object (``FORMAT`` 2):
 
     machine      the device measured ("NVIDIA H200", or a CPU's model and core count), whether it
                  is a GPU, the backend, processes and threads per process, the dtype of the
@@ -13,6 +13,7 @@ A profile is one JSON object (``FORMAT`` 1):
     memory       {"elementwise_gbps", "adamw_gbps"}: GB/s of a large add, and of torch's AdamW
                  over a large flat tensor (28 bytes a weight: compute.py's optimizer bytes)
     block_overhead_s  a small block's forward and backward, every kernel launched, none busy
+    step_overhead_s   the trainer's fixed cost of a step beyond its blocks (planner/calibrate_engine.py)
     collectives  {"measured": {op: {group size: {"bytes", "seconds"}}}, "fits": {op: {group size:
                  {"alpha_s", "bytes_per_s"}}}} (planner/collective_fits.py)
 
@@ -42,6 +43,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,9 +53,9 @@ from scaletrain.errors import UserError
 from scaletrain.paths import readable_file
 from scaletrain.planner.collective_fits import CollectiveTable
 from scaletrain.planner.curves import MatmulCurve
-from scaletrain.planner.hardware import DEVICES, GB, Device, cpu_device
+from scaletrain.planner.hardware import DEVICES, GB, Device, cpu_device, shared_cpu
 
-FORMAT = 1
+FORMAT = 2  # 2: a CPU's arithmetic measured by one process alone (planner/calibrate.py)
 PROFILE_VARIABLE = "SCALETRAIN_PROFILE"
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 
@@ -131,9 +133,10 @@ def check_here(profile: dict, path: Path, named_by: str, on_gpu: bool) -> None:
 
 
 def for_this_machine(on_gpu: bool, backend: str | None = None, given: str | None = None,
-                     required: bool = False) -> Device | None:
-    """This machine's calibrated device from its profile (module docstring); None where there is none
-    and none was named, unless ``required`` (``plan --gpu here``): then one sentence."""
+                     required: bool = False, processes: int | None = None) -> Device | None:
+    """This machine's calibrated device from its profile (module docstring), as each of ``processes``
+    processes on it sees it (`device_of`); None where there is none and none was named, unless
+    ``required`` (``plan --gpu here``): then one sentence."""
     backend = backend or default_backend(on_gpu)
     if on_gpu and not torch.cuda.device_count():  # a GPU priced where there is none: no profile of it here
         if required:
@@ -147,9 +150,16 @@ def for_this_machine(on_gpu: bool, backend: str | None = None, given: str | None
             raise UserError(f"no machine profile of this machine's {device} with {backend} at {path}; measure one "
                             f"with scaletrain plan --calibrate (about a minute), or name one with --profile FILE.")
         return None
-    profile = load(path, named_by)
+    try:
+        profile = load(path, named_by)
+    except UserError as exc:
+        if named_by != "the default location" or required:
+            raise
+        # a profile nobody named, of an older version: the run goes on as if there were none
+        warnings.warn(f"{exc} Until then the planner uses the datasheet figures.", stacklevel=2)
+        return None
     check_here(profile, path, named_by, on_gpu)
-    return device_of(profile)
+    return device_of(profile, processes)
 
 
 def gpu_preset(name: str) -> Device | None:
@@ -157,8 +167,10 @@ def gpu_preset(name: str) -> Device | None:
     return next((device for key, device in DEVICES.items() if key in name.upper()), None)
 
 
-def device_of(profile: dict) -> Device:
-    """The planner's device from a profile's measurements (module docstring)."""
+def device_of(profile: dict, processes: int | None = None) -> Device:
+    """The planner's device from a profile's measurements (module docstring); a CPU's as each of
+    ``processes`` processes on its cores sees it (planner/hardware.py `shared_cpu`; default: as many as
+    the calibration started)."""
     machine, matmul = profile["machine"], profile["matmul"]
     grid = tuple(tuple(float(value) for value in row) for row in matmul["tflops"])
     fastest = max(max(row) for row in grid)
@@ -176,8 +188,12 @@ def device_of(profile: dict) -> Device:
                      attention_share=profile["attention"]["tflops"] / peak,
                      memory_gbps=memory["elementwise_gbps"],
                      memory_share=memory["adamw_gbps"] / memory["elementwise_gbps"],
-                     block_overhead_s=profile["block_overhead_s"], collectives=table if table.fits else None)
-    return _with_links(device, table, on_gpu=machine["on_gpu"])
+                     block_overhead_s=profile["block_overhead_s"], step_overhead_s=profile["step_overhead_s"],
+                     collectives=table if table.fits else None)
+    device = _with_links(device, table, on_gpu=machine["on_gpu"])
+    if machine["on_gpu"]:
+        return device
+    return shared_cpu(device, machine["threads_per_process"], machine["cpus"], processes or machine["processes"])
 
 
 def _with_links(device: Device, table: CollectiveTable, on_gpu: bool) -> Device:

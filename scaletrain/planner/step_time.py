@@ -11,7 +11,9 @@ busiest rank, plus that rank's memory-bound seconds (planner/compute.py):
     compute = F_matmul / (world * rate_matmul) + F_attention / (world * rate_attention) + memory_s
 
 plus the launch overhead of every block of every micro-batch on the busiest
-rank (planner/hardware.py). Recomputation adds the forward of what it reruns: a recomputed block's
+rank and the trainer's fixed cost of a step (planner/hardware.py; both
+measured by ``scaletrain plan --calibrate``). Recomputation adds the forward
+of what it reruns: a recomputed block's
 ``2*N_block + 4*a*d*s`` per token (its linear layers' weights, counted as
 ``flops_per_token`` counts them, and its attention), and under ``selective``
 only the attention's ``4*a*d*s``.
@@ -36,6 +38,11 @@ other collectives, one per point-to-point message. What the step waits for:
 Bubble. The pipeline's schedule (schedules.py) is simulated with forward,
 input-gradient and weight-gradient costs 1 : 1 : 1; the idle share ``beta``
 of the simulated round stretches the busy time to ``busy / (1 - beta)``.
+
+A CPU (planner/hardware.py `shared_cpu`) hides no collective (gloo's copies and
+transfers need the cores the compute uses), and where a node's processes
+outnumber its cores the bubble is free: a rank that waits lends its core to one
+that computes.
 """
 
 from __future__ import annotations
@@ -96,12 +103,12 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
     p, t = cfg.parallel, cfg.train
     attention_s = flops["attention"] / (clock.attention_flops_s * world)
     compute = (flops["model"] - flops["attention"]) / (clock.matmul_flops_s * world) + attention_s \
-        + clock.memory_s + block_runs * cluster.device.block_overhead_s
+        + clock.memory_s + block_runs * cluster.device.block_overhead_s + cluster.device.step_overhead_s
     recompute = flops["recompute"] / (clock.matmul_flops_s * world)
     micro, virtual = p.pipeline_sizes()
     share = bubble_share(p.pp_schedule, p.pp, micro, virtual)
     busy = compute + recompute
-    bubble_s = busy * share / (1 - share)
+    bubble_s = 0.0 if cluster.device.lends_idle_cores else busy * share / (1 - share)
     dims = cfg.parallel.mesh_dims(world)
     data_groups = {groups.dense, groups.experts, groups.zero_shard, groups.zero_replica} - {None}
     sizes = groups.sizes
@@ -111,7 +118,9 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
     for op, groups in traffic.items():
         for group, entry in groups.items():
             seconds = collective_seconds({op: {group: entry}}, sizes, dims, cluster)[group]
-            if group in data_groups and op in OVERLAPPED_WITH_BACKWARD:
+            if not cluster.device.hides_communication:
+                exposed += seconds
+            elif group in data_groups and op in OVERLAPPED_WITH_BACKWARD:
                 last = seconds / entry["calls"]
                 exposed += max(last, seconds - hidden_behind[group])
             elif group in data_groups and op == "all_gather" and p.zero == 3:

@@ -250,7 +250,8 @@ def summary(profile: dict, path: Path) -> str:
     """The profile's figures as a few lines, and where it was written."""
     machine, matmul, memory = profile["machine"], profile["matmul"], profile["memory"]
     device = device_of(profile)
-    peak = device.tflops[machine["dtype"]]
+    # a CPU's peak as its one measuring process reached it, before a run's processes share it out
+    peak = device.tflops[machine["dtype"]] if machine["on_gpu"] else max(map(max, matmul["tflops"]))
     lines = [f"machine profile: {path} ({machine['seconds']:.0f} s{', quick' if machine['quick'] else ''})",
              f"  {machine['device']}, {machine['backend']}, {machine['processes']} processes of "
              f"{machine['threads_per_process']} threads, torch {machine['torch']}, {machine['hostname']}",

@@ -163,20 +163,7 @@ def _worker(backend: str, ladders: Ladders) -> dict | None:
 
 def _seconds(call: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The median of ``repeats`` timed calls after one untimed."""
-    times = []
-    for repeat in range(repeats + 1):
-        _synchronize(device)
-        start = time.perf_counter()
-        call()
-        _synchronize(device)
-        if repeat:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return statistics.median(calibrate_collectives.repeat_times(call, device, repeats))
 
 
 def _matmul_grid(device: torch.device, dtype: torch.dtype, ladders: Ladders) -> list[list[float]]:

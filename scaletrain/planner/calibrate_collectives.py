@@ -65,15 +65,7 @@ def fitted(measured: dict) -> CollectiveTable:
 def _timed(comm: Comm, group: Group, op: str, nbytes: int, repeats: int, device: torch.device) -> tuple[int, float]:
     """(the ledger's bytes of one call, the median over ``repeats`` of its slowest member's time)."""
     call, ledger_bytes = _call(comm, group, op, nbytes, device)
-    elapsed = []
-    for repeat in range(repeats + 1):  # the first call warms the connection and the buffers up
-        comm.barrier(group)
-        _synchronize(device)
-        start = time.perf_counter()
-        call()
-        _synchronize(device)
-        if repeat:
-            elapsed.append(time.perf_counter() - start)
+    elapsed = repeat_times(call, device, repeats, before=lambda: comm.barrier(group))
     everyone = comm.all_gather_object(elapsed, group)
     return ledger_bytes, statistics.median(max(rank[i] for rank in everyone) for i in range(repeats))
 
@@ -97,6 +89,22 @@ def _call(comm: Comm, group: Group, op: str, nbytes: int, device: torch.device) 
         "send": lambda: comm.send(whole, group, 1) if group.rank == 0 else comm.recv(whole, group, 0),
     }
     return calls[op], elements * FLOAT_BYTES
+
+
+def repeat_times(call: Callable[[], object], device: torch.device, repeats: int,
+                 before: Callable[[], object] = lambda: None) -> list[float]:
+    """Seconds of ``repeats`` calls, each after ``before`` and timed from an idle device to an idle
+    device, after one untimed call that warms connections, buffers and kernels up."""
+    elapsed = []
+    for repeat in range(repeats + 1):
+        before()
+        _synchronize(device)
+        start = time.perf_counter()
+        call()
+        _synchronize(device)
+        if repeat:
+            elapsed.append(time.perf_counter() - start)
+    return elapsed
 
 
 def _synchronize(device: torch.device) -> None:

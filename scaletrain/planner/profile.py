@@ -145,7 +145,7 @@ def for_this_machine(on_gpu: bool, backend: str | None = None, given: str | None
         return None
     device = device_name(on_gpu)
     path, named_by = chosen_path(given, device, backend)
-    if named_by == "the default location" and not path.exists():
+    if named_by == "the default location" and not os.path.exists(path):  # unreadable folders too: no profile
         if required:
             raise UserError(f"no machine profile of this machine's {device} with {backend} at {path}; measure one "
                             f"with scaletrain plan --calibrate (about a minute), or name one with --profile FILE.")

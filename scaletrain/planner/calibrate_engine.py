@@ -38,8 +38,8 @@ def step_overhead_s(block_overhead_s: float) -> float:
         corpus.write_text(TEXT)
         out = Path(root, "run")
         done = subprocess.run(
-            [sys.executable, "-m", "scaletrain", "train", "--model", TINY_PRESET, "--data", str(corpus), "--seq-len", "16",
-             "--micro-batch", "1", "--steps", str(STEPS), "--warmup-steps", "1", "--eval-every", "0",
+            [sys.executable, "-m", "scaletrain", "train", "--model", TINY_PRESET, "--data", str(corpus),
+             "--seq-len", "16", "--micro-batch", "1", "--steps", str(STEPS), "--warmup-steps", "1", "--eval-every", "0",
              "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--force", "--out", str(out),
              "--cache-dir", str(Path(root, "cache"))], capture_output=True, text=True, timeout=600)
         if done.returncode:

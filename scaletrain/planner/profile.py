@@ -42,8 +42,8 @@ import functools
 import json
 import os
 import re
+import sys
 import tempfile
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -156,7 +156,7 @@ def for_this_machine(on_gpu: bool, backend: str | None = None, given: str | None
         if named_by != "the default location" or required:
             raise
         # a profile nobody named, of an older version: the run goes on as if there were none
-        warnings.warn(f"{exc} Until then the planner uses the datasheet figures.", stacklevel=2)
+        print(f"warning: {exc} Until then the planner uses the datasheet figures.", file=sys.stderr)
         return None
     check_here(profile, path, named_by, on_gpu)
     return device_of(profile, processes)

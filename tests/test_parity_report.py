@@ -38,6 +38,8 @@ def test_a_layout_that_trains_where_the_reference_trained_nothing_fails():
     table = format_table(trained_apart)
     assert "note: step 2: the reference trained no token (loss 0) but the layout's loss is 0.25" in table
     assert table.endswith("FAIL") and trained_apart.to_json()["pass"] is False
+    said = json.loads(json.dumps(trained_apart.to_json(), allow_nan=False))  # valid JSON: no Infinity
+    assert said["max_loss_rel_diff"] is None and said["max_grad_norm_rel_diff"] is None
     assert not report([2.5, 0.25], [2.5, 0.0]).passed  # the other way round: a plain relative difference of 1
 
 

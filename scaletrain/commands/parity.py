@@ -133,13 +133,26 @@ class ParityReport:
         return said
 
     def to_json(self) -> dict:
-        return {"pass": self.passed, "steps": len(self.reference_losses),
-                "max_loss_rel_diff": self.max_loss_rel_diff, "max_param_rel_diff": self.max_param_rel_diff,
-                "max_grad_norm_rel_diff": self.max_grad_norm_rel_diff,
-                "tolerance": self.tolerance, "layout": self.layout,
-                "worst_tensor": dict(zip(("name", "rel_diff"), self.worst_tensor)),
-                "reference_losses": self.reference_losses, "layout_losses": self.layout_losses,
-                "untrained_steps": self.untrained_steps, "notes": self.remarks}
+        """The report as JSON holds it: a difference that is not a number (infinite where the layout trained
+        where the reference trained nothing, `rel_diff`; NaN in a diverged run) is null, which JSON has."""
+        return _finite({"pass": self.passed, "steps": len(self.reference_losses),
+                        "max_loss_rel_diff": self.max_loss_rel_diff, "max_param_rel_diff": self.max_param_rel_diff,
+                        "max_grad_norm_rel_diff": self.max_grad_norm_rel_diff,
+                        "tolerance": self.tolerance, "layout": self.layout,
+                        "worst_tensor": dict(zip(("name", "rel_diff"), self.worst_tensor)),
+                        "reference_losses": self.reference_losses, "layout_losses": self.layout_losses,
+                        "untrained_steps": self.untrained_steps, "notes": self.remarks})
+
+
+def _finite(value):
+    """``value`` with every infinite or NaN float, however deep in lists and dicts, made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    return value
 
 
 def rel_diff(got: float | None, ref: float | None) -> float:
@@ -181,7 +194,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = length_from_command(resolve(args, DEFAULTS), set(given_values(args)))
     report = run_parity(cfg, tolerance=args.tolerance)
-    print(json.dumps(report.to_json()) if args.json else format_table(report))
+    print(json.dumps(report.to_json(), allow_nan=False) if args.json else format_table(report))
     return 0 if report.passed else 1
 
 

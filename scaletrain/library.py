@@ -114,8 +114,7 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
     try:
         if cfg.parallel.layout == AUTO:  # rank 0 chooses ZeRO's stage, every rank takes it
-            zero, sentence = agreed(lambda: module_layout(model, checked, dims, machine, options, force),
-                                    runtime.is_main, runtime.backend)
+            zero, sentence = agreed(lambda: module_layout(model, checked, dims, machine, options, force), runtime)
             cfg = cfg.replace(zero=zero)
             if runtime.is_main:
                 print(sentence)

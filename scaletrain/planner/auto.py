@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from scaletrain.config import AUTO, Config
@@ -58,6 +57,7 @@ from scaletrain.planner.search import (
     search,
     size_text,
 )
+from scaletrain.runtime.launch import DistRuntime, connect
 from scaletrain.runtime.mesh import ParallelDims
 
 PLAN_FILE = "plan.json"
@@ -142,23 +142,17 @@ def plan_for_run(cfg: Config, world: int, processes_here: int, on_gpu: bool, kep
     return Planned(best.cfg.replace(layout=AUTO, report_memory=True), record, cluster)
 
 
-def agreed(decide: Callable[[], Any], is_main: bool, backend: str | None) -> Any:
-    """Rank 0's ``decide()`` on every rank, its refusal too, broadcast on the default group (torch's,
-    or MPI's with the mpi4py backend; one process has none)."""
+def agreed(decide: Callable[[], Any], runtime: DistRuntime) -> Any:
+    """Rank 0's ``decide()`` on every rank, its refusal too, through the runtime's Comm over the whole
+    world (before the run's mesh exists; one process has nothing to send)."""
     outcome = None
-    if is_main:
+    if runtime.is_main:
         try:
             outcome = decide()
         except UserError as exc:
             outcome = exc
-    if backend in ("nccl", "gloo"):
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    elif backend == "mpi4py":
-        from scaletrain.runtime.mpi import import_mpi
-
-        outcome = import_mpi().COMM_WORLD.bcast(outcome, root=0)
+    mesh, comm = connect(runtime, ParallelDims(dp=runtime.env.world_size))
+    outcome = comm.all_gather_object(outcome, mesh.group("world"))[0]
     if isinstance(outcome, UserError):
         raise UserError(str(outcome))
     return outcome
@@ -171,7 +165,7 @@ def plan_in_workers(cfg: Config, kept: frozenset[str] | None, runtime) -> tuple[
         return cfg, None
     env = runtime.env
     planned = agreed(lambda: plan_for_run(cfg, env.world_size, env.local_world_size, runtime.device.type == "cuda",
-                                          kept, local_rank=env.local_rank), runtime.is_main, runtime.backend)
+                                          kept, local_rank=env.local_rank), runtime)
     return planned.cfg, planned
 
 

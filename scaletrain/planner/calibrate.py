@@ -53,7 +53,14 @@ from scaletrain.paths import writable_file
 from scaletrain.planner import calibrate_collectives
 from scaletrain.planner.calibrate_engine import step_overhead_s
 from scaletrain.planner.profile import FORMAT, chosen_path, device_name, device_of, save
-from scaletrain.runtime.launch import check_backend, detect_environment, init_distributed, shutdown
+from scaletrain.runtime.launch import (
+    check_backend,
+    connect,
+    detect_environment,
+    init_distributed,
+    shutdown,
+)
+from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.runtime.spawn import spawn_local
 
 KIB, MIB = 2**10, 2**20
@@ -150,8 +157,9 @@ def _worker(backend: str, ladders: Ladders) -> dict | None:
             figures = {"matmul": {"sides": list(ladders.sides), "tflops": _matmul_grid(device, dtype, ladders)},
                        "attention": _attention(device, dtype, ladders), "memory": _memory(device, ladders),
                        "block_overhead_s": _block_overhead(device, dtype, ladders.repeats)}
-        if alone and runtime.torch_group:
-            torch.distributed.barrier()
+        if alone:
+            mesh, comm = connect(runtime, ParallelDims(dp=env.world_size))
+            comm.barrier(mesh.group("world"))
         collectives = calibrate_collectives.measure(runtime, ladders.messages, ladders.repeats)
         if env.rank:
             return None

@@ -76,7 +76,7 @@ def test_calibrating_this_cpu_measures_every_collective_on_two_gloo_processes(ca
     assert all(value > 0 for row in measured["matmul"]["tflops"] for value in row)
     assert measured["attention"]["tflops"] > 0 and measured["block_overhead_s"] > 0
     assert measured["memory"]["elementwise_gbps"] > 0 and measured["memory"]["adamw_gbps"] > 0
-    assert measured["step_overhead_s"] >= 0  # the trainer's own steps, timed (planner/calibrate_engine.py)
+    assert measured["step_overhead_s"] > 0  # the trainer's own steps, timed (planner/calibrate_engine.py)
     assert "machine profile: " in printed and "all_to_all" in printed and "fixed cost of a step" in printed
 
 

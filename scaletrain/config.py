@@ -29,6 +29,25 @@ from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.runtime.ray_launch import RayPlacement
 
 
+# Lightning's and LitGPT's name for pure bf16: one word for the four settings it stands for.
+BF16_TRUE = "bf16-true"
+BF16_TRUE_SETTINGS = {"precision": "bf16", "param_dtype": "bf16", "masters": "none", "reduce_dtype": "bf16"}
+
+
+def expand_precision(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (fields by name) with ``precision="bf16-true"`` replaced by the four settings it
+    means; one of those given otherwise in the same ``values`` is a contradiction, refused."""
+    if values.get("precision") != BF16_TRUE:
+        return values
+    for name, value in BF16_TRUE_SETTINGS.items():
+        if name != "precision" and values.get(name, value) != value:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"--precision bf16-true means --precision bf16 --param-dtype bf16 --masters none "
+                            f"--reduce-dtype bf16, which {flag} {values[name]} contradicts; drop {flag}, or give "
+                            f"the four settings yourself.")
+    return {**values, **BF16_TRUE_SETTINGS}
+
+
 @dataclass
 class TrainConfig:
     steps: int = option(300, "optimizer steps (with --epochs: derived from the training rows, and recorded)")
@@ -57,8 +76,11 @@ class TrainConfig:
                                                   "to find tasks in besides its registry")
     eval_tasks_limit: int | None = option(None, "with --eval-tasks: at most this many documents per task")
     precision: str = option("fp32", "compute precision: fp32, bf16 autocast, fp16 autocast with dynamic loss "
-                                    "scaling, or fp8: bf16 autocast with the blocks' linear products in float8 "
-                                    "(docs/techniques.md)", choices=("fp32", "bf16", "fp16", "fp8"))
+                                    "scaling, fp8: bf16 autocast with the blocks' linear products in float8, or "
+                                    "bf16-true: pure bf16, short for --precision bf16 --param-dtype bf16 --masters "
+                                    "none --reduce-dtype bf16 (weights, gradients and optimizer state in bf16, no "
+                                    "fp32 copy; any layout, ZeRO included; docs/techniques.md)",
+                            choices=("fp32", "bf16", "fp16", "fp8", BF16_TRUE))
     param_dtype: str = option("fp32", "dtype of the working weights; bf16 keeps fp32 master copies for "
                                       "the optimizer (needs --precision bf16 or fp8)", choices=("fp32", "bf16"))
     masters: str = option("fp32", "'none' with --param-dtype bf16: pure bf16, the optimizer steps the bf16 weights "
@@ -247,9 +269,10 @@ class Config:
         return {name: getattr(getattr(self, section), name) for name, (section, _) in _FIELDS_BY_NAME.items()}
 
     def replace(self, **changes: Any) -> "Config":
-        """A copy with fields changed, by field name (``replace(steps=5, dp=2)``)."""
+        """A copy with fields changed, by field name (``replace(steps=5, dp=2)``); ``precision="bf16-true"``
+        sets the four fields it stands for (`expand_precision`)."""
         copy = Config(**{name: dataclasses.replace(getattr(self, name)) for name in SECTIONS})
-        for key, value in changes.items():
+        for key, value in expand_precision(changes).items():
             section, fld = _FIELDS_BY_NAME[key]
             setattr(getattr(copy, section), fld.name, value)
         return copy

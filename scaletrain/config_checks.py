@@ -254,10 +254,10 @@ def _check_pure_bf16(cfg: Config) -> None:
                         "for bf16 weights; add --param-dtype bf16 (with --precision bf16).")
     if p.reduce_dtype != "bf16":
         raise UserError("--masters none keeps the gradients in bf16 as well; add --reduce-dtype bf16.")
-    for flag, used in (("--zero", p.zero > 0), ("--offload optimizer", t.offload != "none")):
-        if used:
-            raise UserError(f"--masters none steps the bf16 weights in place, and {flag} steps fp32 master "
-                            f"copies; drop one of the two.")
+    if t.offload != "none":
+        raise UserError("--offload optimizer moves the optimizer's own copy of the weights (the fp32 masters) and "
+                        "its state to the host, and --masters none keeps no copy apart from the bf16 weights the "
+                        "device computes with, which it steps in place; drop one of the two.")
 
 
 def _check_hybrid(p: ParallelConfig) -> None:

@@ -99,9 +99,11 @@ def _measure(rank: int, n: int, configs: dict, spec) -> dict:
     return measured
 
 
-def measure_layouts(preset: str, corpus: Path, root: Path) -> tuple[dict, int]:
-    """Every layout above of ``preset`` (4 blocks, 32 positions, 4 sequences a micro-batch),
-    run for two steps: ({(n, name): (cfg, ledgers by rank)}, the vocabulary's size)."""
+def measure_layouts(preset: str, corpus: Path, root: Path,
+                    layouts=((1, ONE_PROCESS), (2, TWO_PROCESSES), (4, FOUR_PROCESSES))) -> tuple[dict, int]:
+    """Every layout of ``layouts`` ((processes, {name: changes}) pairs; default: those above) of
+    ``preset`` (4 blocks, 32 positions, 4 sequences a micro-batch), run for two steps:
+    ({(n, name): (cfg, ledgers by rank)}, the vocabulary's size)."""
     from scaletrain.config import Config
 
     base = Config().replace(name=preset, n_layers=4, data=str(corpus), seq_len=32, micro_batch=4, steps=2,
@@ -109,8 +111,8 @@ def measure_layouts(preset: str, corpus: Path, root: Path) -> tuple[dict, int]:
                             report_memory=True, out=str(root / "run"), cache_dir=str(root / "cache"))
     spec = prepare_data(base, Path(base.data.cache_dir))
     results = {}
-    for n, layouts in ((1, ONE_PROCESS), (2, TWO_PROCESSES), (4, FOUR_PROCESSES)):
-        configs = {name: base.replace(**changes) for name, changes in layouts.items()}
+    for n, changes_by_name in layouts:
+        configs = {name: base.replace(**changes) for name, changes in changes_by_name.items()}
         by_rank = run_distributed(_measure, n, configs, spec, timeout_s=300)
         for name, cfg in configs.items():
             results[(n, name)] = (cfg, [ranks[name] for ranks in by_rank])

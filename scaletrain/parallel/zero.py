@@ -34,6 +34,15 @@ optimizer state, so K = 12; gradients reduced in fp32, ``--reduce-dtype``):
     stage 2        2P + 4P/N + 12P/N
     stage 3        2P/N + 4P/N + 12P/N
 
+and pure bf16 (``--precision bf16-true``: ``--masters none``, gradients reduced in bf16) keeps no
+fp32 copy at all: each rank's optimizer steps its bf16 shard of the working weights in place (with
+``--stochastic-rounding``, optim/stochastic_rounding.py), from its bf16 gradient shard, AdamW's
+moments in bf16 beside it (K = 4):
+
+    stage 1        2P + 2P   + 4P/N
+    stage 2        2P + 2P/N + 4P/N
+    stage 3        2P/N + 2P/N + 4P/N
+
 Each ``P/N`` is really ``S`` per unit (padding), plus a 4-byte step counter per
 tensor the optimizer updates. Outside these totals: the units in use (stage 3:
 the one computing, the one prefetched, the root unit from forward's start to
@@ -139,7 +148,9 @@ class ZeroDataParallel:
 
     ``param_dtype`` is the working weights' dtype, ``reduce_dtype`` that of the
     gradient reduction, ``master_device`` where the fp32 masters and the
-    optimizer live (the host, for ``--offload optimizer``). ``own_units``:
+    optimizer live (the host, for ``--offload optimizer``); ``masters=False``
+    (pure bf16): none, the optimizer steps the working shard and its gradient
+    shard themselves, in their own dtypes. ``own_units``:
     parameters sharded in a unit of their own (stages 1, 2; module docstring).
     ``replica`` (hybrid sharding: ``group`` is a shard group) and ``quantize_weights``
     (int8 gathers): parallel/hybrid.py. Every rank must start from the same weights.
@@ -162,13 +173,13 @@ class ZeroDataParallel:
                  source: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
                  layers: Sequence[nn.Module] | None = None, stages: Sequence[Sequence[nn.Module]] | None = None,
                  gather: str = "micro-batch", params: Sequence[nn.Parameter] | None = None,
-                 average_over: int | None = None):
+                 average_over: int | None = None, masters: bool = True):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
         if stage == 3 and own_units and stages is None or stage < 3 and quantize_weights != "none":
             raise ValueError("own_units are for stages 1 and 2 and pipelines (ZeRO-3's follow the layers), "
                              "quantized gathers for 3")
-        self.model, self.comm, self.group, self.stage = model, comm, group, stage
+        self.model, self.comm, self.group, self.stage, self.masters = model, comm, group, stage, masters
         self.collectives = ShardCollectives(comm, group, replica, quantize_weights)
         self.average_over = average_over or self.collectives.averaged_over
         self.device = device or next(model.parameters()).device
@@ -235,12 +246,13 @@ class ZeroDataParallel:
         full = flat.to(param_dtype)
         own = flat[start:start + shard_numel]
         shard = full[start:start + shard_numel] if self.stage < 3 else own.to(param_dtype, copy=True)
-        master = shard if param_dtype == torch.float32 and self.master_device == self.device else \
-            self._host_or_device(own)
+        # Stepped in place: fp32 working weights, or pure bf16's, which have no other copy.
+        here = self.master_device == self.device
+        master = shard if here and (param_dtype == torch.float32 or not self.masters) else self._host_or_device(own)
         grad_full = torch.zeros(full.numel(), dtype=reduce_dtype, device=self.device) if self.stage == 1 else None
         grad = grad_full[start:start + shard_numel] if grad_full is not None else \
             torch.zeros(shard_numel, dtype=reduce_dtype, device=self.device)
-        master_grad = grad if reduce_dtype == torch.float32 and self.master_device == self.device else \
+        master_grad = grad if here and (reduce_dtype == torch.float32 or not self.masters) else \
             self._host_or_device(torch.zeros(shard_numel))
         unit = Unit(params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
         for i, param in enumerate(params):

@@ -3,7 +3,7 @@ split evenly over the data-parallel group, and the part of each parameter a rank
 
 Of a unit of N elements over a group of g ranks, rank r keeps the S = ceil(N / g) elements
 [r S, (r + 1) S) of the flat buffer (the last rank's padded), of its working weights, their
-fp32 masters and their reduced gradients; a parameter lies in one rank's shard or across
+fp32 masters (none in pure bf16) and their reduced gradients; a parameter lies in one rank's shard or across
 several, and each rank's `Piece` of it is what its optimizer updates.
 """
 
@@ -35,9 +35,9 @@ class Unit:
     shard_numel: int  # S
     full: torch.Tensor  # every element, working dtype; the parameters are views of it
     shard: torch.Tensor  # this rank's S elements of the working weights
-    master: torch.Tensor  # the same in fp32, where the optimizer runs (may be `shard` itself)
+    master: torch.Tensor  # the same in fp32, where the optimizer runs (`shard` itself in fp32 or pure bf16)
     grad: torch.Tensor  # this rank's S elements of the reduced gradient
-    master_grad: torch.Tensor  # the same in fp32 beside the master (may be `grad` itself)
+    master_grad: torch.Tensor  # the same in fp32 beside the master (`grad` itself where the master is `shard`)
     grad_full: torch.Tensor | None  # stage 1: the unsharded gradients, kept across micro-batches
     module: nn.Module | None = None  # stage 3: the module whose forward uses the unit
     staging: torch.Tensor | None = None  # stages 2, 3: this micro-batch's unsharded gradients

@@ -27,8 +27,9 @@ and column sums of each matrix (and full statistics of vectors) instead of
 8 bytes per element. This is the
 familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW
 (``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32. Pure bf16
-(``--masters none``) has no master, and AdamW's moments and SGD's momentum
-take the weights' 2 bytes: 2 + 2 + 4 = 8. SGD keeps one momentum buffer (or
+(``--masters none``, ``--precision bf16-true``) has no master, and AdamW's moments and SGD's momentum
+take the weights' 2 bytes: 2 + 2 + 4 = 8; under ZeRO its optimizer holds 4*S and no master, its
+gradient shard the bf16 one the reduce-scatter wrote. SGD keeps one momentum buffer (or
 none), 8-bit AdamW 2 bytes and two fp32 scales per block of 2048, the
 codes of a partial last block padded (fp32 moments for tensors under 4096
 elements and the embedding tables, whatever the weights' dtype). A LoRA
@@ -193,13 +194,15 @@ def _pieces_on_rank(unit: list[nn.Parameter], shard: int, rank: int) -> list[tup
 
 
 def _shard_state(cfg: Config, weights: RankWeights, units: list[list[nn.Parameter]], shards: list[int],
-                 rank: int) -> int:
-    """The optimizer state of ``rank``'s shards; 8-bit AdamW keeps the tables' moments in fp32 (AdamW's state)."""
-    t, tables = cfg.train, weights.tables
+                 rank: int, state_bytes: int) -> int:
+    """The optimizer state of ``rank``'s shards; 8-bit AdamW keeps the tables' moments in fp32 (AdamW's state,
+    whatever the weights' dtype). ``state_bytes``: AdamW's moments' element (`optimizer_bytes`)."""
+    t, tables, eight_bit = cfg.train, weights.tables, cfg.train.optimizer == "adamw8bit"
     pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_rank(unit, shard, rank)]
-    return (optimizer_bytes([size for size, p in pieces if id(p) not in tables], t.optimizer, t.momentum)
-            + optimizer_bytes([size for size, p in pieces if id(p) in tables],
-                              "adamw" if t.optimizer == "adamw8bit" else t.optimizer, t.momentum))
+    return (optimizer_bytes([size for size, p in pieces if id(p) not in tables], t.optimizer, t.momentum,
+                            state_bytes=state_bytes)
+            + optimizer_bytes([size for size, p in pieces if id(p) in tables], "adamw" if eight_bit else t.optimizer,
+                              t.momentum, state_bytes=4 if eight_bit else state_bytes))
 
 
 def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], host_is_device: bool) -> dict[str, int]:
@@ -210,7 +213,7 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
     offload = t.offload == "optimizer"
     masters = (w != 4 and t.masters == "fp32") or offload  # pure bf16 (--masters none) steps the weights
     # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.
-    master_grads = r != 4 or (offload and not host_is_device)
+    master_grads = masters and (r != 4 or (offload and not host_is_device))
     if p.zero:
         parts = [_zero_memory(cfg, weights, part, shards[part.experts], w, r, masters, master_grads,
                               offload and not host_is_device)
@@ -221,10 +224,10 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
     n = weights.numel
     state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, weights.tables, 4 if masters else w)
              + (4 * n if masters else 0))
-    extra_grads = 4 * n if masters and master_grads else 0
+    extra_grads = 4 * n if master_grads else 0
     host = state + extra_grads if offload and not host_is_device else 0
     grads, transient = r * n + extra_grads, 0
-    if masters and master_grads and shards[0] == 1 and p.compress == "none" and p.reduce_dtype == t.param_dtype:
+    if master_grads and shards[0] == 1 and p.compress == "none" and p.reduce_dtype == t.param_dtype:
         # Nothing to reduce, so no bucket (parallel/data.py): autograd's gradients, copied into the
         # masters' at the step and freed there, are the device's only until then.
         grads, transient = extra_grads, r * n
@@ -242,7 +245,7 @@ def _zero_memory(cfg: Config, weights: RankWeights, part: ZeroPart, n: int, w: i
     # The ranks' states differ where 8-bit AdamW keeps some pieces in fp32 (the tables', and the
     # small ones): the fullest rank's is the prediction. Otherwise every rank's is rank 0's.
     ranks = range(n) if cfg.train.optimizer == "adamw8bit" else [0]
-    state = max(_shard_state(cfg, weights, part.units, shards, rank) for rank in ranks)
+    state = max(_shard_state(cfg, weights, part.units, shards, rank, 4 if masters else w) for rank in ranks)
     state += 4 * shard_total if masters else 0
     extra_grads = 4 * shard_total if master_grads else 0
     buffers = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import Config, field_of
+from scaletrain.config import BF16_TRUE, BF16_TRUE_SETTINGS, Config, field_of
 
 MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "other", "total")
 # What a layout is trained with beside its own choices and its precision and offload (scaletrain plan's training
@@ -21,7 +21,10 @@ def training_options(cfg: Config) -> dict[str, Any]:
 
 
 def as_flags(changes: dict[str, Any]) -> str:
-    """Configuration fields as the flags a user types: ``{"zero": 3, "sp": True}`` is ``--zero 3 --sp``."""
+    """Configuration fields as the flags a user types: ``{"zero": 3, "sp": True}`` is ``--zero 3 --sp``;
+    the four settings of pure bf16 are ``--precision bf16-true``."""
+    if all(changes.get(name) == value for name, value in BF16_TRUE_SETTINGS.items()):
+        changes = {"precision": BF16_TRUE, **{k: v for k, v in changes.items() if k not in BF16_TRUE_SETTINGS}}
     words = []
     for name, value in changes.items():
         flag = "--" + (field_of(name).metadata.get("flag") or name).replace("_", "-")

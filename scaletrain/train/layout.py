@@ -161,7 +161,7 @@ class Layout:
 
     def _hold_optimizer_tensors(self) -> None:
         """What the optimizer steps and how gradients reach it: ZeRO's shards (with their own
-        masters, parallel/zero.py), or fp32 masters for bf16 working weights or in host memory
+        masters, or pure bf16's working shards: parallel/zero.py), or fp32 masters for bf16 working weights or in host memory
         with --offload (optim/masters.py) under a data-parallel wrapper, or the weights."""
         t, p = self.train, self.parallel
         master_device = "cpu" if t.offload == "optimizer" else None
@@ -176,7 +176,8 @@ class Layout:
             self.zero = self.replicas.zero(self.model, self.comm, shard, self.expert_parallel, stage=p.zero,
                                            param_dtype=compute_dtype(t.param_dtype),
                                            reduce_dtype=compute_dtype(p.reduce_dtype),
-                                           master_device=master_device, bucket_mb=p.bucket_mb, own_units=tied,
+                                           master_device=master_device, masters=t.masters != "none",
+                                           bucket_mb=p.bucket_mb, own_units=tied,
                                            replica=replica, quantize_weights=p.quantize_weights,
                                            device=self.device, layers=self._zero_layers(),
                                            stages=[s.blocks() for s in self.pipeline.stages]

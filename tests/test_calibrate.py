@@ -77,7 +77,11 @@ def test_calibrating_this_cpu_measures_every_collective_on_two_gloo_processes(ca
     assert measured["attention"]["tflops"] > 0 and measured["block_overhead_s"] > 0
     assert measured["memory"]["elementwise_gbps"] > 0 and measured["memory"]["adamw_gbps"] > 0
     assert measured["step_overhead_s"] > 0  # the trainer's own steps, timed (planner/calibrate_engine.py)
+    assert measured["attention"]["ring_tflops"] > 0  # context parallelism's blocks, timed as the ring runs them
+    sharing = measured["sharing"]  # the two processes' turns on the cores (planner/calibrate_sharing.py)
+    assert sharing["processes"] == 2 and 0 < sharing["efficiency"] <= 1 and sharing["sync_s"] >= 0
     assert "machine profile: " in printed and "all_to_all" in printed and "fixed cost of a step" in printed
+    assert "ring attention" in printed and "2 processes on" in printed
 
 
 def test_the_alpha_beta_fit_recovers_a_line_and_grows_with_the_message():
@@ -139,7 +143,8 @@ def test_this_machine_is_planned_with_its_profile(here):
     cluster = this_machine(2, 2, on_gpu=False)
     calibrated = profile.device_of(here)
     assert cluster.device.matmul == calibrated.matmul and cluster.device.collectives == calibrated.collectives
-    assert cluster.device.memory_gbps == here["memory"]["elementwise_gbps"]
+    # two processes on two cores: each its own, at the share they reached together
+    assert cluster.device.memory_gbps == pytest.approx(here["memory"]["elementwise_gbps"] * here["sharing"]["efficiency"])
     assert machine_cluster(2, 2**30, on_gpu=False).device.collectives == calibrated.collectives
 
 
@@ -206,6 +211,35 @@ def test_on_a_cpu_no_collective_hides_and_lent_cores_make_the_bubble_free():
     piped = dense.replace(dp=1, pp=2, microbatches=4, micro_batch=1)
     assert predict(piped, 2, 257, cpu).time["bubble"] > 0
     assert predict(piped, 2, 257, Cluster(replace(cpu.device, lends_idle_cores=True), 2, 2)).time["bubble"] == 0
+
+
+def test_the_processes_rates_together_apply_at_the_calibrations_count_only(here):
+    """The sharing measured with N processes is how N processes run (planner/hardware.py `contended`); a
+    run of another count takes the turn-taking rates alone."""
+    measured = copy.deepcopy(here)
+    measured["sharing"] = {"processes": 2, "efficiency": 0.5, "sync_s": 0.01}
+    plain = copy.deepcopy(here)
+    plain["sharing"] = None
+    for count in (2, 4):
+        shared, turns = profile.device_of(measured, count), profile.device_of(plain, count)
+        ratio = 0.5 if count == 2 else 1.0
+        assert shared.tflops["fp32"] == pytest.approx(ratio * turns.tflops["fp32"])
+        assert shared.memory_gbps == pytest.approx(ratio * turns.memory_gbps)
+        assert shared.block_overhead_s == pytest.approx(turns.block_overhead_s / ratio)
+        assert shared.sync_s == (0.01 if count == 2 else 0.0)
+
+
+def test_each_collective_call_waits_the_measured_sync_on_a_shared_cpu():
+    """planner/step_time.py: every call of the step (a tp all-reduce per block as much as a gradient's) adds
+    ``sync_s`` to the exposed communication."""
+    layout = Config().replace(name="gpt-tiny", seq_len=32, micro_batch=4, dp=1, tp=2)
+    cpu = Cluster(cpu_device(0.1, 2**34), 2, 2)
+    waiting = Cluster(replace(cpu.device, sync_s=0.01), 2, 2)
+    calls = max(sum(entry["calls"] for groups in traffic.values() for entry in groups.values())
+                for traffic in predict(layout, 2, 257, cpu).comm)
+    assert calls > 4  # the tensor-parallel all-reduces of two blocks
+    assert predict(layout, 2, 257, waiting).time["comm"] == pytest.approx(
+        predict(layout, 2, 257, cpu).time["comm"] + 0.01 * calls)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ measured curve read back at its own points, and whole steps against what one H20
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,6 +50,32 @@ def test_a_cpu_keeps_a_share_of_its_measured_peak_for_every_flop():
     clock = compute.clock(planned.shape, x, 4, True, 1, 10**6, "fp32", cluster)
     assert clock.matmul_flops_s == clock.attention_flops_s == pytest.approx(0.1e12 * 0.6)
     assert clock.memory_s == 0
+
+
+def test_context_parallel_attention_goes_at_the_rings_measured_rate():
+    """Ring attention writes its scores out block by block (parallel/context.py): a device that timed it
+    (``ring_attention_share``) prices a cp run's attention at that rate, other layouts at the fused one's."""
+    device = dataclasses.replace(cpu_device(0.1, 8 * 2**30), memory_gbps=10.0)
+    ring = dataclasses.replace(device, ring_attention_share=device.attention_share / 4)
+    planned = _planned("gpt-small", 128)
+    for cp, slower in ((1, 1.0), (2, 4.0)):
+        x = activations.shape_of(planned.shape, planned.tensor_plan, 4, 1, False, cp, "fp32", "fp32")
+        fused, timed = (compute.clock(planned.shape, x, 4, True, 1, 10**6, "fp32", Cluster(d, 1, 1))
+                        for d in (device, ring))
+        assert fused.attention_flops_s == pytest.approx(slower * timed.attention_flops_s)
+
+
+def test_a_recomputed_block_moves_its_forwards_elementwise_bytes_again():
+    """Full recomputation reruns each block's forward: FORWARD_SHARE of its elementwise bytes once more;
+    selective reruns the attention core alone, inside its fused kernel (planner/compute.py)."""
+    cluster = Cluster(dataclasses.replace(cpu_device(0.1, 8 * 2**30), memory_gbps=10.0), 1, 1)
+    planned = _planned("gpt-small", 128)
+    x = activations.shape_of(planned.shape, planned.tensor_plan, 4, 1, False, 1, "fp32", "fp32")
+    memory = {recompute: compute.clock(planned.shape, x, 4, False, 1, 0, "fp32", cluster, recompute).memory_s
+              for recompute in ("none", "selective", "full", "every:2")}
+    assert memory["selective"] == memory["none"]
+    assert memory["full"] == pytest.approx(memory["none"] * (1 + compute.FORWARD_SHARE))
+    assert memory["every:2"] == pytest.approx(memory["none"] * (1 + compute.FORWARD_SHARE / 2))
 
 
 # (model, micro-batch, sequence, measured tokens/s): our trainer on one H200, bf16

@@ -14,7 +14,9 @@ rank measures the collectives together:
                       CPU): the device's MatmulCurve (planner/curves.py)
     attention         torch's scaled_dot_product_attention, causal, forward and backward, over a few
                       shapes (batch, heads, positions, head size), counted as the FLOPs formula counts
-                      it: 12·a·d·s per token per layer, the whole s x s square (planner/compute.py)
+                      it: 12·a·d·s per token per layer, the whole s x s square (planner/compute.py); and
+                      context parallelism's ring blocks (parallel/context.py) on the same count, in fp32
+                      as the ring computes them
     memory-bound      a large add's bytes moved a second (two read, one written) and torch's AdamW
                       over a large flat fp32 tensor (fused on a GPU), 28 bytes a weight: weights and
                       both moments read and written, the gradient read
@@ -26,6 +28,9 @@ rank measures the collectives together:
                       planner/calibrate_engine.py: the smallest preset trained by scaletrain train)
     collectives       every operation the layouts use, at each group size and message size
                       (planner/calibrate_collectives.py), fitted to alpha-beta
+    sharing           on a CPU, how its cores serve the N processes at once: the share of the
+                      turn-taking rates they reach and what a collective between computations waits
+                      (planner/calibrate_sharing.py)
 
 Each figure is the median of its repeats after one warm-up call, the clock read
 after the device finishes (``torch.cuda.synchronize``). ``--quick`` measures
@@ -49,9 +54,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.parallel import context
 from scaletrain.paths import writable_file
-from scaletrain.planner import calibrate_collectives
+from scaletrain.planner import calibrate_collectives, calibrate_sharing
 from scaletrain.planner.calibrate_engine import step_overhead_s
+from scaletrain.planner.calibrate_sharing import Block
 from scaletrain.planner.profile import FORMAT, chosen_path, device_name, device_of, save
 from scaletrain.runtime.launch import (
     check_backend,
@@ -65,6 +72,7 @@ from scaletrain.runtime.spawn import spawn_local
 
 KIB, MIB = 2**10, 2**20
 TIMEOUT_S = 600.0  # a slow rank's products may keep the others waiting at the first collective
+SHARING_LOOPS = 4  # iterations of calibrate_sharing's loops per repeat of the other figures
 ADAMW_BYTES = 28  # per fp32 weight: weight, exp_avg, exp_avg_sq read and written, gradient read
 
 
@@ -161,9 +169,11 @@ def _worker(backend: str, ladders: Ladders) -> dict | None:
             mesh, comm = connect(runtime, ParallelDims(dp=env.world_size))
             comm.barrier(mesh.group("world"))
         collectives = calibrate_collectives.measure(runtime, ladders.messages, ladders.repeats)
+        sharing = calibrate_sharing.measure(runtime, ladders.repeats * SHARING_LOOPS) if alone and env.world_size > 1 \
+            else None
         if env.rank:
             return None
-        return {**figures, "collectives": collectives, "threads": torch.get_num_threads(),
+        return {**figures, "collectives": collectives, "sharing": sharing, "threads": torch.get_num_threads(),
                 "ladders": asdict(ladders)}
     finally:
         shutdown(runtime)
@@ -188,8 +198,9 @@ def _matmul_grid(device: torch.device, dtype: torch.dtype, ladders: Ladders) -> 
 
 
 def _attention(device: torch.device, dtype: torch.dtype, ladders: Ladders) -> dict:
-    """Causal attention forward and backward over every shape, in TFLOP/s on the formula's count."""
-    flops = seconds = 0.0
+    """Causal attention forward and backward over every shape, in TFLOP/s on the formula's count: the
+    fused kernel's, and context parallelism's ring blocks' (`_ring_rank`)."""
+    flops = fused_s = ring_s = 0.0
     for batch, heads, positions, head_size in ladders.attention:
         q, k, v = (torch.randn(batch, heads, positions, head_size, device=device, dtype=dtype, requires_grad=True)
                    for _ in range(3))
@@ -198,9 +209,29 @@ def _attention(device: torch.device, dtype: torch.dtype, ladders: Ladders) -> di
         def step() -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        seconds += _seconds(step, device, ladders.repeats)
+        fused_s += _seconds(step, device, ladders.repeats)
+        ring_s += 2 * _seconds(_ring_rank(q.detach(), k.detach(), v.detach(), grad), device, ladders.repeats)
         flops += 12 * heads * head_size * positions * batch * positions
-    return {"shapes": [list(shape) for shape in ladders.attention], "tflops": flops / seconds / 1e12}
+    return {"shapes": [list(shape) for shape in ladders.attention], "tflops": flops / fused_s / 1e12,
+            "ring_tflops": flops / ring_s / 1e12}
+
+
+def _ring_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> Callable[[], object]:
+    """One rank's blocks of ring attention over two ranks (parallel/context.py: zigzag chunks of c
+    positions, the rank's 2c queries against its own 2c keys causally and against c of the other's),
+    forward and backward in fp32 as the ring computes them: half the sequence's work."""
+    half, chunk = q.shape[-2] // 2, q.shape[-2] // 4
+    q, k, v, grad = (t[:, :, :half].float() for t in (q, k, v, grad))
+    scale = q.shape[-1] ** -0.5
+
+    def blocks() -> None:
+        out, lse = context.attention_block(q, k, v, scale, causal=True)
+        context.attention_block(q, k[:, :, :chunk], v[:, :, :chunk], scale, causal=False)
+        delta = (grad * out).sum(dim=-1)
+        context.attention_block_backward(q, k, v, grad, lse, delta, scale, causal=True)
+        context.attention_block_backward(q, k[:, :, :chunk], v[:, :, :chunk], grad, lse, delta, scale, causal=False)
+
+    return blocks
 
 
 def _memory(device: torch.device, ladders: Ladders) -> dict:
@@ -215,28 +246,9 @@ def _memory(device: torch.device, ladders: Ladders) -> dict:
     return {"elementwise_gbps": 3 * 4 * n / add_s / 1e9, "adamw_gbps": ADAMW_BYTES * n / adamw_s / 1e9}
 
 
-class _SmallBlock(nn.Module):
-    """A transformer block too small to compute anything: what remains of its time is its launches."""
-
-    def __init__(self, width: int = 32, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.norms = nn.ModuleList([nn.LayerNorm(width), nn.LayerNorm(width)])
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, positions, width = x.shape
-        q, k, v = (t.view(batch, positions, self.heads, -1).transpose(1, 2)
-                   for t in self.qkv(self.norms[0](x)).chunk(3, dim=-1))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, positions, width))
-        return x + self.mlp(self.norms[1](x))
-
-
 def _block_overhead(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     """Seconds of the small block's forward and backward (module docstring)."""
-    block = _SmallBlock().to(device=device, dtype=dtype)
+    block = Block(width=32, heads=4).to(device=device, dtype=dtype)  # too small to compute: its launches
     x = torch.randn(1, 16, 32, device=device, dtype=dtype, requires_grad=True)
     return _seconds(lambda: block(x).sum().backward(), device, max(repeats, 10))
 
@@ -259,7 +271,12 @@ def summary(profile: dict, path: Path) -> str:
               f"  memory: an add {memory['elementwise_gbps']:.1f} GB/s; AdamW {memory['adamw_gbps']:.1f} GB/s "
               f"({device.memory_share:.2f} of it)",
               f"  launches: a small block forward and backward {profile['block_overhead_s'] * 1e3:.3f} ms",
-              f"  the trainer's fixed cost of a step: {profile['step_overhead_s'] * 1e3:.1f} ms"]
+              f"  the trainer's fixed cost of a step: {profile['step_overhead_s'] * 1e3:.1f} ms",
+              f"  context parallelism's ring attention: {profile['attention']['ring_tflops']:.3g} TFLOP/s"]
+    sharing = profile["sharing"]
+    if sharing:
+        lines.append(f"  {sharing['processes']} processes on {machine['cpus']} cores: {sharing['efficiency']:.2f} of "
+                     f"the turn-taking rates, a collective in a step waits {sharing['sync_s'] * 1e3:.2f} ms more")
     if device.collectives:
         lines.append("  collectives, alpha + bytes / beta:  op  group  alpha (us)  beta (GB/s of the ledger's bytes)")
         lines += [f"    {op:<15}{size:>4}{fit.alpha_s * 1e6:>12.1f}{fit.bytes_per_s / 1e9:>10.3f}"

@@ -23,6 +23,11 @@ kernels: 0.36 of the peak on the half, 0.72 on the whole):
 
     attention_s = F_attention / (peak * attention_share)
 
+Context parallelism's ring attention (parallel/context.py) writes its scores out
+block by block in fp32; where the device's calibration timed it
+(``ring_attention_share``, planner/calibrate.py) a cp run's attention goes at
+that share instead.
+
 Memory-bound work. Norms, rotary, activations, residuals, casts and the loss
 move bytes rather than multiply: about ``ELEMENTWISE_PASSES`` times the bytes
 a block saves for backward (planner/activations.py), and the loss's over the
@@ -81,6 +86,10 @@ from scaletrain.planner.curves import H200_BF16, MatmulCurve
 from scaletrain.planner.hardware import Cluster
 
 ELEMENTWISE_PASSES = 4.0
+# of a block's elementwise bytes and launches, the forward's: an operator reads its input and writes its
+# output forward (2 passes) and, backward, reads the output's gradient and its saved input and writes the
+# input's gradient (3); what a recomputed block pays again
+FORWARD_SHARE = 0.4
 COMPRESSION_PASSES = 2  # --compress-activations: a saved tensor and its stored copy, moved in forward and backward
 MATERIALIZED_FORWARD_BYTES = 13  # per attention score, written out forward (module docstring)
 MATERIALIZED_BACKWARD_BYTES = 19  # and backward
@@ -121,6 +130,12 @@ class Clock:
     memory_s: float
 
 
+def block_rerun_share(recompute: str) -> float:
+    """The share of the blocks whose whole forward reruns in backward under ``recompute`` (``selective``
+    reruns the attention core alone, inside its fused kernel)."""
+    return 0.0 if recompute == "selective" else attention_rerun_share(recompute)
+
+
 def attention_rerun_share(recompute: str) -> float:
     """The share of the blocks whose attention reruns its forward in backward under ``recompute``."""
     if recompute == "none":
@@ -129,16 +144,16 @@ def attention_rerun_share(recompute: str) -> float:
 
 
 def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_batches: int,
-          state_bytes: int, precision: str, cluster: Cluster, attention_rerun: float = 0.0) -> Clock:
+          state_bytes: int, precision: str, cluster: Cluster, recompute: str = "none") -> Clock:
     """The clock of the busiest rank (``blocks`` blocks, the head if ``last``, ``state_bytes``
-    of weights, gradients and optimizer state it updates) on ``cluster``'s device;
-    ``attention_rerun``: `attention_rerun_share` of the step's recomputation."""
+    of weights, gradients and optimizer state it updates) on ``cluster``'s device, under ``recompute``."""
     device = cluster.device
     peak = device.tflops[precision] * 1e12
     # fp8 runs the blocks' linear products in float8 (techniques/fp8.py), attention's own products in bf16
     attention_peak = device.tflops["bf16" if precision == "fp8" else precision] * 1e12
     matmul = peak * matmul_rate_share(m, x.b * x.s, x.tp, device.matmul)
-    attention = attention_peak * device.attention_share
+    ring = x.cp > 1 and device.ring_attention_share is not None
+    attention = attention_peak * (device.ring_attention_share if ring else device.attention_share)
     scores = x.b * (m.n_heads // x.tp) * x.s * x.s  # one block's attention scores on the rank
     if device.materialized_attention:  # two batched products per head, the heads' rows stacked
         attention = attention_peak * device.matmul.share(scores // x.s, m.head_dim, x.s)
@@ -147,12 +162,14 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
     # the elementwise work is on the tensors as computed: whole logits' worth of loss, however they
     # are stored (compressed) or chunked
     computed = dataclasses.replace(x, compress="none", chunked_loss=False)
-    passes = ELEMENTWISE_PASSES * (blocks * activations.block(computed)
+    rerun = 1 + FORWARD_SHARE * block_rerun_share(recompute)
+    passes = ELEMENTWISE_PASSES * (blocks * rerun * activations.block(computed)
                                    + (activations.head_and_loss(computed) if last else 0))
     if x.compress != "none":  # each tensor read and its copy written in forward, the reverse in backward
         passes += COMPRESSION_PASSES * blocks * (activations.block(computed) + activations.block(x))
     if device.materialized_attention:
-        passes += (MATERIALIZED_FORWARD_BYTES * (1 + attention_rerun) + MATERIALIZED_BACKWARD_BYTES) * scores * blocks
+        forward = MATERIALIZED_FORWARD_BYTES * (1 + attention_rerun_share(recompute))
+        passes += (forward + MATERIALIZED_BACKWARD_BYTES) * scores * blocks
     bandwidth = device.memory_gbps * 1e9 * device.memory_share
     return Clock(matmul_flops_s=matmul, attention_flops_s=attention,
                  memory_s=(passes * micro_batches + state_bytes) / bandwidth)

@@ -70,6 +70,9 @@ class Device:
     # cuDNN's flash kernels forward and backward on an H200 at head size 64: 364 and 342 TFLOP/s on the
     # causal half of the square, 0.36 of the peak; twice that on the formula's whole square
     attention_share: float = 0.72
+    # context parallelism's ring attention (parallel/context.py: explicit scores, block by block) on the same
+    # count; None where unmeasured: the fused kernels' share
+    ring_attention_share: float | None = None
     memory_share: float = 0.68  # torch's fused AdamW moved 3.28 of the H200's 4.8 TB/s
     materialized_attention: bool = False  # scores written out, as before flash attention (planner/compute.py)
     # every collective timed on this node, per group size (planner/collective_fits.py; None: the links' figures)
@@ -79,6 +82,9 @@ class Device:
     # to a busy one: the bubble costs no time (`shared_cpu`).
     hides_communication: bool = True
     lends_idle_cores: bool = False
+    # what a collective between two computations waits, beyond its own time, for its group's processes to
+    # take their turns on shared cores and reach it (planner/calibrate_sharing.py; 0 on a GPU)
+    sync_s: float = 0.0
 
 
 DEVICES = {
@@ -115,6 +121,11 @@ def run_threads(cores: int, processes: int) -> int:
     return max(1, cores // processes)
 
 
+def sharing_turns(cores: int, processes: int) -> float:
+    """How many turns the run's threads take on each core: ``processes * threads / cores``, at least 1."""
+    return max(1.0, processes * run_threads(cores, processes) / cores)
+
+
 def shared_cpu(device: Device, measured_threads: int, cores: int, processes: int) -> Device:
     """A CPU whose figures one process of ``measured_threads`` threads measured alone, as each of a run's
     ``processes`` processes on its ``cores`` sees it. Each process computes with its threads' share of the
@@ -126,11 +137,21 @@ def shared_cpu(device: Device, measured_threads: int, cores: int, processes: int
     turn only, as does the trainer's fixed cost of a step. The processes then also lend their cores in a
     pipeline's bubble (`Device.lends_idle_cores`)."""
     threads = run_threads(cores, processes)
-    turns = max(1.0, processes * threads / cores)
+    turns = sharing_turns(cores, processes)
     rate = threads / measured_threads / turns
     return replace(device, tflops={name: value * rate for name, value in device.tflops.items()},
                    memory_gbps=device.memory_gbps * rate, block_overhead_s=device.block_overhead_s * turns,
                    step_overhead_s=device.step_overhead_s * turns, lends_idle_cores=turns > 1)
+
+
+def contended(device: Device, efficiency: float, sync_s: float) -> Device:
+    """`shared_cpu`'s device as a run of the calibration's process count measured it
+    (planner/calibrate_sharing.py): every rate at ``efficiency`` of the turn-taking one, every fixed
+    cost stretched alike, and each collective call waiting ``sync_s`` more."""
+    return replace(device, tflops={name: value * efficiency for name, value in device.tflops.items()},
+                   memory_gbps=device.memory_gbps * efficiency,
+                   block_overhead_s=device.block_overhead_s / efficiency,
+                   step_overhead_s=device.step_overhead_s / efficiency, sync_s=sync_s)
 
 
 @dataclass(frozen=True)

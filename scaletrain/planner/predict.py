@@ -45,13 +45,14 @@ def predict(cfg: Config, world: int, vocab_size: int, cluster: Cluster) -> Predi
     tokens = micro_batches * t.micro_batch * groups.sizes[groups.batch] * model.shape.seq_len
     blocks = [len(rank_weights(model, split, r).blocks) for r in range(p.pp)]
     slowest = blocks.index(max(blocks))  # the first rank with the most blocks
-    block_runs = micro_batches * blocks[slowest]
+    # a recomputed block launches its forward's operators again (planner/compute.py FORWARD_SHARE)
+    block_runs = micro_batches * blocks[slowest] * (1 + compute.FORWARD_SHARE * compute.block_rerun_share(t.recompute))
     held = stages[busiest]
     # the optimizer reads and writes the weights it steps (not a fine-tune's frozen base) and its state
     stepped = held["params"] - rank_weights(model, split, busiest).untrained_bytes(dtype_bytes(t.param_dtype))
     clock = compute.clock(model.shape, x, blocks[slowest], slowest == p.pp - 1, micro_batches,
                           2 * (stepped + held["optimizer"]) + held["grads"], t.precision, cluster,
-                          compute.attention_rerun_share(t.recompute))
+                          t.recompute)
     time = step_seconds(cfg, world, _flops(model, t.recompute, tokens),
                         _slowest(traffics, groups.sizes, cfg, world, cluster), groups, cluster, block_runs, clock)
     return Prediction(cfg=cfg, world=world, memory=stages[busiest], stages=stages, comm=traffics,

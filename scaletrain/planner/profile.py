@@ -1,28 +1,33 @@
 """Machine profiles: what ``scaletrain plan --calibrate`` measured on a machine, as a file, and
 the planner's device made from it.
 
-A profile is one JSON object (``FORMAT`` 2):
+A profile is one JSON object (``FORMAT`` 3):
 
     machine      the device measured ("NVIDIA H200", or a CPU's model and core count), whether it
                  is a GPU, the backend, processes and threads per process, the dtype of the
                  products, the device's memory, hostname, CPU and GPU counts, torch's version,
                  the date, quick or full, the seconds the calibration took
     matmul       {"sides", "tflops"}: TFLOP/s of [m, k] @ [k, k], m rows and k columns over sides
-    attention    {"shapes", "tflops"}: scaled_dot_product_attention, causal, forward and backward,
-                 on the formula's 12·a·d·s FLOPs per token (planner/compute.py), over all shapes
+    attention    {"shapes", "tflops", "ring_tflops"}: scaled_dot_product_attention, causal, forward and
+                 backward, on the formula's 12·a·d·s FLOPs per token (planner/compute.py), over all
+                 shapes; and context parallelism's ring blocks on the same count
     memory       {"elementwise_gbps", "adamw_gbps"}: GB/s of a large add, and of torch's AdamW
                  over a large flat tensor (28 bytes a weight: compute.py's optimizer bytes)
     block_overhead_s  a small block's forward and backward, every kernel launched, none busy
     step_overhead_s   the trainer's fixed cost of a step beyond its blocks (planner/calibrate_engine.py)
     collectives  {"measured": {op: {group size: {"bytes", "seconds"}}}, "fits": {op: {group size:
                  {"alpha_s", "bytes_per_s"}}}} (planner/collective_fits.py)
+    sharing      on a CPU of more than one process, {"processes", "efficiency", "sync_s"}
+                 (planner/calibrate_sharing.py); else null
 
 and the device it makes (`device_of`): the GPU's datasheet preset (planner/hardware.py) or,
 on a CPU, its largest measured product as the peak, with the measured curve, attention's
-share of the peak, the elementwise bandwidth as ``memory_gbps`` and AdamW's share of it as
+share of the peak (and the ring's), the elementwise bandwidth as ``memory_gbps`` and AdamW's share of it as
 ``memory_share`` (a preset's share is AdamW's too), the block overhead, the measured table
 of collectives, and the links' figures from the largest group's all-reduce (the latency of
-one of its ``2(g-1)`` messages, its bus bandwidth) for groups the table lacks.
+one of its ``2(g-1)`` messages, its bus bandwidth) for groups the table lacks. A CPU's device
+is shared out to the run's processes (planner/hardware.py `shared_cpu`), and where they are as
+many as the calibration's, taken at the rates they reached together (`contended`).
 
 Where one is found, first match wins (`chosen_path`):
 
@@ -53,9 +58,11 @@ from scaletrain.errors import UserError
 from scaletrain.paths import readable_file
 from scaletrain.planner.collective_fits import CollectiveTable
 from scaletrain.planner.curves import MatmulCurve
-from scaletrain.planner.hardware import DEVICES, GB, Device, cpu_device, shared_cpu
+from scaletrain.planner.hardware import DEVICES, GB, Device, contended, cpu_device, shared_cpu
 
-FORMAT = 2  # 2: a CPU's arithmetic measured by one process alone (planner/calibrate.py)
+# 2: a CPU's arithmetic measured by one process alone (planner/calibrate.py); 3: ring attention, and how the
+# CPU's cores serve the processes together (planner/calibrate_sharing.py)
+FORMAT = 3
 PROFILE_VARIABLE = "SCALETRAIN_PROFILE"
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 
@@ -186,6 +193,7 @@ def device_of(profile: dict, processes: int | None = None) -> Device:
     table = CollectiveTable.from_json(profile["collectives"]["fits"])
     device = replace(base, matmul=MatmulCurve(tuple(matmul["sides"]), grid, peak, source),
                      attention_share=profile["attention"]["tflops"] / peak,
+                     ring_attention_share=profile["attention"]["ring_tflops"] / peak,
                      memory_gbps=memory["elementwise_gbps"],
                      memory_share=memory["adamw_gbps"] / memory["elementwise_gbps"],
                      block_overhead_s=profile["block_overhead_s"], step_overhead_s=profile["step_overhead_s"],
@@ -193,7 +201,12 @@ def device_of(profile: dict, processes: int | None = None) -> Device:
     device = _with_links(device, table, on_gpu=machine["on_gpu"])
     if machine["on_gpu"]:
         return device
-    return shared_cpu(device, machine["threads_per_process"], machine["cpus"], processes or machine["processes"])
+    count = processes or machine["processes"]
+    shared = shared_cpu(device, machine["threads_per_process"], machine["cpus"], count)
+    sharing = profile["sharing"]
+    if sharing is None or sharing["processes"] != count:
+        return shared
+    return contended(shared, sharing["efficiency"], sharing["sync_s"])
 
 
 def _with_links(device: Device, table: CollectiveTable, on_gpu: bool) -> Device:

@@ -16,7 +16,9 @@ measured by ``scaletrain plan --calibrate``). Recomputation adds the forward
 of what it reruns: a recomputed block's
 ``2*N_block + 4*a*d*s`` per token (its linear layers' weights, counted as
 ``flops_per_token`` counts them, and its attention), and under ``selective``
-only the attention's ``4*a*d*s``.
+only the attention's ``4*a*d*s``; a whole block rerun also launches its
+forward's operators and moves its forward's elementwise bytes again
+(planner/compute.py ``FORWARD_SHARE`` of the block's).
 
 Communication. Each collective of the step (planner/traffic.py) costs
 ``steps * alpha + wire_bytes / beta`` on the slowest link its group spans
@@ -42,7 +44,8 @@ of the simulated round stretches the busy time to ``busy / (1 - beta)``.
 A CPU (planner/hardware.py `shared_cpu`) hides no collective (gloo's copies and
 transfers need the cores the compute uses), and where a node's processes
 outnumber its cores the bubble is free: a rank that waits lends its core to one
-that computes.
+that computes. Each call there also waits ``sync_s`` for its group's processes to
+take their turns and reach it (planner/calibrate_sharing.py).
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def collective_seconds(traffic: dict, sizes: dict[str, int], dims: ParallelDims,
 
 
 def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict, groups: Groups,
-                 cluster: Cluster, block_runs: int, clock: Clock) -> dict[str, float]:
+                 cluster: Cluster, block_runs: float, clock: Clock) -> dict[str, float]:
     """The step's time by part (module docstring). ``flops``: ``model``, ``recompute`` and
     ``attention`` (the part of ``model`` that is attention's, which ring attention overlaps)
     FLOPs of the whole step; ``clock``: the busiest rank's rates (planner/compute.py)."""
@@ -118,6 +121,7 @@ def step_seconds(cfg: Config, world: int, flops: dict[str, float], traffic: dict
     for op, groups in traffic.items():
         for group, entry in groups.items():
             seconds = collective_seconds({op: {group: entry}}, sizes, dims, cluster)[group]
+            exposed += entry["calls"] * cluster.device.sync_s
             if not cluster.device.hides_communication:
                 exposed += seconds
             elif group in data_groups and op in OVERLAPPED_WITH_BACKWARD:

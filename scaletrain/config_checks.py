@@ -149,11 +149,10 @@ def _check_sharding(cfg: Config) -> None:
                         "produces; add it, or keep --reduce-dtype fp32.")
     if cfg.parallel.zero:
         for flag, used in (("--allreduce ring", cfg.parallel.allreduce != "backend"),
-                           ("--compress", cfg.parallel.compress != "none"),
-                           ("--optimizer adafactor", cfg.train.optimizer == "adafactor")):
+                           ("--compress", cfg.parallel.compress != "none")):
             if used:
                 raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
-                                f"gradients or weight matrices where ZeRO keeps flat shards; drop one of the two.")
+                                f"gradients where ZeRO keeps flat shards; drop one of the two.")
     _check_hybrid(cfg.parallel)
     tp = cfg.parallel.tp
     if cfg.parallel.sp and tp < 2:

@@ -62,8 +62,14 @@ CASES = [
          "--zero 2 does not combine with --compress"),
     case("zero-ring", ["--nproc", "2", "--zero", "3", "--allreduce", "ring"],
          "--zero 3 does not combine with --allreduce ring"),
-    case("zero-adafactor", ["--zero", "1", "--optimizer", "adafactor"],
-         "--zero 1 does not combine with --optimizer adafactor"),
+    case("bf16-true-masters", ["--precision", "bf16-true", "--masters", "fp32"],
+         "--precision bf16-true means --precision bf16 --param-dtype bf16 --masters none --reduce-dtype bf16, which "
+         "--masters fp32 contradicts; drop --masters"),
+    case("bf16-true-reduce-dtype", ["--precision", "bf16-true", "--reduce-dtype", "fp32"],
+         "which --reduce-dtype fp32 contradicts; drop --reduce-dtype"),
+    case("bf16-true-offload", ["--nproc", "2", "--zero", "3", "--precision", "bf16-true", "--offload", "optimizer"],
+         "--offload optimizer moves the optimizer's own copy of the weights (the fp32 masters) and its state to the "
+         "host, and --masters none keeps no copy"),
     case("shard-group-without-zero", ["--nproc", "4", "--shard-group", "2"],
          "needs --zero 1, 2 or 3; add --zero or drop --shard-group"),
     case("shard-group-not-dividing-dp", ["--nproc", "4", "--zero", "3", "--shard-group", "3"],

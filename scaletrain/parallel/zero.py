@@ -296,10 +296,11 @@ class ZeroDataParallel:
         model = {key: shards[id(t)][0] if id(t) in shards else t.detach()
                  for key, t in self.model.state_dict(keep_vars=True).items()}
         optim = {}
+        whole = getattr(optimizer, "whole_state", ())  # kept whole on each rank (parallel/zero_adafactor.py)
         for shard, piece in shards.values():
             if piece is not None and piece.tensor in optimizer.state:
                 optim[piece.name] = {key: replace(shard, local=value) if torch.is_tensor(value) and
-                                     value.shape == piece.tensor.shape else value
+                                     value.shape == piece.tensor.shape and key not in whole else value
                                      for key, value in optimizer.state[piece.tensor].items()}
         return model, optim
 

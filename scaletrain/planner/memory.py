@@ -24,7 +24,8 @@ dp x cp, the ranks holding the same experts, in buckets of their own (no
 tied weight) or under ZeRO-3 one unit per MoE layer (no root). Every
 tensor the optimizer steps adds a 4-byte step counter. Adafactor keeps row
 and column sums of each matrix (and full statistics of vectors) instead of
-8 bytes per element. This is the
+8 bytes per element; under ZeRO a rank holding a piece of a matrix keeps the
+whole matrix's sums. This is the
 familiar 2 + 4 + 12 = 18 bytes per parameter of mixed-precision AdamW
 (``--param-dtype bf16``, fp32 buckets) and 4 + 4 + 8 = 16 in fp32. Pure bf16
 (``--masters none``, ``--precision bf16-true``) has no master, and AdamW's moments and SGD's momentum
@@ -199,6 +200,8 @@ def _shard_state(cfg: Config, weights: RankWeights, units: list[list[nn.Paramete
     whatever the weights' dtype). ``state_bytes``: AdamW's moments' element (`optimizer_bytes`)."""
     t, tables, eight_bit = cfg.train, weights.tables, cfg.train.optimizer == "adamw8bit"
     pieces = [piece for unit, shard in zip(units, shards) for piece in _pieces_on_rank(unit, shard, rank)]
+    if t.optimizer == "adafactor":  # a piece of a matrix keeps the whole matrix's factors (parallel/zero_adafactor.py)
+        return optimizer_bytes([p if p.dim() >= 2 else size for size, p in pieces], t.optimizer)
     return (optimizer_bytes([size for size, p in pieces if id(p) not in tables], t.optimizer, t.momentum,
                             state_bytes=state_bytes)
             + optimizer_bytes([size for size, p in pieces if id(p) in tables], "adamw" if eight_bit else t.optimizer,

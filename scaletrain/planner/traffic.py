@@ -30,6 +30,9 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 and no root, the last of them held from forward into backward
                 (gathered once per micro-batch, the others twice); inside
                 pipeline stages the experts' layers as the dense ones, none held.
+                Adafactor under ZeRO: two all-reduces per step over each ZeRO's group,
+                4 (rows + columns) bytes a matrix, then 4 bytes a tensor
+                (parallel/zero_adafactor.py).
 tensor parallel per micro-batch and block, two regions (parallel/tensor.py): the
                 attention, and the MLP unless a mixture of experts replaces it.
                 Forward all-reduces of each region's output (``e*b*s*h``), backward
@@ -262,6 +265,12 @@ def _zero_part(traffic: Traffic, cfg: Config, part: ZeroPart, group: str, replic
         traffic.add("reduce_scatter", group, r * size, calls=scatters * count)
         if replica:
             traffic.add("all_reduce", replica, r * size // n, calls=scatters * count)
+    if cfg.train.optimizer == "adafactor":  # each matrix's row and column sums, each tensor's sum of U^2
+        params = [q for unit in part.units for q in unit]
+        factors = sum(q.numel() // q.shape[-1] + q.numel() // q.shape[-2] for q in params if q.dim() >= 2)
+        if factors:
+            traffic.add("all_reduce", group, 4 * factors)
+        traffic.add("all_reduce", group, 4 * len(params))
     if stage < 3:
         for size, count in Counter(padded).items():
             traffic.add("all_gather", group, w * size, calls=count)

@@ -39,6 +39,7 @@ from scaletrain.parallel.parallelize import parallelize
 from scaletrain.parallel.pipeline.two_bw import delayed_update
 from scaletrain.parallel.tensor import TensorParallel
 from scaletrain.parallel.zero import ZeroDataParallel, layer_modules
+from scaletrain.parallel.zero_adafactor import ShardedAdafactor
 from scaletrain.parallel.zero_experts import JointZero
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh
@@ -161,8 +162,9 @@ class Layout:
 
     def _hold_optimizer_tensors(self) -> None:
         """What the optimizer steps and how gradients reach it: ZeRO's shards (with their own
-        masters, or pure bf16's working shards: parallel/zero.py), or fp32 masters for bf16 working weights or in host memory
-        with --offload (optim/masters.py) under a data-parallel wrapper, or the weights."""
+        masters, or pure bf16's working shards: parallel/zero.py), or fp32 masters for bf16
+        working weights or in host memory with --offload (optim/masters.py) under a
+        data-parallel wrapper, or the weights."""
         t, p = self.train, self.parallel
         master_device = "cpu" if t.offload == "optimizer" else None
         self.masters: MasterWeights | None = None
@@ -199,7 +201,10 @@ class Layout:
                                                              [q for group in groups for q in group["params"]], t.steps)
         # --sync-every N > 1: local SGD, the replicas averaged every N steps (parallel/local_sgd.py).
         self.local_sgd = self.data_parallel if isinstance(self.data_parallel, LocalSGD) else None
-        self.optimizer = build_optimizer(groups, t, self._embedding_steps() if t.optimizer == "adamw8bit" else [])
+        if self.zero and t.optimizer == "adafactor":  # each matrix's factored statistics completed over the group
+            self.optimizer = ShardedAdafactor(groups, t.lr, self.zero, self.comm)
+        else:
+            self.optimizer = build_optimizer(groups, t, self._embedding_steps() if t.optimizer == "adamw8bit" else [])
         # --stochastic-rounding: pure bf16's updates rounded at random (optim/stochastic_rounding.py)
         self.rounding = StochasticRounding(self.optimizer, t.seed) if t.stochastic_rounding else None
         # The fused AdamW writes the bf16 working weights in the pass that steps the masters

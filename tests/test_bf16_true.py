@@ -27,7 +27,9 @@ LEDGER_LAYOUTS = ((2, {"zero1": {**TRUE, "zero": 1}, "zero2 grad-accum 2": {**TR
                        "zero1 adafactor fp32": {"zero": 1, "optimizer": "adafactor"},
                        "zero3 adafactor": {**TRUE, "zero": 3, "optimizer": "adafactor"}}),
                   (4, {"zero3 shard-group 2": {**TRUE, "zero": 3, "shard_group": 2},
-                       "zero2 shard-group 2 adafactor": {**TRUE, "zero": 2, "shard_group": 2, "optimizer": "adafactor"}}))
+                       "zero2 shard-group 2 adafactor": {**TRUE, "zero": 2, "shard_group": 2, "optimizer": "adafactor"},
+                       "dp2 ep2 zero3 adafactor": {"zero": 3, "ep": 2, "moe_experts": 4, "moe_top_k": 2,
+                                                   "optimizer": "adafactor"}}))
 
 
 def test_bf16_true_is_the_four_settings_for_train_and_plan(capsys):

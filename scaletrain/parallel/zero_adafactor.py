@@ -53,6 +53,8 @@ class _Part:
 
     def __init__(self, zero: ZeroDataParallel):
         self.group = zero.group
+        # the sums are taken where the pieces live (the host, offloaded), reduced where the network is
+        self.device, self.network = zero.master_device, zero.device
         self.held: dict[int, _Held] = {}  # by id of the piece the optimizer steps
         self.stats_numel = tensors = 0
         for unit in zero.units:
@@ -79,8 +81,6 @@ class ShardedAdafactor(Adafactor):
         super().__init__(param_groups, lr=lr)
         self.comm = comm
         self.parts = [_Part(part) for part in (zero.parts if isinstance(zero, JointZero) else [zero])]
-        # the sums are taken where the pieces live (the host, offloaded), reduced where the network is
-        self.device, self.network = zero.units[0].master.device, zero.device
 
     @staticmethod
     def _new_state(p: torch.Tensor, beta1: float | None, held: _Held) -> dict:
@@ -107,8 +107,8 @@ class ShardedAdafactor(Adafactor):
 
     def _step_part(self, part: _Part) -> None:
         mine = self._mine(part)
-        stats = torch.zeros(part.stats_numel, dtype=torch.float32, device=self.device)
-        squares = torch.zeros(part.tensors, dtype=torch.float32, device=self.device)
+        stats = torch.zeros(part.stats_numel, dtype=torch.float32, device=part.device)
+        squares = torch.zeros(part.tensors, dtype=torch.float32, device=part.device)
         where: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for group, p, held in mine:
             g2 = p.grad.float().square().add_(group["eps1"])
@@ -141,9 +141,9 @@ class ShardedAdafactor(Adafactor):
         """``values`` summed over the part's group (on the network's device, and back)."""
         if part.group.size == 1:
             return values
-        moved = values.to(self.network)
+        moved = values.to(part.network)
         self.comm.all_reduce(moved, part.group)
-        return moved.to(self.device)
+        return moved.to(part.device)
 
     def _unclipped(self, group: dict, p: torch.Tensor, held: _Held, stats: torch.Tensor,
                    index: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -23,8 +23,9 @@ def training_options(cfg: Config) -> dict[str, Any]:
 def as_flags(changes: dict[str, Any]) -> str:
     """Configuration fields as the flags a user types: ``{"zero": 3, "sp": True}`` is ``--zero 3 --sp``;
     the four settings of pure bf16 are ``--precision bf16-true``."""
-    if all(changes.get(name) == value for name, value in BF16_TRUE_SETTINGS.items()):
-        changes = {"precision": BF16_TRUE, **{k: v for k, v in changes.items() if k not in BF16_TRUE_SETTINGS}}
+    if all(changes.get(name) == value for name, value in BF16_TRUE_SETTINGS.items()):  # in place of the first
+        changes = {("precision" if k in BF16_TRUE_SETTINGS else k): (BF16_TRUE if k in BF16_TRUE_SETTINGS else v)
+                   for k, v in changes.items()}
     words = []
     for name, value in changes.items():
         flag = "--" + (field_of(name).metadata.get("flag") or name).replace("_", "-")

@@ -29,7 +29,7 @@ from scaletrain.runtime.mesh import ParallelDims
 from scaletrain.runtime.ray_launch import RayPlacement
 
 
-# Lightning's and LitGPT's name for pure bf16: one word for the four settings it stands for.
+# Lightning's name for pure bf16: one word for the four settings it stands for.
 BF16_TRUE = "bf16-true"
 BF16_TRUE_SETTINGS = {"precision": "bf16", "param_dtype": "bf16", "masters": "none", "reduce_dtype": "bf16"}
 

@@ -41,7 +41,7 @@ class _Held:
     shape: torch.Size
     start: int
     stats: int  # first of its rows' then its columns' sums in buffer 1 (-1: a vector, which has none)
-    tensor: int  # its slot in buffer 2
+    slot: int  # its sum's place in buffer 2
 
     @property
     def rows(self) -> int:
@@ -56,7 +56,7 @@ class _Part:
         # the sums are taken where the pieces live (the host, offloaded), reduced where the network is
         self.device, self.network = zero.master_device, zero.device
         self.held: dict[int, _Held] = {}  # by id of the piece the optimizer steps
-        self.stats_numel = tensors = 0
+        self.stats_numel = self.tensors = 0
         for unit in zero.units:
             pieces = {id(piece.param): piece.tensor for piece in unit.pieces}
             for i, param in enumerate(unit.params):
@@ -65,9 +65,8 @@ class _Part:
                     self.stats_numel += param.numel() // param.shape[-1] + param.numel() // param.shape[-2]
                 if id(param) in pieces:
                     self.held[id(pieces[id(param)])] = _Held(param.shape, unit.span(i, self.group.rank)[0], stats,
-                                                             tensors)
-                tensors += 1
-        self.tensors = tensors
+                                                             self.tensors)
+                self.tensors += 1
 
 
 class ShardedAdafactor(Adafactor):
@@ -126,10 +125,10 @@ class ShardedAdafactor(Adafactor):
         updates = []
         for (group, p, held), index in zip(mine, where):
             updates.append(self._unclipped(group, p, held, stats, index))
-            squares[held.tensor] += updates[-1].square().sum()
+            squares[held.slot] += updates[-1].square().sum()
         squares = self._summed(squares, part)  # 2: every tensor's sum of U^2, whole
         for (group, p, held), update in zip(mine, updates):
-            rms = (squares[held.tensor] / held.shape.numel()).sqrt()
+            rms = (squares[held.slot] / held.shape.numel()).sqrt()
             update.div_((rms / group["clip_threshold"]).clamp_(min=1.0))
             if group["beta1"] is not None:
                 update = self.state[p]["exp_avg"].lerp_(update, 1.0 - group["beta1"])

@@ -179,7 +179,10 @@ def check_layout(cfg: Config) -> None:
     compose with data parallelism and ZeRO-1/2: one sentence for anything else."""
     p, f = cfg.parallel, cfg.finetune
     if f.lora_rank:
-        for flag, used in (("--tp", p.tp > 1), ("--pp", p.pp > 1), ("--cp", p.cp > 1), ("--ep", p.ep > 1),
+        for flag, used in (("--tp", p.tp > 1),
+                           ("--pp", p.pp > 1),
+                           ("--cp", p.cp > 1),
+                           ("--ep", p.ep > 1),
                            ("--zero 3", p.zero == 3)):
             if used:
                 raise UserError(f"{flag} does not combine with --lora-rank in this version: adapters train on "

@@ -10,15 +10,17 @@ it. Both are measured here on a block of the default model's width
 
     t_alone      rank 0 alone, the others waiting
     t_together   every rank at once
-    t_synced     every rank at once, an all-reduce of one element in groups of 2 after each block
-    t_calls      every rank at once, the all-reduces alone
+    t_synced     every rank at once, an all-reduce of one element in groups of 2 at each of the
+                 4 points where a tensor-parallel block reduces (the spacing of the layouts whose
+                 collectives are many)
+    t_call       every rank at once, one such all-reduce alone
 
 each the loop's wall time over its iterations (not a median of single ones: a
 process's turn on a core spans several iterations, and only the whole loop sees
 every turn), the ranks' mean:
 
     efficiency = min(1, turns * t_alone / t_together)      the share of `shared_cpu`'s rates reached
-    sync_s     = max(0, t_synced - t_together - t_calls)   a collective's wait inside a step
+    sync_s     = max(0, (t_synced - t_together) / 4 - t_call)   a collective's wait inside a step
 
 (planner/hardware.py `contended` applies them to a run of the calibration's
 process count; planner/step_time.py adds ``sync_s`` to every collective call).
@@ -40,6 +42,7 @@ from scaletrain.runtime.launch import DistRuntime, connect
 from scaletrain.runtime.mesh import ParallelDims
 
 POSITIONS = 512  # a CPU run's micro-batch: 4 sequences of 128
+CALLS_PER_BLOCK = 4  # a tensor-parallel block's collectives, two forward and two backward
 
 
 class Block(nn.Module):
@@ -69,34 +72,45 @@ def measure(runtime: DistRuntime, iterations: int) -> dict | None:
     mesh, comm = connect(runtime, ParallelDims(tp=pair, dp=world // pair))
     everyone, group = mesh.group("world"), mesh.group("tp")
     shape = PRESETS[DEFAULT_PRESET].presets[DEFAULT_PRESET]
-    block = Block(shape["d_model"], shape["n_heads"])
+    plain, synced = (Block(shape["d_model"], shape["n_heads"]) for _ in range(2))
     x = torch.randn(1, POSITIONS, shape["d_model"], requires_grad=True)
     one = torch.zeros(1)
 
-    def compute() -> None:
-        block(x).sum().backward()
-
-    def synced() -> None:
-        compute()
+    def call() -> None:
         comm.all_reduce(one, group)
 
-    def loop(call: Callable[[], None], runs: bool) -> float:
-        """Seconds per iteration of ``call`` on this rank, timed where ``runs``, after a barrier."""
+    _call_where_tensor_parallelism_does(synced, call)
+
+    def loop(step: Callable[[], None], runs: bool) -> float:
+        """Seconds per iteration of ``step`` on this rank, timed where ``runs``, after a barrier."""
         comm.barrier(everyone)
         if not runs:
             return 0.0
-        call()  # warm
+        step()  # warm
         start = time.perf_counter()
         for _ in range(iterations):
-            call()
+            step()
         return (time.perf_counter() - start) / iterations
 
-    alone = loop(compute, runtime.env.rank == 0)
-    times = [loop(call, True) for call in (compute, synced, lambda: comm.all_reduce(one, group))]
+    def run(block: Block) -> Callable[[], None]:
+        return lambda: block(x).sum().backward()
+
+    alone = loop(run(plain), runtime.env.rank == 0)
+    times = [loop(step, True) for step in (run(plain), run(synced), call)]
     means = [sum(column) / world for column in zip(*comm.all_gather_object(times, everyone))]
     if runtime.env.rank:
         return None
-    together, with_calls, calls = means
+    together, with_calls, one_call = means
     turns = sharing_turns(os.cpu_count() or 1, world)
     return {"processes": world, "efficiency": min(1.0, turns * alone / together),
-            "sync_s": max(0.0, with_calls - together - calls)}
+            "sync_s": max(0.0, (with_calls - together) / CALLS_PER_BLOCK - one_call)}
+
+
+def _call_where_tensor_parallelism_does(block: Block, call: Callable[[], None]) -> None:
+    """``call`` at each of the block's ``CALLS_PER_BLOCK`` points where a tensor-parallel block
+    reduces (parallel/tensor.py): after the attention's output and the MLP forward, before the
+    gradients of their inputs backward."""
+    for module in (block.out, block.mlp):
+        module.register_forward_hook(lambda *_: call())
+    for module in (block.qkv, block.mlp[0]):
+        module.register_full_backward_hook(lambda *_: call())

@@ -130,6 +130,7 @@ def test_a_resumed_run_continues_exactly(tiny_cfg, tmp_path):
     assert losses_of_run(cfg, tmp_path / "cut", resume=True) == straight
 
 
+@pytest.mark.slow  # 15 s; 8-bit state sharded by ZeRO runs by default (test_zero_shards_the_8bit_state_...)
 def test_a_run_under_zero_resumes_exactly(tiny_cfg, tmp_path):
     cfg = tiny_cfg.replace(optimizer="adamw8bit", lr=3e-3, nproc=2, zero=1, micro_batch=2)
     straight = losses_of_run(cfg, tmp_path / "straight")

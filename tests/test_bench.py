@@ -124,6 +124,7 @@ def test_bench_zero_races_fsdp2_on_equal_work(corpus, tmp_path):
     assert ours["state_bytes"] == pytest.approx(peer["state_bytes"], rel=0.01)
 
 
+@pytest.mark.slow  # 9 s; the bench's machinery runs by default with the ZeRO and pipeline races
 def test_bench_tp_races_torch_dtensor_tp_on_equal_work(corpus, tmp_path):
     report = _two_rank_race("scaletrain bench tp --nproc 2", corpus, tmp_path, steps=3)
     assert report["nproc"] == 2 and report["steps"] == 3 and report["warmup"] == 1

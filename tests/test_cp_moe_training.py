@@ -49,7 +49,7 @@ LAYOUTS = {
 # In CI: one of each kind of group the trainer builds (dp_cp with ZeRO, dp_ep with the experts'
 # own dp, ep beside tp); tests/test_context.py and tests/test_moe.py cover cp 4 and ep 4,
 # sp and capacity at the layer. The rest under `pytest -m slow`.
-IN_CI = {"dp2-cp2-zero1", "dp2-ep2"}
+IN_CI = {"dp2-ep2"}  # cp2 by default: tests/test_llama_parity.py, tests/test_fp8.py
 
 
 @pytest.mark.numerics

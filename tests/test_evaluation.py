@@ -188,7 +188,7 @@ def test_two_processes_give_one_process_results(made, compared, tmp_path):
 
 
 SPLITS = [  # (source, flags, tensor-parallel size); the four-process layouts in the slow suite
-    pytest.param("ft", ["--nproc", "2", "--tp", "2"], 2, id="tp2-run"),
+    pytest.param("ft", ["--nproc", "2", "--tp", "2"], 2, id="tp2-run", marks=pytest.mark.slow),  # as the folder's
     pytest.param("ft_hf", ["--nproc", "2", "--tp", "2"], 2, id="tp2-hf-folder"),
     pytest.param("ft", ["--nproc", "2", "--pp", "2"], 1, id="pp2-run"),
     pytest.param("ft", ["--nproc", "4", "--tp", "2"], 2, id="dp2-tp2-run", marks=pytest.mark.slow),

@@ -130,7 +130,7 @@ def test_fp8_trains_as_bf16_does(tiny_cfg, tmp_path):
 @pytest.mark.parametrize("changes", [
     dict(nproc=2, dp=2),
     dict(nproc=2, cp=2),
-    dict(nproc=2, tp=2),
+    pytest.param(dict(nproc=2, tp=2), marks=pytest.mark.slow),  # within tp2-sp
     dict(nproc=2, tp=2, sp=True),
     pytest.param(dict(nproc=2, pp=2, zero=1, microbatches=2), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, dp=2, zero=3, param_dtype="bf16"), marks=pytest.mark.slow),

@@ -183,6 +183,7 @@ engine.close()
 '''
 
 
+@pytest.mark.slow  # 13 s; by default: the README's `scaletrain run --max-restarts`, tests/test_faults.py
 def test_a_killed_worker_restarts_and_the_script_resumes_exactly(tmp_path):
     """``scaletrain run --max-restarts`` starts the job again after rank 1 is killed in step 5; the
     script's ``engine.load`` resumes from step 4 and ends with the losses of a run never stopped."""
@@ -274,7 +275,7 @@ def _generate_and_evaluate(options: dict) -> tuple[list[list[int]], float]:
 
 
 @pytest.mark.parametrize("options", [
-    dict(zero=3), dict(tp=2), dict(pp=2, microbatches=2),
+    pytest.param(dict(zero=3), marks=pytest.mark.slow), dict(tp=2), dict(pp=2, microbatches=2),
     pytest.param(dict(cp=2), marks=pytest.mark.slow),
 ], ids=["zero3", "tp2", "pp2", "cp2"])
 def test_generate_and_evaluate_on_every_rank_equal_one_process(options):

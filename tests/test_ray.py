@@ -60,11 +60,11 @@ def cluster() -> Cluster:
         yield Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", env)
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # the head and every process it started, no one else's
-        try:
-            head.wait(timeout=60)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # a straggler of the group, if any
-                os.killpg(head.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a head left alone takes half a minute to stop
+            head.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError):  # what of the group is still running
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -27,6 +27,7 @@ def _crashed_after_step_2(run, into):
 
 
 @pytest.mark.numerics
+@pytest.mark.slow  # 8 s; resuming in another layout runs by default: tests/test_nd.py, test_zero_pipeline.py
 def test_a_dp2_run_resumes_on_one_process_and_back_as_if_never_stopped(corpus, tmp_path, capsys):
     """A dp-2 run (ZeRO-1: its optimizer state saved in shards) resumed with --nproc 1 and no
     --dp accumulates 2 micro-batches, and back on 2 processes 1: steps 3 and 4 are the

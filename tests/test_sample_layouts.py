@@ -56,7 +56,7 @@ def _sample(cfg: Config) -> str:
 @pytest.mark.numerics
 @pytest.mark.parametrize("layout", [
     dict(nproc=2, zero=3),
-    dict(nproc=4, tp=2, sp=True, zero=3),
+    pytest.param(dict(nproc=4, tp=2, sp=True, zero=3), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, zero=3, name="llama-tiny"), marks=pytest.mark.slow),
     pytest.param(dict(nproc=4, zero=3, shard_group=2), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, pp=2), marks=pytest.mark.slow),

@@ -151,7 +151,7 @@ def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("make_model, nproc, options", [
-    (hf_llama, 2, dict(tp=2)),
+    pytest.param(hf_llama, 2, dict(tp=2), marks=pytest.mark.slow),  # within llama-tp2-sp
     (hf_qwen2_tied, 2, dict(tp=2)),
     pytest.param(hf_mistral, 2, dict(tp=2), marks=pytest.mark.slow),  # Llama's architecture under a third name
     (hf_llama, 2, dict(tp=2, sp=True)),

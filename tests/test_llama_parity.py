@@ -54,9 +54,9 @@ LAYOUTS = {
 }
 # Representative rows in the default run; `pytest -m slow` runs them all.
 # (The README's `scaletrain parity --model llama-tiny --nproc 4 --dp 2 --tp 2 --sp` adds dp x tp.)
-# (ZeRO-3 and interleaved run by default elsewhere: tests/test_llama_hf.py, tests/test_sft_parity.py,
+# (ZeRO-3 and the pipelines run by default elsewhere: tests/test_llama_hf.py, tests/test_sft_parity.py,
 # tests/test_pipeline.py, tests/test_nd.py.)
-IN_CI = {"tp2-sp", "pp2-1f1b", "cp2", "ep2-moe", "qkv-bias-tp2-sp"}
+IN_CI = {"tp2-sp", "cp2", "ep2-moe", "qkv-bias-tp2-sp"}  # pp2 1F1B: tests/test_sft_parity.py
 
 
 @pytest.mark.numerics

@@ -195,7 +195,8 @@ def test_pipeline_reproduces_single_device_training(tiny_cfg, schedule, n, sizes
 
 
 @pytest.mark.parametrize("changes", [
-    dict(nproc=4, pp=2, dp=2, pp_schedule="zb-h1", micro_batch=2),
+    pytest.param(dict(nproc=4, pp=2, dp=2, pp_schedule="zb-h1", micro_batch=2),  # dp x pp: tests/test_nd.py
+                 marks=pytest.mark.slow),
     dict(nproc=2, pp=2, microbatches=3, grad_accum=2, recompute="full", pp_balance="time"),
     pytest.param(dict(nproc=2, pp=2, n_layers=4, pp_schedule="interleaved", microbatches=2, offload="optimizer"),
                  marks=pytest.mark.slow),

@@ -189,6 +189,7 @@ class ZeroDataParallel:
         self.names = {id(p): name for name, p in model.named_parameters()}
         trainable = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         mine = {id(p) for p in trainable}
+        frozen_grouped: list[tuple[nn.Module, list[nn.Parameter]]] = []
         if stage == 3:  # the root unit first (then a tied weight's alone), then the layers, in forward order
             layers = [block for blocks in stages for block in blocks] if stages is not None else \
                 layer_modules(model) if layers is None else layers
@@ -198,16 +199,19 @@ class ZeroDataParallel:
                                   *((layer, [p for p in layer.parameters() if id(p) in mine]) for layer in layers)]
             forward = [(module, params) for module, params in modules_and_params if params]
             grouped = forward[::-1]  # gradients complete in backward order; the root's (embeddings) last
+            if params is None and stages is None:  # a fine-tune's frozen base: frozen units, cut as the layers'
+                frozen = [(module, [p for p in chosen if not p.requires_grad and p.is_floating_point()])
+                          for module, chosen in ((model, [p for p in model.parameters() if id(p) not in apart]),
+                                                 *((layer, list(layer.parameters())) for layer in layers))]
+                frozen_grouped = [(module, params) for module, params in frozen if params][::-1]
         else:  # gradient buckets, as data parallelism makes them, and the own units
             alone = {id(p) for p in own_units}
             rest = [p for p in trainable[::-1] if id(p) not in alone]
             grouped = [(None, params) for params in [*plan_buckets(rest, int(bucket_mb * 2**20), reduce_dtype),
                                                      *([p] for p in own_units if p.requires_grad)]]
-        self.units = []
-        for module, params in grouped:
-            self.units.append(self._build_unit(module, params, param_dtype, reduce_dtype))
-            if stage == 3:  # one unit's full values at a time while building (zero3.py gathers them)
-                self.units[-1].full.untyped_storage().resize_(0)
+        self.units = [self._build_unit(module, params, param_dtype, reduce_dtype) for module, params in grouped]
+        self.frozen_units = [self._build_unit(module, params, param_dtype, reduce_dtype, frozen=True)
+                             for module, params in frozen_grouped]
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_gradient)
@@ -220,14 +224,18 @@ class ZeroDataParallel:
             per_stage = [[unit_of[id(block)] for block in blocks if id(block) in unit_of] for blocks in stages]
             held = [unit for unit in self.units if unit.module is model]
             self.gathering = PipelineGathering(per_stage, held, self.collectives, gather)
-        elif stage == 3:
-            self.gathering = StageThreeGathering(model, self.units, self.collectives, self._flush)
+        elif stage == 3:  # a module's frozen unit just before its trained one, in forward order
+            position = {id(module): i for i, (module, _) in enumerate(modules_and_params)}
+            in_forward = sorted([*self.units, *self.frozen_units], key=lambda u: (position[id(u.module)], not u.frozen))
+            self.gathering = StageThreeGathering(model, in_forward[::-1], self.collectives, self._flush)
         if stage == 2:
             model.register_forward_pre_hook(lambda *_: self._flush())
 
     @torch.no_grad()
     def _build_unit(self, module: nn.Module | None, params: list[nn.Parameter],
-                    param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Unit:
+                    param_dtype: torch.dtype, reduce_dtype: torch.dtype, frozen: bool = False) -> Unit:
+        """A unit of ``params`` (a frozen one: its working shard alone, zero_units.py); under stage 3
+        its full values freed once built (one unit's at a time: zero3.py gathers them)."""
         n, rank = self.group.size, self.group.rank
         offsets = [0]
         for p in params:
@@ -248,23 +256,27 @@ class ZeroDataParallel:
         shard = full[start:start + shard_numel] if self.stage < 3 else own.to(param_dtype, copy=True)
         # Stepped in place: fp32 working weights, or pure bf16's, which have no other copy.
         here = self.master_device == self.device
-        master = shard if here and (param_dtype == torch.float32 or not self.masters) else self._host_or_device(own)
+        in_place = frozen or here and (param_dtype == torch.float32 or not self.masters)
+        master = shard if in_place else self._host_or_device(own)
         grad_full = torch.zeros(full.numel(), dtype=reduce_dtype, device=self.device) if self.stage == 1 else None
         grad = grad_full[start:start + shard_numel] if grad_full is not None else \
-            torch.zeros(shard_numel, dtype=reduce_dtype, device=self.device)
-        master_grad = grad if here and (reduce_dtype == torch.float32 or not self.masters) else \
+            torch.zeros(0 if frozen else shard_numel, dtype=reduce_dtype, device=self.device)
+        master_grad = grad if frozen or here and (reduce_dtype == torch.float32 or not self.masters) else \
             self._host_or_device(torch.zeros(shard_numel))
-        unit = Unit(params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module)
+        unit = Unit(params, offsets, shard_numel, full, shard, master, grad, master_grad, grad_full, module,
+                    frozen=frozen)
         for i, param in enumerate(params):
             if param.is_meta:  # a tensor of another kind swapped in first (its shape, no storage of its own)
                 placeholder = full.new_empty(()).expand(param.shape)
                 torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
             param.data = unit.slot(full, i)  # the same Parameter objects, now views of the unit
             lo, hi = (offsets[i] + end - start for end in unit.span(i, rank))  # within the shard
-            if hi > lo:
+            if hi > lo and not frozen:
                 piece = nn.Parameter(master[lo:hi])
                 piece.grad = master_grad[lo:hi]
                 unit.pieces.append(Piece(param, self.names[id(param)], piece))
+        if self.stage == 3:
+            full.untyped_storage().resize_(0)
         return unit
 
     def _host_or_device(self, values: torch.Tensor) -> torch.Tensor:
@@ -286,12 +298,14 @@ class ZeroDataParallel:
         """This rank's part of the model (the fp32 masters, by ``state_dict`` key)
         and of the optimizer state (by parameter name), for the checkpoint."""
         shards: dict[int, tuple[FlatShard, Piece | None]] = {}
-        for unit in self.units:
+        for unit in [*self.units, *self.frozen_units]:
             pieces = {id(piece.param): piece for piece in unit.pieces}
             for i, param in enumerate(unit.params):
                 piece = pieces.get(id(param))
                 spans = [(global_rank, *unit.span(i, q)) for q, global_rank in enumerate(self.group.ranks)]
-                local = piece.tensor.detach() if piece else unit.master[:0]
+                # a frozen weight's elements: its working shard's (it has no master)
+                local = piece.tensor.detach() if piece else unit.in_shard(unit.shard, i, self.group.rank) \
+                    if unit.frozen else unit.master[:0]
                 shards[id(param)] = (FlatShard(param.shape, spans, self.group.ranks[self.group.rank], local), piece)
         model = {key: shards[id(t)][0] if id(t) in shards else t.detach()
                  for key, t in self.model.state_dict(keep_vars=True).items()}
@@ -306,10 +320,12 @@ class ZeroDataParallel:
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank keeps, by ledger entry (the optimizer's state aside)."""
+        sharded = {id(p) for unit in self.frozen_units for p in unit.params}
         return {
-            # and, whole on every rank, what does not train: a fine-tune's frozen (or 4-bit) base
-            "params": [*(t for unit in self.units for t in (unit.full, unit.shard)),
-                       *(p for p in self.model.parameters() if not p.requires_grad), *self.model.buffers()],
+            # and, whole on every rank, what does not train and no frozen unit holds (a 4-bit base's codes)
+            "params": [*(t for unit in [*self.units, *self.frozen_units] for t in (unit.full, unit.shard)),
+                       *(p for p in self.model.parameters() if not p.requires_grad and id(p) not in sharded),
+                       *self.model.buffers()],
             "grads": [t for unit in self.units for t in (unit.grad, unit.master_grad, unit.grad_full)
                       if t is not None],
             "optimizer": [unit.master for unit in self.units if unit.master is not unit.shard],
@@ -339,9 +355,7 @@ class ZeroDataParallel:
         """This rank's shard of ``param``'s reduced gradient after `finish_gradient_sync`
         (its elements of the flattened gradient; empty where the rank holds none)."""
         unit, i = self._unit_of[id(param)]
-        first = self.group.rank * unit.shard_numel
-        lo, hi = (unit.offsets[i] + end - first for end in unit.span(i, self.group.rank))
-        return unit.grad[lo:hi] if hi > lo else unit.grad[:0]
+        return unit.in_shard(unit.grad, i, self.group.rank)
 
     def copy_grads_to_master(self) -> None:
         """The reduced shards into the fp32 masters' gradients, where those are apart

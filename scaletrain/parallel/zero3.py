@@ -23,6 +23,13 @@ the module code never learns that its weights come and go.
 Activation recomputation re-runs a unit's forward inside backward: the hooks
 see that (``in_backward``) and neither prefetch nor free then.
 
+A fine-tune's frozen base is sharded too, in frozen units (parallel/zero_units.py) gathered and
+freed as above just before the trained unit of the same module (its adapters), but never
+reduced: no gradient of its own says when backward is done with it. As in torch's FSDP2, an
+identity on the module's inputs that need a gradient frees it when their gradient is complete
+(every use of the frozen weights inside the module lies on the way to it); a module whose inputs
+need none (the first block over a frozen embedding, the root) frees it when backward ends.
+
 Inside pipeline stages (`PipelineGathering`) there is no one forward and one
 backward: a rank runs its stages' forwards and backwards micro-batch by
 micro-batch in the schedule's order (1F1B: F1 F2 B1 F3 B2 ...), and the model's
@@ -99,11 +106,13 @@ class StageThreeGathering(Gathering):
         self._finished_forward: list[Unit] = []  # units in the order their forward ended
         self._forward = units[::-1]
         self._next_in_forward = dict(zip(map(id, self._forward), self._forward[1:]))
-        # The unit whose forward ends last is needed first by backward: it stays.
-        self._held = self._forward[0] if self._forward[0].module is model else self._forward[-1]
+        # The units of the module whose forward ends last are needed first by backward: they stay.
+        held = self._forward[0].module if self._forward[0].module is model else self._forward[-1].module
+        self._held = {id(unit) for unit in units if unit.module is held}
         model.register_forward_pre_hook(self._begin_forward)
         for unit in self._forward:
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            pre_forward = self._pre_forward_frozen if unit.frozen else self._pre_forward
+            unit.module.register_forward_pre_hook(partial(pre_forward, unit))
             unit.module.register_forward_hook(partial(self._post_forward, unit))
 
     def _begin_forward(self, *_) -> None:
@@ -119,6 +128,20 @@ class StageThreeGathering(Gathering):
         if following is not None:
             self.gather(following, wait=False)  # prefetch
 
+    def _pre_forward_frozen(self, unit: Unit, module: nn.Module, args: tuple) -> tuple | None:
+        """A frozen unit gathered, and the module's inputs that need a gradient passed through an
+        identity whose backward frees it (module docstring)."""
+        self._pre_forward(unit)
+        if self.in_backward or id(unit) in self._held:
+            return None
+        needing = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor) and arg.requires_grad]
+        if not needing:
+            return None
+        passed = list(args)
+        for i, tensor in zip(needing, _FreeAfterBackward.apply(partial(self.free, unit), *(args[i] for i in needing))):
+            passed[i] = tensor
+        return tuple(passed)
+
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
         if self.in_backward:
             return
@@ -127,13 +150,15 @@ class StageThreeGathering(Gathering):
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, partial(self._pre_backward, unit), mode="any")
-        if unit is not self._held or not outputs:
+        if id(unit) not in self._held or not outputs:
             self.free(unit)
 
     def _pre_backward(self, unit: Unit, _grad) -> None:
         """Gradients of the unit's outputs are ready: its backward is next."""
         self.in_backward = True
         self.gather(unit)
+        if unit.frozen:  # freed when its module's inputs have their gradient, or else here at the latest
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self.free, unit))
         order = self._finished_forward[::-1]
         position = order.index(unit)
         if position + 1 < len(order):
@@ -142,6 +167,21 @@ class StageThreeGathering(Gathering):
     def after_gradients(self, unit: Unit) -> None:
         """The unit's gradients are all in: backward needs it no more."""
         self.free(unit)
+
+
+class _FreeAfterBackward(torch.autograd.Function):
+    """The identity on a module's inputs whose backward, run once their gradient is complete,
+    calls ``free`` (a frozen unit's: module docstring)."""
+
+    @staticmethod
+    def forward(ctx, free: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.free = free
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        ctx.free()
+        return (None, *grads)
 
 
 def in_backward() -> bool:

@@ -4,7 +4,8 @@ split evenly over the data-parallel group, and the part of each parameter a rank
 Of a unit of N elements over a group of g ranks, rank r keeps the S = ceil(N / g) elements
 [r S, (r + 1) S) of the flat buffer (the last rank's padded), of its working weights, their
 fp32 masters (none in pure bf16) and their reduced gradients; a parameter lies in one rank's shard or across
-several, and each rank's `Piece` of it is what its optimizer updates.
+several, and each rank's `Piece` of it is what its optimizer updates. A frozen unit (ZeRO-3's share of
+a fine-tune's frozen base) keeps only its working weights' shard: no gradient, master or piece.
 """
 
 from __future__ import annotations
@@ -48,10 +49,17 @@ class Unit:
     gathered: bool = True
     gathering: Pending | None = None
     pieces: list[Piece] = field(default_factory=list)
+    frozen: bool = False  # weights that do not train: gathered and freed, never reduced nor stepped
 
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s elements of a flat buffer of this unit, shaped like it."""
         return buffer[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view_as(self.params[i])
+
+    def in_shard(self, buffer: torch.Tensor, i: int, owner: int) -> torch.Tensor:
+        """Parameter ``i``'s elements in rank ``owner``'s shard-sized ``buffer`` (empty where it holds none)."""
+        first = owner * self.shard_numel
+        lo, hi = (self.offsets[i] + end - first for end in self.span(i, owner))
+        return buffer[lo:hi] if hi > lo else buffer[:0]
 
     def span(self, i: int, owner: int) -> tuple[int, int]:
         """The elements [start, stop) of parameter ``i``'s flattening that rank ``owner`` holds."""

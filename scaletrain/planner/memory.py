@@ -35,7 +35,10 @@ none), 8-bit AdamW 2 bytes and two fp32 scales per block of 2048, the
 codes of a partial last block padded (fp32 moments for tensors under 4096
 elements and the embedding tables, whatever the weights' dtype). A LoRA
 fine-tune's frozen base (and a 4-bit base's codes and scales, which are
-buffers) counts under ``params`` whole on every rank, its adapters as above.
+buffers) counts under ``params`` whole on every rank, its adapters as above; under ZeRO-3 (no
+pipeline, no expert parallelism) the frozen base is a ZeRO part of its own, cut as the layers are
+(parallel/zero.py's frozen units): ``params`` w*S per unit, no gradient, no optimizer state, its
+units gathered as the trained ones (the root's held from forward into backward).
 
 ``--offload optimizer`` keeps the masters, their gradients and the
 optimizer state in host memory: ``host``, not part of what the device must fit.
@@ -124,6 +127,7 @@ class ZeroPart:
     experts: bool
     units: list[list[nn.Parameter]]
     held: int = 0
+    frozen: bool = False  # a fine-tune's frozen base under ZeRO-3: gathered, never reduced nor stepped
 
     def padded(self, n: int) -> list[int]:
         """Each unit's flat buffer over ``n`` ranks: its elements rounded up to a multiple of ``n``."""
@@ -141,7 +145,9 @@ def zero_parts(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype:
         parts = [_dense_part(weights, dense, stage, bucket_mb, reduce_dtype)]
         if experts:
             parts.append(_experts_part(weights, experts, stage, bucket_mb, reduce_dtype))
-        weights.zero_cuts[key] = tuple(parts)
+        frozen = _frozen_part(weights, parts[0]) if stage == 3 and not weights.experts and weights.n_stages == 1 \
+            else None
+        weights.zero_cuts[key] = tuple(parts + [frozen] if frozen else parts)
     return weights.zero_cuts[key]
 
 
@@ -167,6 +173,23 @@ def _dense_part(weights: RankWeights, params: list[nn.Parameter], stage: int, bu
     apart = {id(p) for layer in weights.layers for p in layer.parameters()} | tied
     held = [unit for unit in ([p for p in params if id(p) not in apart], *([p] for p in weights.tied)) if unit]
     return ZeroPart(False, [*held, *_layer_units(weights, params)], held=len(held))
+
+
+def _frozen_part(weights: RankWeights, dense: ZeroPart) -> ZeroPart | None:
+    """Stage 3's frozen units (a fine-tune's base): the root's frozen weights (held), then each layer's. With no
+    root unit at all, the last layer's units are the ones held from forward into backward (parallel/zero3.py)."""
+    def frozen(module: nn.Module) -> list[nn.Parameter]:
+        return [p for p in module.parameters() if not p.requires_grad and p.is_floating_point()]
+
+    in_layers = {id(p) for layer in weights.layers for p in layer.parameters()}
+    root = [p for p in frozen(weights.model) if id(p) not in in_layers]
+    layers = [unit for layer in weights.layers if (unit := frozen(layer))]
+    if not root and not layers:
+        return None
+    if root:
+        return ZeroPart(False, [root, *layers], held=1, frozen=True)
+    last_held = not dense.held and bool(weights.layers) and bool(frozen(weights.layers[-1]))
+    return ZeroPart(False, [layers[-1], *layers[:-1]] if last_held else layers, held=int(last_held), frozen=True)
 
 
 def _experts_part(weights: RankWeights, params: list[nn.Parameter], stage: int, bucket_mb: float,
@@ -222,7 +245,9 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
                               offload and not host_is_device)
                  for part in zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)]
         held = {key: sum(part[key] for part in parts) for key in parts[0]}
-        held["params"] += weights.untrained_bytes(w)
+        # the frozen base's weights are a part of their own when ZeRO-3 shards them: then only its buffers
+        held["params"] += weights.untrained_bytes(0 if any(part.frozen for part in zero_parts(
+            weights, p.zero, p.bucket_mb, p.reduce_dtype)) else w)
         return held
     n = weights.numel
     state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, weights.tables, 4 if masters else w)
@@ -245,6 +270,9 @@ def _zero_memory(cfg: Config, weights: RankWeights, part: ZeroPart, n: int, w: i
     padded = part.padded(n)
     shards = [size // n for size in padded]
     shard_total = sum(shards)
+    if part.frozen:  # the held units and the two largest layers gathered at once, as the trained ones
+        gathered = sum(padded[:part.held]) + sum(sorted(padded[part.held:])[-ZERO3_GATHERED_LAYERS:])
+        return {"params": w * shard_total, "grads": 0, "optimizer": 0, "host": 0, "buffers": w * gathered}
     # The ranks' states differ where 8-bit AdamW keeps some pieces in fp32 (the tables', and the
     # small ones): the fullest rank's is the prediction. Otherwise every rank's is rank 0's.
     ranks = range(n) if cfg.train.optimizer == "adamw8bit" else [0]

@@ -47,6 +47,9 @@ tensor parallel per micro-batch and block, two regions (parallel/tensor.py): the
                 (``e*b*s*h`` each: a fused qkv once, separate q, k and v three
                 times, a SwiGLU's gate and up twice), and the gradients of the
                 weights every rank holds whole are all-reduced every micro-batch.
+                A LoRA fine-tune (finetune/lora.py): of its frozen columns only the
+                adapted ones gather again, and the gradients of the adapters'
+                factors tp leaves whole are all-reduced every micro-batch, sp or not.
                 Recomputing a block runs its forward again up to its last saved
                 tensor (PyTorch stops a recomputation there): the attention's
                 collectives and the MLP's entry again, not the MLP's output's.
@@ -226,8 +229,11 @@ def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: i
             reduces += [(full, 1), (4 * rows, 1), (8 * rows, 1)]
         for nbytes, calls in reduces:
             traffic.add("all_reduce", "tp", nbytes, calls=k * calls)
+        for param in weights.adapter_factors:  # each rank's share through its partner's slice, summed
+            traffic.add("all_reduce", "tp", w * param.numel(), calls=k)
         return
-    columns = blocks * x.attention_columns + mlps * x.model.ffn_inputs
+    # of a frozen base, only the adapted columns gather again: a frozen weight keeps no input
+    columns = blocks * x.columns(True) + mlps * x.columns(False)
     gathers = [(full, regions + 2 * recomputed), (act, regions + columns)]  # enter; leave's backward, re-gathers
     scatters = [(act, regions + recomputed), (full, regions)]  # leave; enter's backward
     if weights.first:
@@ -259,13 +265,15 @@ def _zero_part(traffic: Traffic, cfg: Config, part: ZeroPart, group: str, replic
     p = cfg.parallel
     stage, n = p.zero, traffic.sizes[group]
     padded = part.padded(n)
-    scatters = 1 if stage == 1 else k
+    # a frozen base's units are only gathered
+    scatters = 0 if part.frozen else 1 if stage == 1 else k
     # Units of one size (a model's equal blocks) are added at once: the ledger sums them alike.
-    for size, count in Counter(padded).items():
+    for size, count in Counter(padded).items() if scatters else ():
         traffic.add("reduce_scatter", group, r * size, calls=scatters * count)
         if replica:
             traffic.add("all_reduce", replica, r * size // n, calls=scatters * count)
-    if cfg.train.optimizer == "adafactor":  # each matrix's row and column sums, each tensor's sum of U^2
+    # each matrix's row and column sums, each tensor's sum of U^2
+    if cfg.train.optimizer == "adafactor" and not part.frozen:
         params = [q for unit in part.units for q in unit]
         factors = sum(q.numel() // q.shape[-1] + q.numel() // q.shape[-2] for q in params if q.dim() >= 2)
         if factors:

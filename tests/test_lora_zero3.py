@@ -1,0 +1,104 @@
+"""LoRA over a ZeRO-3 base (parallel/zero.py's frozen units): parity with one device under dp2 and
+hybrid sharding, the ledgers equal to the planner's with the base's bytes a rank falling as 1/N,
+what ``plan`` prices, and the refusal of a 4-bit base under ZeRO-3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.commands.cli import main
+from scaletrain.commands.parity import run_parity
+from scaletrain.config import Config
+from scaletrain.job.base_model import as_finetune
+from scaletrain.job.data_setup import prepare_data
+from tests.distributed import run_distributed
+from tests.test_llama_hf import PROSE, SEQ, make_folder
+from tests.test_plan import assert_predicted
+from tests.trainers import build_trainer
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, Path]:
+    """A random Llama-shaped Hugging Face folder and the prose to fine-tune it on."""
+    root = tmp_path_factory.mktemp("lora-zero3")
+    prose = root / "prose.txt"
+    prose.write_text(PROSE)
+    return make_folder(root / "llama", "llama"), prose
+
+
+def _config(base: tuple[Path, Path], root: Path, **changes) -> Config:
+    folder, prose = base
+    settings = dict(base=str(folder), data=str(prose), lora_rank=4, seq_len=SEQ, micro_batch=4, steps=3, lr=1e-2,
+                    warmup_steps=1, eval_every=0, eval_batches=1, sample_tokens=0, progress=False,
+                    out=str(root / "run"), cache_dir=str(root / "cache"))
+    return Config().replace(**{**settings, **changes})
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("changes", [
+    dict(nproc=2, dp=2, zero=3, micro_batch=2),
+    pytest.param(dict(nproc=4, dp=4, zero=3, shard_group=2, micro_batch=1), marks=pytest.mark.slow),
+    pytest.param(dict(nproc=2, dp=2, zero=3, micro_batch=2, recompute="full", offload="optimizer"),
+                 marks=pytest.mark.slow),
+], ids=["dp2", "shard-group-2", "recompute-offload"])
+def test_lora_over_a_zero3_base_reproduces_one_device(base, tmp_path, changes):
+    """scaletrain parity at fp32's 1e-5 over the same global batch. The slow ones (about 20 s each):
+    ``pytest -m slow tests/test_lora_zero3.py``."""
+    report = run_parity(_config(base, tmp_path, **changes), tolerance=1e-5)
+    assert report.passed, report.to_json()
+    assert report.reference_losses[-1] < report.reference_losses[0]
+
+
+def _measure(rank: int, n: int, cfg: Config, spec) -> tuple:
+    """This rank's memory ledger, its second step's communication, and the bytes of its shard of the base."""
+    trainer = build_trainer(rank, n, cfg, spec)
+    trainer.train_step(0)
+    before = trainer.comm.ledger.snapshot()
+    trainer.train_step(1)
+    zero = trainer.stepper.layout.zero
+    base_shard = sum(unit.shard.nbytes for unit in zero.frozen_units)
+    whole_now = sum(unit.full.untyped_storage().nbytes() for unit in zero.frozen_units)  # all freed after a step
+    return (trainer.stepper.memory, trainer.comm.ledger.since(before)), base_shard, whole_now
+
+
+def test_the_base_is_sharded_as_1_over_n_and_the_planner_predicts_the_ledgers(base, tmp_path):
+    """Two and four ranks: every rank holds 1/N of the frozen base (its padding aside), none of it
+    gathered between steps, and each rank's memory and communication ledgers are the planner's."""
+    cfg = as_finetune(_config(base, tmp_path, zero=3, report_memory=True, steps=2))
+    spec = prepare_data(cfg, Path(cfg.data.cache_dir))
+    shards = {}
+    for n in (2, 4):
+        measured = run_distributed(_measure, n, cfg, spec, timeout_s=300)
+        assert all(whole == 0 for _, _, whole in measured)
+        assert_predicted(cfg, n, spec.vocab_size, [ledgers for ledgers, _, _ in measured])
+        shards[n] = [shard for _, shard, _ in measured]
+    assert len(set(shards[2])) == 1 and len(set(shards[4])) == 1
+    assert shards[4][0] == pytest.approx(shards[2][0] / 2, rel=0.01)
+
+
+def _plan(capsys, *flags: str) -> dict:
+    assert main(["plan", "--model", "llama2-7b", "--gpus", "4", "--gpu", "A100", "--micro-batch", "4", "--seq",
+                 "512", "--dp", "4", "--param-dtype", "bf16", "--lora-rank", "16", *flags, "--json"]) == 0, \
+        capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)["candidates"][0]
+
+
+def test_plan_prices_lora_over_a_zero3_base_at_a_quarter_of_the_base(capsys):
+    sharded, whole = _plan(capsys, "--zero", "3"), _plan(capsys, "--zero", "2")
+    assert sharded["layout"]["zero"] == 3 and sharded["layout"]["lora_rank"] == 16
+    # 7B frozen bf16 weights: whole on every rank under ZeRO-2, a quarter of them under ZeRO-3
+    assert whole["memory_bytes"]["params"] > 13e9
+    assert sharded["memory_bytes"]["params"] == pytest.approx(whole["memory_bytes"]["params"] / 4, rel=0.01)
+
+
+def test_a_4_bit_base_under_zero3_is_one_sentence(base, tmp_path, capsys):
+    folder, prose = base
+    assert main(["finetune", "--from", str(folder), "--data", str(prose), "--nproc", "2", "--zero", "3",
+                 "--lora-rank", "4", "--quantize", "nf4", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--quantize nf4 keeps the base's 4-bit codes and scales in buffers" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

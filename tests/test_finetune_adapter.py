@@ -181,8 +181,8 @@ Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
      "holds tensors of no module it adapts, such as base_model.model.lm_head.lora_A.weight"),
     (None, ["--lora-rank", "8"], "which sets it to 4; drop --lora-rank."),
     (None, ["--lora-alpha", "32"], "--lora-alpha 32.0 contradicts"),
-    (None, ["--lora-alpha", "8", "--lora-rank", "4", "--lora-targets", "fc,qkv", "--tp", "2"],
-     "--tp does not combine with --lora-rank"),  # flags that agree pass, and the adapter's layout is checked
+    (None, ["--lora-alpha", "8", "--lora-rank", "4", "--lora-targets", "fc,qkv", "--quantize", "nf4", "--tp", "2"],
+     "--quantize nf4 does not combine with --tp"),  # flags that agree pass, and the adapter's layout is checked
     (None, ["--lora-targets", "qkv"], "--lora-targets qkv contradicts the adapter in"),
     (None, ["--lora-modules-to-save", "head"], "--lora-modules-to-save head contradicts the adapter in"),
 ])

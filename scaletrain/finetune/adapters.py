@@ -9,10 +9,14 @@ hold it. A head tied to the embedding is one tensor, so naming either trains it 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import torch
 from torch import nn
 
 from scaletrain.config import FinetuneConfig
-from scaletrain.finetune.lora import apply_lora
+from scaletrain.finetune.lora import adapter_state, apply_lora
 from scaletrain.finetune.nf4 import quantize_linears
 from scaletrain.models.spec import ModelSpec
 
@@ -42,3 +46,15 @@ def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) 
     apply_lora(model, targets, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout)
     for param in whole_parameters(model, family, finetune.lora_modules_to_save).values():
         param.requires_grad_(True)
+
+
+def trained_tensors(tensors: dict[str, torch.Tensor], finetune: FinetuneConfig, family: ModelSpec,
+                    family_cfg: Any) -> dict[str, torch.Tensor]:
+    """Of a fine-tune's whole tensors (its checkpoint's, whatever layout split them: a tp slice, a
+    pipeline stage, an ep rank's experts hold only part of the adapters), those it trained, by the
+    names `adapter_state` gives them on the whole model (built on the meta device: names only, so
+    its base stays unquantized)."""
+    with torch.device("meta"):
+        model = family.build(family_cfg)
+    add_adapters(model, dataclasses.replace(finetune, quantize="none"), family)
+    return {name: tensors[name] for name in adapter_state(model)}

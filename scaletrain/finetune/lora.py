@@ -17,11 +17,28 @@ fine-tuned model runs (or exports) as a plain one at no extra cost; unmerging
 subtracts it again. The base may also be a 4-bit ``NF4Linear`` (QLoRA,
 nf4.py): the update then stays beside it, since merging needs float weights
 (`merged_tensors` folds a saved model's adapters into float weights instead).
+
+Under tensor parallelism (parallel/tensor.py) the adapter splits with its base, so that each
+rank's update is exactly the slice of ``B A`` its slice of ``W`` holds (`split_with_base`):
+
+    column-parallel base (W's output rows split):  B's rows split alike, A whole
+    row-parallel base (W's input columns split):   A's columns split alike, B whole
+
+and the update joins the base's output where the base's is summed: a column layer's slice of
+the output is complete on its rank; a row layer's update ``x_r A_r^T B^T`` is a partial sum,
+like ``x_r W_r^T``, and is added before the all-reduce (with sp, the reduce-scatter) that
+completes the base's. The whole factor's gradient on each rank is then the share of its
+slice (A's gradient through ``B_r`` only; B's through ``x_r A_r^T``), summed over the group.
+With sp a column layer's input arrives gathered, so the adapter sees every position too, and
+keeps for backward only this rank's chunk of it, as the base's product does (it gathers it again).
+Dropout on the adapter's input draws inside the tensor-parallel region's stream, as the
+attention's does: each rank its own mask, never one device's (parity runs without dropout).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +55,6 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         self.base = base.requires_grad_(False)
-        self.in_features, self.out_features = base.in_features, base.out_features  # a linear layer's shape
         self.rank, self.scaling = rank, alpha / rank
         weight = self.base_weight()
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=weight.device))
@@ -46,6 +62,14 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(dropout)
         self.merged = False
+
+    @property
+    def in_features(self) -> int:  # a linear layer's shape, its base's: a tensor-parallel slice's is its own
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
 
     def base_weight(self) -> torch.Tensor:
         """The base's weight as a float tensor (an NF4 base dequantizes it)."""
@@ -56,10 +80,26 @@ class LoRALinear(nn.Module):
         return (self.lora_B @ self.lora_A) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         if self.merged:
-            return y
-        return y + (self.dropout(x) @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+            return self.base(x)
+        dropped = self.dropout(x)
+        product = getattr(self.base, "adapter_product", None)  # a tensor-parallel column's: the module docstring
+        first = product(dropped, self.lora_A) if product else dropped @ self.lora_A.t()
+        update = (first @ self.lora_B.t()) * self.scaling
+        if getattr(self.base, "adds_beside", False):  # a tensor-parallel base sums it with its own output
+            return self.base(x, beside=update)
+        return self.base(x) + update
+
+    def split_with_base(self, column: bool, parts: int, split: Callable[[nn.Parameter, int, int], nn.Parameter]
+                        ) -> nn.Parameter:
+        """Split the adapter as its base is split over tensor parallelism (the module docstring):
+        ``split(tensor, dim, parts)`` gives this rank's slice (``parts`` fused blocks, a fused q, k, v,
+        each cut alike); the factor left whole, whose gradient the group sums."""
+        if column:
+            self.lora_B = split(self.lora_B, 0, parts)
+            return self.lora_A
+        self.lora_A = split(self.lora_A, 1, 1)
+        return self.lora_B
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -139,10 +179,11 @@ def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         params[key].copy_(value)
 
 
-def save_adapters(model: nn.Module, path: Path, metadata: dict[str, str]) -> int:
-    """The adapters (and modules trained whole) in one safetensors file (written beside, then renamed
+def save_adapters(trained: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> int:
+    """The adapters (and modules trained whole), by name, whole (`adapter_state`, or of a split
+    model a checkpoint's: finetune/adapters.py), in one safetensors file (written beside, then renamed
     into place); their bytes."""
-    tensors = {key: value.contiguous() for key, value in adapter_state(model).items()}
+    tensors = {key: value.contiguous() for key, value in trained.items()}
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, tmp, metadata=metadata)
     tmp.replace(path)

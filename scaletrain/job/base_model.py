@@ -176,21 +176,18 @@ def base_vocab(cfg: Config) -> int:
 
 def check_layout(cfg: Config) -> None:
     """A full fine-tune takes any layout (the base loads before the model is split); adapters
-    compose with data parallelism and ZeRO-1/2/3 (not a 4-bit base under ZeRO-3): one sentence for anything else."""
+    compose with data parallelism, ZeRO-1/2/3, tp (with sp), pp, cp and ep, a 4-bit base with all
+    of those but tp and ZeRO-3: one sentence for anything else."""
     p, f = cfg.parallel, cfg.finetune
-    if f.lora_rank:
-        for flag, used in (("--tp", p.tp > 1),
-                           ("--pp", p.pp > 1),
-                           ("--cp", p.cp > 1),
-                           ("--ep", p.ep > 1)):
-            if used:
-                raise UserError(f"{flag} does not combine with --lora-rank in this version: adapters train on "
-                                f"data parallelism and ZeRO-1/2/3; drop {flag}, or --lora-rank for a full "
-                                f"fine-tune.")
     if f.quantize == "nf4" and p.zero == 3:
         raise UserError("--quantize nf4 keeps the base's 4-bit codes and scales in buffers that every rank holds "
                         "whole, and ZeRO-3 shards only floating-point weights; give --zero 1 or 2 with --quantize "
                         "nf4, or drop --quantize nf4 for adapters over a sharded bf16 base (--param-dtype bf16).")
+    if f.quantize == "nf4" and p.tp > 1:
+        raise UserError("--quantize nf4 does not combine with --tp: its 4-bit codes are scaled in blocks of 64 "
+                        "weights and their scales quantized again in groups of 256 over each whole matrix, which "
+                        "a rank's slice of rows or columns would cut through; drop --tp (QLoRA trains under --pp, "
+                        "--cp, --ep and data parallelism), or --quantize nf4 for LoRA over a float base.")
     if f.quantize == "nf4" and f.lora_rank < 1:
         raise UserError("--quantize nf4 freezes the base in 4 bits, so only adapters can train; add --lora-rank.")
     if f.lora_modules_to_save and f.lora_rank < 1:

@@ -184,20 +184,23 @@ class RegionRNG:
 
 
 class _SequenceGatheredLinear(Function):
-    """y = x @ w.T for an input all-gathered along the sequence; keeps only this
-    rank's chunk of x for backward and gathers it again there."""
+    """y = x @ w.T for an input all-gathered along the sequence; keeps only this rank's chunk
+    of x for backward (none for a frozen weight) and gathers it again there."""
 
     @staticmethod
     def forward(ctx, x, weight, comm, group):
         y = F.linear(x, weight)  # under autocast: in its dtype
         chunk = x.shape[1] // group.size
         ctx.comm, ctx.group, ctx.dtype = comm, group, y.dtype
-        ctx.save_for_backward(x.narrow(1, group.rank * chunk, chunk).to(y.dtype, copy=True), weight)
+        mine = x.narrow(1, group.rank * chunk, chunk).to(y.dtype, copy=True) if weight.requires_grad else None
+        ctx.save_for_backward(mine, weight)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         mine, weight = ctx.saved_tensors
+        if mine is None:
+            return grad.to(ctx.dtype) @ weight.to(ctx.dtype), None, None, None
         comm, group = ctx.comm, ctx.group
         parts = mine.new_empty((group.size, *mine.shape))
         # every tp rank's chunk of the input, b x s/t x h each, gathered again for the weight's
@@ -218,6 +221,7 @@ class _SlicedLinear(nn.Module):
     parallel/pipeline/weight_grad.py), except where sp gathers its input."""
 
     defers_weight_grad = True
+    adds_beside = True  # forward(x, beside): a LoRA update added where this rank's output is (finetune/lora.py)
     store: WeightGradStore | None = None
     float8: Float8 | None = None  # --precision fp8: the product in float8 (techniques/fp8.py)
 
@@ -239,21 +243,29 @@ class _SlicedLinear(nn.Module):
 class ColumnParallelLinear(_SlicedLinear):
     """Holds a slice of the output features; its input is whole."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def adapter_product(self, x: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's ``x A^T`` (finetune/lora.py): under sp only this rank's chunk of x kept, as here."""
+        sp = self.tp.sequence_parallel
+        return _SequenceGatheredLinear.apply(x, lora_A, self.tp.comm, self.tp.group) if sp else x @ lora_A.t()
+
+    def forward(self, x: torch.Tensor, beside: torch.Tensor | None = None) -> torch.Tensor:
         if not self.tp.sequence_parallel:
-            return self.biased(self.product(x))
-        if self.float8:
-            return self.biased(self.float8.sequence_gathered_linear(x, self.weight, self.tp.comm, self.tp.group))
-        return self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
+            y = self.biased(self.product(x))
+        elif self.float8:
+            y = self.biased(self.float8.sequence_gathered_linear(x, self.weight, self.tp.comm, self.tp.group))
+        else:
+            y = self.biased(_SequenceGatheredLinear.apply(x, self.weight, self.tp.comm, self.tp.group))
+        return y if beside is None else y + beside
 
 
 class RowParallelLinear(_SlicedLinear):
     """Holds a slice of the input features; its partial outputs are summed, leaving the region."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, beside: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.rng is not None:
             self.tp.rng.exit()
-        return self.biased(self.tp.leave(self.product(x)))
+        partial = self.product(x)
+        return self.biased(self.tp.leave(partial if beside is None else partial + beside))
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -340,6 +352,7 @@ class TensorParallel:
         self.rng = rng
         self.full_logits = False
         self.splits: dict[nn.Parameter, Split] = {}
+        self.partial_gradients: set[nn.Parameter] = set()  # adapters' whole factors (finetune/lora.py)
         self.vocab: Split | None = None
 
     # region entry and exit
@@ -397,13 +410,13 @@ class TensorParallel:
                                                 self.comm, self.group)
 
     def hook_replicated_gradients(self, model: nn.Module) -> None:
-        """Under sp, a replicated weight sees only this rank's positions: its gradient is summed
-        over the group (the module docstring)."""
-        if self.sequence_parallel:
-            for param in model.parameters():
-                if param not in self.splits:
-                    # its gradient from this rank's s/t positions, summed over the tp group
-                    param.register_hook(lambda grad: all_reduced(grad, self.comm, self.group))
+        """Sum over the group the gradients of what sees part of the work: under sp a replicated weight
+        (this rank's positions: the module docstring), an adapter's whole factor (finetune/lora.py)."""
+        for param in model.parameters():
+            partial = self.sequence_parallel or param in self.partial_gradients
+            if partial and param.requires_grad and param not in self.splits:
+                # its gradient from this rank's s/t positions or slice, summed over the tp group
+                param.register_hook(lambda grad: all_reduced(grad, self.comm, self.group))
 
     def counts(self, param: nn.Parameter) -> bool:
         """Whether this rank counts ``param``'s gradient towards the model's norm
@@ -445,8 +458,10 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, comm: Comm, group: Gr
             tp.splits[piece] = split
         return shards[id(weight)]
 
-    def vocab_split(weight: nn.Parameter) -> Split:
-        return Split(tuple(weight.shape), 0, 1, split_sizes(weight.shape[0], group.size))
+    def split_along(weight: nn.Parameter, dim: int, parts: int) -> nn.Parameter:
+        """``weight`` cut along ``dim`` over the ranks, each of its ``parts`` blocks alike."""
+        sizes = split_sizes(weight.shape[dim] // parts, group.size)
+        return shard(weight, Split(tuple(weight.shape), dim, parts, sizes))
 
     for name, module in list(model.named_modules()):
         style = _matches(plan, name)
@@ -456,27 +471,27 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, comm: Comm, group: Gr
             first = next(iter(inspect.signature(module.forward).parameters))
             module.register_forward_pre_hook(partial(tp._region_entry_hook, first), with_kwargs=True)
             continue
+        adapter = module if hasattr(module, "split_with_base") else None  # LoRA: its base splits, then it alike
+        module, name = (adapter.base, f"{name}.base") if adapter is not None else (module, name)
         weight, bias = module.weight, getattr(module, "bias", None)
-        if isinstance(style, VocabEmbedding):
-            tp.vocab = vocab_split(weight)
-            new = VocabParallelEmbedding(shard(weight, tp.vocab), tp, tp.vocab.start(group.rank))
-        elif isinstance(style, VocabHead):
-            tp.vocab = vocab_split(weight)
-            new = VocabParallelHead(shard(weight, tp.vocab), tp)
+        if isinstance(style, (VocabEmbedding, VocabHead)):  # a tied pair: one split, one shard
+            piece = split_along(weight, 0, 1)
+            tp.vocab = tp.splits[piece]
+            new = (VocabParallelEmbedding(piece, tp, tp.vocab.start(group.rank)) if isinstance(style, VocabEmbedding)
+                   else VocabParallelHead(piece, tp))
         elif isinstance(style, PositionEmbedding):
             new = SequenceShardedEmbedding(weight, tp)
         elif isinstance(style, Column):
-            sizes = split_sizes(weight.shape[0] // style.parts, group.size)
-            new = ColumnParallelLinear(shard(weight, Split(tuple(weight.shape), 0, style.parts, sizes)), tp,
-                                       None if bias is None else shard(bias, Split(tuple(bias.shape), 0,
-                                                                                   style.parts, sizes)))
+            new = ColumnParallelLinear(split_along(weight, 0, style.parts), tp,
+                                       None if bias is None else split_along(bias, 0, style.parts))
         elif isinstance(style, Row):
-            new = RowParallelLinear(
-                shard(weight, Split(tuple(weight.shape), 1, 1, split_sizes(weight.shape[1], group.size))), tp,
-                bias)
+            new = RowParallelLinear(split_along(weight, 1, 1), tp, bias)
         else:
             raise TypeError(f"unknown tensor-parallel style {style!r} for {name}")
         _set_module(model, name, new)
+        if adapter is not None:
+            tp.partial_gradients.add(adapter.split_with_base(isinstance(style, Column), getattr(style, "parts", 1),
+                                                             split_along))
     if hook_gradients:
         tp.hook_replicated_gradients(model)
     return tp

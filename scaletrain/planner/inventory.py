@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from scaletrain.config import FinetuneConfig, ModelConfig
 from scaletrain.finetune.adapters import add_adapters
-from scaletrain.finetune.lora import LoRALinear
+from scaletrain.finetune.lora import ADAPTER_PARAMS, LoRALinear
 from scaletrain.models import spec_for
 from scaletrain.models.spec import Column, ModelShape, ModelSpec, Region, Row, TensorPlan
 from scaletrain.parallel.experts import parallelize_experts
@@ -142,6 +142,8 @@ class RankWeights:
     stages: dict[int, list[int]]
     n_stages: int
     zero_cuts: dict = field(default_factory=dict)  # ZeRO's units by stage and bucket size (planner/memory.py)
+    # the adapters' factors tp leaves whole, whose gradients it sums over its group (finetune/lora.py)
+    adapter_factors: list[nn.Parameter] = field(default_factory=list)
 
     @property
     def blocks(self) -> list[int]:
@@ -256,8 +258,9 @@ def rank_weights(model: Planned, split: Split, pp_rank: int) -> RankWeights:
     named = list(held.named_parameters())
     experts = {id(p) for name, p in named if ".experts." in name} if split.ep > 1 else set()
     replicated = [p for name, p in named if p.requires_grad and name not in sliced] if split.tp > 1 else []
+    factors = [p for name, p in named if p.requires_grad and name.endswith(ADAPTER_PARAMS) and name not in sliced]
     return RankWeights(held, params, experts, tied, replicated, layer_modules(held), stages,
-                       split.pp * split.virtual)
+                       split.pp * split.virtual, adapter_factors=factors if split.tp > 1 else [])
 
 
 def whole_model(model: Planned) -> nn.Module:

@@ -493,6 +493,6 @@ def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in metadata.state_dict_metadata.items()
              if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    with _quiet():
-        dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    with _quiet():  # one reader, whole tensors: no collective, even inside a run's process group
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return {fqn.removeprefix("model."): tensor for fqn, tensor in state.items()}

@@ -168,6 +168,8 @@ class PipelineParallel:
         """Every holder of a tied weight gets the sum of all holders' gradients,
         added in rank order so that every copy is bitwise the same."""
         for param, holders in self.shared:
+            if not param.requires_grad:  # a fine-tune's frozen base (finetune/adapters.py): nothing to sum
+                continue
             mine = grad_of(param)
             others = {r: torch.empty_like(mine) for r in holders if r != self.group.rank}
             ops = [("send", mine, r) for r in others] + [("recv", t, r) for r, t in others.items()]

@@ -86,7 +86,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         x_c, w_c = x.to(dtype), weight.to(dtype)
-        ctx.save_for_backward(x_c, w_c)
+        ctx.save_for_backward(x_c if weight.requires_grad else None, w_c)  # a frozen weight's needs no input
         ctx.store, ctx.weight, ctx.x_dtype = store, weight, x.dtype
         return x_c.matmul(w_c.t())
 

@@ -14,16 +14,24 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from scaletrain.commands.cli import main
 from scaletrain.commands.parity import relative_diffs, run_parity
 from scaletrain.commands.train import execute, launch
 from scaletrain.config import Config
-from scaletrain.finetune.lora import ADAPTER_FILE
+from scaletrain.finetune.lora import ADAPTER_FILE, apply_lora
 from scaletrain.job.base_model import as_finetune
+from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.planner.hardware import Cluster, cpu_device
 from scaletrain.planner.predict import predict
+from scaletrain.runtime.comm import Comm
+from scaletrain.runtime.mesh import Mesh, ParallelDims
+from scaletrain.train.layout import loss_fn
+from tests.distributed import run_distributed
+from tests.test_tensor import GPT_PLAN, _batch, _gpt  # its model and batch, adapted here
 
 MOE = dict(moe_experts=4, moe_top_k=2)
 BASES = {"gpt": dict(name="gpt-tiny"), "llama": dict(name="llama-tiny"), "moe": dict(name="llama-tiny", **MOE),
@@ -59,6 +67,45 @@ def _finetune(base: Path, prose: Path, out: Path, **changes) -> Config:
     return Config().replace(base=str(base), lora_rank=4, data=str(prose), micro_batch=4, steps=3, lr=1e-2,
                             warmup_steps=1, grad_clip=0.05, eval_every=0, eval_batches=1, sample_tokens=0,
                             progress=False, out=str(out / "ft"), cache_dir=str(out / "cache"), **changes)
+
+
+def _adapted_gpt() -> nn.Module:
+    """tests/test_tensor.py's GPT with rank-4 adapters on every layer, B off its zero start."""
+    model = _gpt()
+    torch.manual_seed(5)
+    apply_lora(model, ["qkv", "proj", "fc"], rank=4, alpha=8.0, dropout=0.0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(std=0.1)
+    return model
+
+
+def _adapter_gradients(rank: int, n: int, sp: bool) -> dict[str, float]:
+    whole, model = _adapted_gpt(), _adapted_gpt()
+    tp = parallelize_tensor(model, GPT_PLAN, Comm(), Mesh.build(ParallelDims(tp=n), rank, n).group("tp"),
+                            sequence_parallel=sp, dropout=0.0)
+    x, y = _batch()
+    reference, loss = loss_fn(whole(x), y), tp.loss(model(x), y)
+    reference.backward()
+    loss.backward()
+    diffs = {"loss": abs(loss.item() - reference.item()) / reference.item()}
+    wanted = dict(whole.named_parameters())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            split = tp.splits.get(param)
+            want = split.local(wanted[name].grad, rank) if split else wanted[name].grad
+            diffs[name] = ((param.grad - want).norm() / want.norm()).item()
+    return diffs
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_each_ranks_adapter_gradients_are_its_slice_of_one_devices(sp):
+    """One forward and backward: a column layer's B and a row layer's A are slices of the one-device
+    gradient, the factors left whole (summed over the group) the whole gradient, to fp32 rounding."""
+    for rank, diffs in enumerate(run_distributed(_adapter_gradients, 2, sp)):
+        assert max(diffs.values()) < 2e-6, (rank, diffs)
+        assert len(diffs) == 1 + 2 * 4 * 2  # the loss, A and B of 4 layers in each of 2 blocks
 
 
 LAYOUTS = {

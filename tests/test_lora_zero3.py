@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from safetensors.torch import load_file
+
 from scaletrain.commands.cli import main
-from scaletrain.commands.parity import run_parity
+from scaletrain.commands.parity import relative_diffs, run_parity
+from scaletrain.commands.train import launch
 from scaletrain.config import Config
+from scaletrain.finetune.lora import ADAPTER_FILE
 from scaletrain.job.base_model import as_finetune
 from scaletrain.job.data_setup import prepare_data
 from tests.distributed import run_distributed
@@ -50,6 +54,24 @@ def test_lora_over_a_zero3_base_reproduces_one_device(base, tmp_path, changes):
     report = run_parity(_config(base, tmp_path, **changes), tolerance=1e-5)
     assert report.passed, report.to_json()
     assert report.reference_losses[-1] < report.reference_losses[0]
+
+
+@pytest.mark.slow
+def test_a_zero3_fine_tune_writes_and_exports_the_adapters_one_device_does(base, tmp_path):
+    """The adapters file and ``export --format peft`` / ``--format hf`` of a dp2 ZeRO-3 run (gathered
+    from its shards by the checkpoint), against one device's over the same global batch (the parity
+    figure over each file's tensors; about 8 s)."""
+    files = {}
+    for name, changes in (("one", {}), ("zero3", dict(nproc=2, dp=2, zero=3, micro_batch=2))):
+        run = launch(_config(base, tmp_path / name, **changes)).run_dir
+        for form in ("peft", "hf"):
+            assert main(["export", "--from", str(run), "--to", str(run.parent / form), "--format", form]) == 0
+        files[name] = {"adapters": load_file(run / ADAPTER_FILE),
+                       "peft": load_file(run.parent / "peft" / "adapter_model.safetensors"),
+                       "hf": load_file(run.parent / "hf" / "model.safetensors")}
+    for form, reference in files["one"].items():
+        _, whole = relative_diffs(files["zero3"][form], reference)
+        assert whole < 1e-5, form
 
 
 def _measure(rank: int, n: int, cfg: Config, spec) -> tuple:

@@ -64,9 +64,9 @@ def prose(tmp_path_factory) -> Path:
 def _finetune(base: Path, prose: Path, out: Path, **changes) -> Config:
     """Three steps of a rank-4 fine-tune, clipped below its gradient norm (a norm counted wrong
     changes the update) at a learning rate that moves the adapters well off their start."""
-    return Config().replace(base=str(base), lora_rank=4, data=str(prose), micro_batch=4, steps=3, lr=1e-2,
-                            warmup_steps=1, grad_clip=0.05, eval_every=0, eval_batches=1, sample_tokens=0,
-                            progress=False, out=str(out / "ft"), cache_dir=str(out / "cache"), **changes)
+    return Config().replace(**{**dict(base=str(base), lora_rank=4, data=str(prose), micro_batch=4, steps=3, lr=1e-2,
+                                      warmup_steps=1, grad_clip=0.05, eval_every=0, eval_batches=1, sample_tokens=0,
+                                      progress=False, out=str(out / "ft"), cache_dir=str(out / "cache")), **changes})
 
 
 def _adapted_gpt() -> nn.Module:
@@ -153,9 +153,12 @@ def test_a_tensor_parallel_fine_tune_writes_and_exports_the_adapters_one_device_
         files[name] = {"adapters": load_file(run / ADAPTER_FILE),
                        "peft": load_file(run.parent / "peft" / "adapter_model.safetensors"),
                        "hf": load_file(run.parent / "hf" / "model.safetensors")}
+    # The adapters alone lack the frozen base's norm, which dilutes fp32's reordered sums in the parity
+    # figure: Adam's steps on elements near its noise floor show through (commands/parity.py), at 1e-5
+    # here; a wrong gradient differs by 1e-2 or more.
     for form, reference in files["one"].items():
         _, whole = relative_diffs(files["tp2"][form], reference)
-        assert whole < 1e-5, form
+        assert whole < (1e-5 if form == "hf" else 1e-4), form
 
 
 @pytest.mark.slow

@@ -111,9 +111,10 @@ class ExpertParallel:
     tensors by value) and iteration is alike on the ranks holding the same experts.
     """
 
-    def __init__(self, group: Group, expert_params: dict[nn.Parameter, str]):
+    def __init__(self, group: Group, expert_params: dict[nn.Parameter, str], expert_buffers: list[torch.Tensor]):
         self.group = group
         self.expert_params = expert_params
+        self.expert_buffers = expert_buffers  # a 4-bit expert's codes (finetune/nf4.py): its own, as its weights
 
     def counts(self, param: nn.Parameter) -> bool:
         """Whether this rank counts ``param``'s gradient towards the model's norm
@@ -123,8 +124,9 @@ class ExpertParallel:
     def keep_held(self, model: nn.Module) -> None:
         """Forget the experts ``model`` no longer holds (a pipeline cut their layers away), so
         that nothing keeps their weights alive, replicates or reduces them."""
-        held = {id(p) for p in model.parameters()}
+        held = {id(p) for p in (*model.parameters(), *model.buffers())}
         self.expert_params = {p: name for p, name in self.expert_params.items() if id(p) in held}
+        self.expert_buffers = [b for b in self.expert_buffers if id(b) in held]
 
 
 def parallelize_experts(model: nn.Module, comm: Comm, group: Group) -> ExpertParallel:
@@ -134,4 +136,5 @@ def parallelize_experts(model: nn.Module, comm: Comm, group: Group) -> ExpertPar
     for layer in layers:
         layer.experts = DispatchedExperts(layer.experts, comm, group)
     kept = {p for layer in layers for p in layer.experts.parameters()}
-    return ExpertParallel(group, {p: name for name, p in model.named_parameters() if p in kept})
+    return ExpertParallel(group, {p: name for name, p in model.named_parameters() if p in kept},
+                          [b for layer in layers for b in layer.experts.buffers()])

@@ -50,9 +50,10 @@ class Replicas:
 
     def start_equal(self, model: nn.Module, comm: Comm, experts: ExpertParallel | None) -> None:
         """Broadcast every weight (and buffer) from the first rank of the group holding its copies."""
-        mine = experts.expert_params if experts else {}
-        replicate([t for t in (*model.parameters(), *model.buffers()) if t not in mine], comm, self.dense)
-        replicate(list(mine), comm, self.experts)
+        mine = [*experts.expert_params, *experts.expert_buffers] if experts else []
+        own = {id(t) for t in mine}
+        replicate([t for t in (*model.parameters(), *model.buffers()) if id(t) not in own], comm, self.dense)
+        replicate(mine, comm, self.experts)
 
     def data_parallel(self, model: nn.Module, comm: Comm, p: ParallelConfig, seed: int,
                       experts: ExpertParallel | None, stepped: list[torch.Tensor], steps: int

@@ -16,7 +16,10 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 (forward and backward), every unit reduce-scattered; inside
                 pipeline stages the root and tied units once per round, the
                 layers once per round (``--zero3-gather round``) or twice per
-                micro-batch. The loss: a
+                micro-batch. A fine-tune's frozen base under ZeRO-3 (no pipeline,
+                no experts): its frozen units gathered as the trained ones are,
+                the root's once and each layer's twice, never reduce-scattered
+                (parallel/zero.py). The loss: a
                 4-byte average over the same group. With ``--shard-group N`` all of
                 ZeRO's collectives run in the shard group (units padded to N), and
                 each reduce-scatter is followed by an all-reduce of the rank's shard

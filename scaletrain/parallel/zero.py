@@ -18,7 +18,9 @@ buckets of ``--bucket-mb`` (parallel/data.py); stage 3 units are the model's
 repeated layers plus a root unit of the rest (a decoder's embeddings, final
 norm and head, one unit because the head's weight *is* the token embedding's).
 Stage 3 gathers each unit just before forward or backward runs it, prefetching
-the next (parallel/zero3.py).
+the next (parallel/zero3.py). A fine-tune's frozen weights (a LoRA base) stay whole under
+stages 1 and 2; stage 3 (without a pipeline or experts) cuts them into frozen units beside
+the trained ones, module by module: sharded and gathered alike, never reduced nor stepped.
 
 Memory per rank, P parameters, fp32 AdamW (state K = 8 bytes/param: two moments):
 

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from scaletrain.commands.cli import main
 from scaletrain.commands.parity import relative_diffs, run_parity
 from scaletrain.commands.train import execute, launch
 from scaletrain.config import Config
-from scaletrain.finetune.lora import ADAPTER_FILE, apply_lora
+from scaletrain.finetune.lora import apply_lora
 from scaletrain.job.base_model import as_finetune
 from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.planner.hardware import Cluster, cpu_device
@@ -31,6 +30,7 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Mesh, ParallelDims
 from scaletrain.train.layout import loss_fn
 from tests.distributed import run_distributed
+from tests.test_lora_zero3 import exported
 from tests.test_tensor import GPT_PLAN, _batch, _gpt  # its model and batch, adapted here
 
 MOE = dict(moe_experts=4, moe_top_k=2)
@@ -143,16 +143,8 @@ def test_an_adapter_fine_tune_under_a_layout_reproduces_one_device(bases, prose,
 def test_a_tensor_parallel_fine_tune_writes_and_exports_the_adapters_one_device_does(bases, prose, tmp_path):
     """The adapters file and ``export --format peft`` / ``--format hf`` of a tp2 run, read whole,
     against one device's (the parity figure over each file's tensors)."""
-    runs = {}
-    for name, changes in (("one", {}), ("tp2", dict(nproc=2, tp=2, sp=True))):
-        runs[name] = launch(_finetune(bases("llama"), prose, tmp_path / name, **changes)).run_dir
-    files = {}
-    for name, run in runs.items():
-        for form in ("peft", "hf"):
-            assert main(["export", "--from", str(run), "--to", str(run.parent / form), "--format", form]) == 0
-        files[name] = {"adapters": load_file(run / ADAPTER_FILE),
-                       "peft": load_file(run.parent / "peft" / "adapter_model.safetensors"),
-                       "hf": load_file(run.parent / "hf" / "model.safetensors")}
+    files = {name: exported(launch(_finetune(bases("llama"), prose, tmp_path / name, **changes)).run_dir)
+             for name, changes in (("one", {}), ("tp2", dict(nproc=2, tp=2, sp=True)))}
     # The adapters alone lack the frozen base's norm, which dilutes fp32's reordered sums in the parity
     # figure: Adam's steps on elements near its noise floor show through (commands/parity.py), at 1e-5
     # here; a wrong gradient differs by 1e-2 or more.

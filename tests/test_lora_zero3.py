@@ -57,18 +57,23 @@ def test_lora_over_a_zero3_base_reproduces_one_device(base, tmp_path, changes):
 
 
 @pytest.mark.slow
+def exported(run: Path) -> dict[str, dict]:
+    """A fine-tune's adapters file and its ``export --format peft`` and ``--format hf`` folders' tensors,
+    exported beside the run folder."""
+    for form in ("peft", "hf"):
+        assert main(["export", "--from", str(run), "--to", str(run.parent / form), "--format", form]) == 0
+    return {"adapters": load_file(run / ADAPTER_FILE),
+            "peft": load_file(run.parent / "peft" / "adapter_model.safetensors"),
+            "hf": load_file(run.parent / "hf" / "model.safetensors")}
+
+
 def test_a_zero3_fine_tune_writes_and_exports_the_adapters_one_device_does(base, tmp_path):
     """The adapters file and ``export --format peft`` / ``--format hf`` of a dp2 ZeRO-3 run (gathered
     from its shards by the checkpoint), against one device's over the same global batch (the parity
     figure over each file's tensors; about 8 s)."""
     files = {}
     for name, changes in (("one", {}), ("zero3", dict(nproc=2, dp=2, zero=3, micro_batch=2))):
-        run = launch(_config(base, tmp_path / name, **changes)).run_dir
-        for form in ("peft", "hf"):
-            assert main(["export", "--from", str(run), "--to", str(run.parent / form), "--format", form]) == 0
-        files[name] = {"adapters": load_file(run / ADAPTER_FILE),
-                       "peft": load_file(run.parent / "peft" / "adapter_model.safetensors"),
-                       "hf": load_file(run.parent / "hf" / "model.safetensors")}
+        files[name] = exported(launch(_config(base, tmp_path / name, **changes)).run_dir)
     for form, reference in files["one"].items():
         _, whole = relative_diffs(files["zero3"][form], reference)
         assert whole < 1e-5, form

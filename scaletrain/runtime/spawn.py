@@ -94,11 +94,14 @@ def _fork_server(entrypoint: Callable[..., Any]) -> Iterator[None]:
     """A fork server for one launch that has imported this module and the entrypoint's (module docstring)."""
     # a script's __main__ is prepared in each worker as under spawn
     modules = [__name__] + ([entrypoint.__module__] if entrypoint.__module__ != "__main__" else [])
+    # the standard library's own way to end its server: one another caller started earlier would hand the
+    # workers that caller's environment, folder and output
+    multiprocessing.forkserver._forkserver._stop()
     multiprocessing.set_forkserver_preload(modules)
     try:
         yield
     finally:
-        multiprocessing.forkserver._forkserver._stop()  # the standard library's own way to end its server
+        multiprocessing.forkserver._forkserver._stop()
 
 
 def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_restarts: int = 0) -> dict[int, Any]:

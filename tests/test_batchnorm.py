@@ -49,6 +49,7 @@ def test_synced_batchnorm_under_dp_matches_one_process(options):
     assert report.passed, scaletrain.format_parity(report)
 
 
+@pytest.mark.slow  # 14 s; the synced case runs by default
 def test_without_sync_each_rank_normalizes_its_own_half():
     """Without sync_batchnorm each rank normalizes by its micro-batch's statistics: another
     function than one process's on the whole batch, so the same layout fails the rule."""

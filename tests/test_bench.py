@@ -139,6 +139,7 @@ def test_bench_tp_races_torch_dtensor_tp_on_equal_work(corpus, tmp_path):
     assert peer["final_loss"] == pytest.approx(ours["final_loss"], rel=1e-4)
 
 
+@pytest.mark.slow  # 13 s; the bench's machinery runs by default with the ZeRO race
 def test_bench_pp_races_torch_pipelining_on_equal_work(corpus, tmp_path):
     report = _two_rank_race("scaletrain bench pp --nproc 2", corpus, tmp_path, steps=3)
     assert report["nproc"] == 2 and report["steps"] == 3 and report["warmup"] == 1

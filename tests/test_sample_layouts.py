@@ -37,6 +37,7 @@ def test_a_zero3_run_ends_with_its_sample(corpus, tmp_path):
     assert "timeout = 60.0" in (tmp_path / "run" / "config.toml").read_text()
 
 
+@pytest.mark.slow  # 14 s; a ZeRO-3 run's closing sample runs by default (test_a_zero3_run_ends_with_its_sample)
 def test_a_zero3_full_fine_tune_of_a_folder_ends_with_its_sample(tmp_path):
     folder = make_folder(tmp_path / "qwen2", "qwen2")
     prose = tmp_path / "prose.txt"

@@ -50,6 +50,7 @@ def test_zero3_over_experts_inside_pipeline_stages_reproduces_one_device(tiny_cf
 
 
 @pytest.mark.numerics
+@pytest.mark.slow  # 17 s; resuming ZeRO-3 in another layout runs by default: tests/test_nd.py
 def test_an_expert_parallel_zero3_checkpoint_resumes_in_one_process_and_back(tiny_cfg, tmp_path):
     """Saved by dp2 x ep2 with --zero 3 after step 2 (each expert's shards by its dp ranks), the run
     continues exactly in one process; and a one-process checkpoint continues exactly as dp2 x ep2

@@ -63,6 +63,7 @@ def test_zero2_inside_pipeline_stages_reproduces_one_device(tiny_cfg):
 
 
 @pytest.mark.numerics
+@pytest.mark.slow  # 16 s; a pipeline's checkpoint across layouts runs by default: tests/test_pipeline.py
 def test_a_zero3_pipeline_checkpoint_resumes_in_one_process_and_back(tiny_cfg, tmp_path):
     """Saved by two stages each sharded over two ranks, the run continues exactly in one
     process (the micro-batches as accumulation steps, each holding both replicas' rows); and

@@ -227,6 +227,11 @@ class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is stored in NF4 (buffers, never parameters);
     the forward dequantizes it to the input's compute dtype."""
 
+    # Read-only codes that ZeRO-3 may shard and gather as it does frozen weights (parallel/zero_units.py):
+    # forward and backward read them through ``quantized`` each time, so views of a regathered buffer serve.
+    # The 4-byte mean and the shape stay whole.
+    shardable_buffers = ("packed_indices", "quantized_absmax", "absmax_scales")
+
     def __init__(self, quantized: NF4Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = quantized.shape

@@ -177,12 +177,8 @@ def base_vocab(cfg: Config) -> int:
 def check_layout(cfg: Config) -> None:
     """A full fine-tune takes any layout (the base loads before the model is split); adapters
     compose with data parallelism, ZeRO-1/2/3, tp (with sp), pp, cp and ep, a 4-bit base with all
-    of those but tp and ZeRO-3: one sentence for anything else."""
+    of those but tp: one sentence for anything else."""
     p, f = cfg.parallel, cfg.finetune
-    if f.quantize == "nf4" and p.zero == 3:
-        raise UserError("--quantize nf4 keeps the base's 4-bit codes and scales in buffers that every rank holds "
-                        "whole, and ZeRO-3 shards only floating-point weights; give --zero 1 or 2 with --quantize "
-                        "nf4, or drop --quantize nf4 for adapters over a sharded bf16 base (--param-dtype bf16).")
     if f.quantize == "nf4" and p.tp > 1:
         raise UserError("--quantize nf4 does not combine with --tp: its 4-bit codes are scaled in blocks of 64 "
                         "weights and their scales quantized again in groups of 256 over each whole matrix, which "

@@ -146,8 +146,9 @@ class ShardCollectives:
         return Pending([scattered], finish=lambda: self.comm.all_reduce(out, self.replica))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
-        """Start gathering every rank's ``shard`` into ``full`` (in int8 or fp8 when quantized)."""
-        if self.quantize is None:
+        """Start gathering every rank's ``shard`` into ``full`` (in int8 or fp8 when quantized; integer
+        shards, a 4-bit base's codes, always as they are)."""
+        if self.quantize is None or not shard.is_floating_point():
             # each rank's S-element shard of the working weights, into the full unit every rank computes with
             return self.comm.all_gather(full, shard, self.shard, async_op=True)
         numel, n_scales = shard.numel(), math.ceil(shard.numel() / BLOCK)

@@ -20,7 +20,8 @@ norm and head, one unit because the head's weight *is* the token embedding's).
 Stage 3 gathers each unit just before forward or backward runs it, prefetching
 the next (parallel/zero3.py). A fine-tune's frozen weights (a LoRA base) stay whole under
 stages 1 and 2; stage 3 (without a pipeline or experts) cuts them into frozen units beside
-the trained ones, module by module: sharded and gathered alike, never reduced nor stepped.
+the trained ones, module by module: sharded and gathered alike, never reduced nor stepped; a 4-bit
+base's codes and scales (integer buffers) likewise, in units of bytes (parallel/zero_units.py).
 
 Memory per rank, P parameters, fp32 AdamW (state K = 8 bytes/param: two moments):
 
@@ -95,7 +96,7 @@ from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import ShardCollectives
 from scaletrain.parallel.zero3 import PipelineGathering, StageThreeGathering
-from scaletrain.parallel.zero_units import Piece, Unit
+from scaletrain.parallel.zero_units import Piece, Unit, code_unit, shardable_buffers
 from scaletrain.runtime.comm import Comm, Pending
 from scaletrain.runtime.mesh import Group
 
@@ -192,6 +193,7 @@ class ZeroDataParallel:
         trainable = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         mine = {id(p) for p in trainable}
         frozen_grouped: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        coded: list[tuple[nn.Module, list[torch.Tensor]]] = []
         if stage == 3:  # the root unit first (then a tied weight's alone), then the layers, in forward order
             layers = [block for blocks in stages for block in blocks] if stages is not None else \
                 layer_modules(model) if layers is None else layers
@@ -206,6 +208,10 @@ class ZeroDataParallel:
                           for module, chosen in ((model, [p for p in model.parameters() if id(p) not in apart]),
                                                  *((layer, list(layer.parameters())) for layer in layers))]
                 frozen_grouped = [(module, params) for module, params in frozen if params][::-1]
+                in_layers = {id(m) for layer in layers for m in layer.modules()}
+                coded = [(module, tensors) for module, tensors in ((model, shardable_buffers(model, in_layers)),
+                                                                  *((layer, shardable_buffers(layer)) for layer in layers))
+                         if tensors][::-1]
         else:  # gradient buckets, as data parallelism makes them, and the own units
             alone = {id(p) for p in own_units}
             rest = [p for p in trainable[::-1] if id(p) not in alone]
@@ -214,6 +220,8 @@ class ZeroDataParallel:
         self.units = [self._build_unit(module, params, param_dtype, reduce_dtype) for module, params in grouped]
         self.frozen_units = [self._build_unit(module, params, param_dtype, reduce_dtype, frozen=True)
                              for module, params in frozen_grouped]
+        self.frozen_units += [code_unit(module, tensors, self.group.size, self.group.rank, self.device)
+                              for module, tensors in coded]
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_gradient)
@@ -324,10 +332,11 @@ class ZeroDataParallel:
         """The tensors this rank keeps, by ledger entry (the optimizer's state aside)."""
         sharded = {id(p) for unit in self.frozen_units for p in unit.params}
         return {
-            # and, whole on every rank, what does not train and no frozen unit holds (a 4-bit base's codes)
+            # and, whole on every rank, what does not train and no frozen unit holds (a 4-bit base's codes
+            # outside ZeRO-3)
             "params": [*(t for unit in [*self.units, *self.frozen_units] for t in (unit.full, unit.shard)),
                        *(p for p in self.model.parameters() if not p.requires_grad and id(p) not in sharded),
-                       *self.model.buffers()],
+                       *(b for b in self.model.buffers() if id(b) not in sharded)],
             "grads": [t for unit in self.units for t in (unit.grad, unit.master_grad, unit.grad_full)
                       if t is not None],
             "optimizer": [unit.master for unit in self.units if unit.master is not unit.shard],

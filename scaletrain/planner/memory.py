@@ -38,7 +38,8 @@ fine-tune's frozen base (and a 4-bit base's codes and scales, which are
 buffers) counts under ``params`` whole on every rank, its adapters as above; under ZeRO-3 (no
 pipeline, no expert parallelism) the frozen base is a ZeRO part of its own, cut as the layers are
 (parallel/zero.py's frozen units): ``params`` w*S per unit, no gradient, no optimizer state, its
-units gathered as the trained ones (the root's held from forward into backward).
+units gathered as the trained ones (the root's held from forward into backward); a 4-bit base's
+codes and scales likewise, a part of units of bytes (S of each module's aligned bytes).
 
 ``--offload optimizer`` keeps the masters, their gradients and the
 optimizer state in host memory: ``host``, not part of what the device must fit.
@@ -72,11 +73,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.optim.adamw8bit import BLOCK, MIN_8BIT
 from scaletrain.parallel.data import plan_buckets
+from scaletrain.parallel.zero_units import code_shard_bytes, shardable_buffers
 from scaletrain.planner.inventory import RankWeights
 from scaletrain.techniques.precision import compute_dtype
 
@@ -128,10 +131,18 @@ class ZeroPart:
     units: list[list[nn.Parameter]]
     held: int = 0
     frozen: bool = False  # a fine-tune's frozen base under ZeRO-3: gathered, never reduced nor stepped
+    in_bytes: bool = False  # a 4-bit base's codes under ZeRO-3: units of bytes (parallel/zero_units.py)
 
     def padded(self, n: int) -> list[int]:
-        """Each unit's flat buffer over ``n`` ranks: its elements rounded up to a multiple of ``n``."""
+        """Each unit's flat buffer over ``n`` ranks: its elements (a unit of codes: its aligned bytes)
+        rounded up to a multiple of ``n``."""
+        if self.in_bytes:
+            return [n * code_shard_bytes(unit, n) for unit in self.units]
         return [n * math.ceil(sum(q.numel() for q in unit) / n) for unit in self.units]
+
+    def element_bytes(self, w: int) -> int:
+        """Bytes per element of its flat buffers: the working weights' ``w``, or one for codes."""
+        return 1 if self.in_bytes else w
 
 
 def zero_parts(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype: str) -> tuple[ZeroPart, ...]:
@@ -145,9 +156,9 @@ def zero_parts(weights: RankWeights, stage: int, bucket_mb: float, reduce_dtype:
         parts = [_dense_part(weights, dense, stage, bucket_mb, reduce_dtype)]
         if experts:
             parts.append(_experts_part(weights, experts, stage, bucket_mb, reduce_dtype))
-        frozen = _frozen_part(weights, parts[0]) if stage == 3 and not weights.experts and weights.n_stages == 1 \
-            else None
-        weights.zero_cuts[key] = tuple(parts + [frozen] if frozen else parts)
+        if stage == 3 and not weights.experts and weights.n_stages == 1:
+            parts += _frozen_parts(weights, parts[0])
+        weights.zero_cuts[key] = tuple(parts)
     return weights.zero_cuts[key]
 
 
@@ -175,21 +186,26 @@ def _dense_part(weights: RankWeights, params: list[nn.Parameter], stage: int, bu
     return ZeroPart(False, [*held, *_layer_units(weights, params)], held=len(held))
 
 
-def _frozen_part(weights: RankWeights, dense: ZeroPart) -> ZeroPart | None:
-    """Stage 3's frozen units (a fine-tune's base): the root's frozen weights (held), then each layer's. With no
-    root unit at all, the last layer's units are the ones held from forward into backward (parallel/zero3.py)."""
-    def frozen(module: nn.Module) -> list[nn.Parameter]:
+def _frozen_parts(weights: RankWeights, dense: ZeroPart) -> list[ZeroPart]:
+    """Stage 3's frozen units (a fine-tune's base) and units of codes (a 4-bit base's), each cut by module:
+    the root's (held), then each layer's. With no root unit at all, the last layer's units are the ones
+    held from forward into backward (parallel/zero3.py)."""
+    def frozen(module: nn.Module) -> list[torch.Tensor]:
         return [p for p in module.parameters() if not p.requires_grad and p.is_floating_point()]
 
-    in_layers = {id(p) for layer in weights.layers for p in layer.parameters()}
-    root = [p for p in frozen(weights.model) if id(p) not in in_layers]
-    layers = [unit for layer in weights.layers if (unit := frozen(layer))]
-    if not root and not layers:
-        return None
-    if root:
-        return ZeroPart(False, [root, *layers], held=1, frozen=True)
-    last_held = not dense.held and bool(weights.layers) and bool(frozen(weights.layers[-1]))
-    return ZeroPart(False, [layers[-1], *layers[:-1]] if last_held else layers, held=int(last_held), frozen=True)
+    in_layers = {id(t) for layer in weights.layers for t in (*layer.parameters(), *layer.buffers())}
+    picks = [(pick, [t for t in pick(weights.model) if id(t) not in in_layers]) for pick in (frozen, shardable_buffers)]
+    root = bool(dense.held) or any(tensors for _, tensors in picks)
+    parts = []
+    for in_bytes, (pick, root_tensors) in enumerate(picks):
+        layers = [unit for layer in weights.layers if (unit := pick(layer))]
+        if root_tensors:
+            parts.append(ZeroPart(False, [root_tensors, *layers], held=1, frozen=True, in_bytes=bool(in_bytes)))
+        elif layers:
+            last_held = not root and bool(pick(weights.layers[-1]))
+            parts.append(ZeroPart(False, [layers[-1], *layers[:-1]] if last_held else layers, held=int(last_held),
+                                  frozen=True, in_bytes=bool(in_bytes)))
+    return parts
 
 
 def _experts_part(weights: RankWeights, params: list[nn.Parameter], stage: int, bucket_mb: float,
@@ -245,9 +261,11 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
                               offload and not host_is_device)
                  for part in zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)]
         held = {key: sum(part[key] for part in parts) for key in parts[0]}
-        # the frozen base's weights are a part of their own when ZeRO-3 shards them: then only its buffers
-        held["params"] += weights.untrained_bytes(0 if any(part.frozen for part in zero_parts(
-            weights, p.zero, p.bucket_mb, p.reduce_dtype)) else w)
+        # the frozen base's weights (and a 4-bit base's codes) are parts of their own when ZeRO-3 shards them:
+        # then only the rest of the buffers
+        cut = zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)
+        codes = sum(t.numel() * t.element_size() for part in cut if part.in_bytes for unit in part.units for t in unit)
+        held["params"] += weights.untrained_bytes(0 if any(part.frozen for part in cut) else w) - codes
         return held
     n = weights.numel
     state = (optimizer_bytes(weights.params, t.optimizer, t.momentum, weights.tables, 4 if masters else w)
@@ -272,7 +290,8 @@ def _zero_memory(cfg: Config, weights: RankWeights, part: ZeroPart, n: int, w: i
     shard_total = sum(shards)
     if part.frozen:  # the held units and the two largest layers gathered at once, as the trained ones
         gathered = sum(padded[:part.held]) + sum(sorted(padded[part.held:])[-ZERO3_GATHERED_LAYERS:])
-        return {"params": w * shard_total, "grads": 0, "optimizer": 0, "host": 0, "buffers": w * gathered}
+        size = part.element_bytes(w)
+        return {"params": size * shard_total, "grads": 0, "optimizer": 0, "host": 0, "buffers": size * gathered}
     # The ranks' states differ where 8-bit AdamW keeps some pieces in fp32 (the tables', and the
     # small ones): the fullest rank's is the prediction. Otherwise every rank's is rank 0's.
     ranks = range(n) if cfg.train.optimizer == "adamw8bit" else [0]

@@ -19,7 +19,8 @@ data parallel   one all-reduce per gradient bucket per step, ``r`` x the bucket
                 micro-batch. A fine-tune's frozen base under ZeRO-3 (no pipeline,
                 no experts): its frozen units gathered as the trained ones are,
                 the root's once and each layer's twice, never reduce-scattered
-                (parallel/zero.py). The loss: a
+                (parallel/zero.py); a 4-bit base's codes likewise, byte for byte
+                (never quantized again by ``--quantize-weights``). The loss: a
                 4-byte average over the same group. With ``--shard-group N`` all of
                 ZeRO's collectives run in the shard group (units padded to N), and
                 each reduce-scatter is followed by an all-reduce of the rank's shard
@@ -288,6 +289,8 @@ def _zero_part(traffic: Traffic, cfg: Config, part: ZeroPart, group: str, replic
         return
 
     def gathered(size: int) -> int:
+        if part.in_bytes:  # a 4-bit base's codes move as they are
+            return size
         return n * quantized_shard_bytes(size // n) if p.quantize_weights != "none" else w * size
 
     held, layers = padded[:part.held], padded[part.held:]

@@ -93,7 +93,9 @@ class TrainConfig:
                             choices=("adamw", "adafactor", "sgd", "adamw8bit"))
     momentum: float = option(0.9, "SGD's momentum (0: plain SGD)")
     offload: str = option("none", "'optimizer': fp32 master weights, optimizer state and step in host "
-                                  "memory", choices=("none", "optimizer"))
+                                  "memory; 'base': a fine-tune's frozen base, ZeRO-3's shards of it, in host "
+                                  "memory, copied to the device for each gather",
+                          choices=("none", "optimizer", "base"))
     recompute: str = option("none", "activation checkpointing: none, full, selective, every:K, sqrt")
     compress_activations: str = option("none", "store the activations saved for backward in bf16 or as int8 "
                                                "blocks with absmax scales (ActNN), restored in backward",

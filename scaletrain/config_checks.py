@@ -154,6 +154,12 @@ def _check_sharding(cfg: Config) -> None:
                 raise UserError(f"--zero {cfg.parallel.zero} does not combine with {flag}, which needs whole "
                                 f"gradients where ZeRO keeps flat shards; drop one of the two.")
     _check_hybrid(cfg.parallel)
+    p = cfg.parallel
+    if cfg.train.offload == "base" and (p.zero != 3 or cfg.finetune.lora_rank < 1 or p.pp > 1 or p.ep > 1):
+        raise UserError("--offload base keeps ZeRO-3's shards of a fine-tune's frozen base in host memory, and "
+                        "only adapters (--lora-rank) over a ZeRO-3 base (--zero 3, no --pp or --ep, whose stages "
+                        "and experts keep the base whole) have such shards; add --lora-rank and --zero 3, or "
+                        "drop --offload base.")
     tp = cfg.parallel.tp
     if cfg.parallel.sp and tp < 2:
         raise UserError(f"--sp splits the sequence over the tp group, which needs --tp 2 or more, "
@@ -253,7 +259,7 @@ def _check_pure_bf16(cfg: Config) -> None:
                         "for bf16 weights; add --param-dtype bf16 (with --precision bf16).")
     if p.reduce_dtype != "bf16":
         raise UserError("--masters none keeps the gradients in bf16 as well; add --reduce-dtype bf16.")
-    if t.offload != "none":
+    if t.offload == "optimizer":
         raise UserError("--offload optimizer moves the optimizer's own copy of the weights (the fp32 masters) and "
                         "its state to the host, and --masters none keeps no copy apart from the bf16 weights the "
                         "device computes with, which it steps in place; drop one of the two.")

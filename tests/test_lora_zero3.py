@@ -50,7 +50,9 @@ def _config(base: tuple[Path, Path], root: Path, **changes) -> Config:
     dict(nproc=2, dp=2, zero=3, micro_batch=2, quantize="nf4"),
     pytest.param(dict(nproc=4, dp=4, zero=3, shard_group=2, micro_batch=1, quantize="nf4"),
                  marks=pytest.mark.slow),
-], ids=["dp2", "shard-group-2", "recompute-offload", "qlora-dp2", "qlora-shard-group-2"])
+    pytest.param(dict(nproc=2, dp=2, zero=3, micro_batch=2, quantize="nf4", offload="base", recompute="full"),
+                 marks=pytest.mark.slow),
+], ids=["dp2", "shard-group-2", "recompute-offload", "qlora-dp2", "qlora-shard-group-2", "qlora-offload-base"])
 def test_lora_over_a_zero3_base_reproduces_one_device(base, tmp_path, changes):
     """scaletrain parity at fp32's 1e-5 over the same global batch. The slow ones (about 20 s each):
     ``pytest -m slow tests/test_lora_zero3.py``."""
@@ -139,3 +141,29 @@ def test_a_qlora_zero3_checkpoint_resumes_on_one_device_and_back(base, tmp_path)
                               micro_batch=2))
     one = as_finetune(_config(base, tmp_path / "one", quantize="nf4", steps=4))
     assert_resumes_both_ways(cfg, one, prepare_data(cfg, Path(cfg.data.cache_dir)), 2)
+
+
+def test_llama3_70b_qlora_fits_two_24_gb_gpus_with_its_base_on_the_host(capsys):
+    """The planner's row for Answer.AI's demonstration (a 70B QLoRA on two 24 GB GPUs, the base's shards
+    offloaded): it fits, with the frozen base's shards counted on the host, not the device."""
+    flags = ["plan", "--model", "llama3-70b", "--gpus", "2", "--gpu", "A100", "--gpu-memory", "24GB", "--seq", "512",
+             "--global-batch", "8", "--param-dtype", "bf16", "--lora-rank", "16", "--quantize", "nf4", "--zero", "3",
+             "--json"]
+    assert main([*flags, "--offload", "base"]) == 0
+    best = json.loads(capsys.readouterr().out)["candidates"][0]
+    memory = best["memory_bytes"]
+    assert best["fits"] and best["layout"]["zero"] == 3 and memory["total"] <= 24e9
+    host = sum(bytes_ for row, bytes_ in memory.items() if row != "total") - memory["total"]
+    assert host > 17e9  # half of the 4-bit base (about 0.52 bytes a weight) on each rank's host
+    assert main(flags) == 2  # on the device, the same shards do not fit
+    assert "no layout fits" in capsys.readouterr().err
+
+
+def test_offload_base_without_a_sharded_base_is_one_sentence(base, tmp_path, capsys):
+    folder, prose = base
+    assert main(["finetune", "--from", str(folder), "--data", str(prose), "--nproc", "2", "--zero", "2",
+                 "--lora-rank", "4", "--offload", "base", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--offload base keeps ZeRO-3's shards of a fine-tune's frozen base in host memory" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

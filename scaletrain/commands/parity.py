@@ -224,7 +224,9 @@ def reference_config(cfg: Config, dims: ParallelDims, out: Path) -> Config:
                     quantize_weights="none", microbatches=None, virtual_stages=None,
                     pp_schedule=PIPEDREAM_2BW if delayed else "1f1b", sync_every=1,
                     micro_batch=cfg.train.micro_batch * dims.dp * dims.ep,
-                    grad_accum=cfg.train.grad_accum * micro_batches), 1)
+                    grad_accum=cfg.train.grad_accum * micro_batches,
+                    # the base's shards offloaded: one device holds its base whole, on the device
+                    offload="none" if cfg.train.offload == "base" else cfg.train.offload), 1)
     return reference
 
 

@@ -96,7 +96,7 @@ from scaletrain.optim.clip import clip_grad_norm_
 from scaletrain.parallel.data import plan_buckets
 from scaletrain.parallel.hybrid import ShardCollectives
 from scaletrain.parallel.zero3 import PipelineGathering, StageThreeGathering
-from scaletrain.parallel.zero_units import Piece, Unit, code_unit, shardable_buffers
+from scaletrain.parallel.zero_units import Piece, Unit, code_unit, moved_to, shardable_buffers
 from scaletrain.runtime.comm import Comm, Pending
 from scaletrain.runtime.mesh import Group
 
@@ -166,6 +166,8 @@ class ZeroDataParallel:
     ``params``: the parameters it shards (default: every trainable one), the rest left to another
     instance over another group; ``average_over``: the count the gradients' sum is divided by (default:
     the ranks it reduces over; expert parallelism's experts: parallel/zero_experts.py).
+    ``base_device`` (``--offload base``): where the frozen units' shards live (the host: copied to the
+    device for each gather, as ZeRO-Infinity and FSDP offload parameters), default the device.
     """
 
     def __init__(self, model: nn.Module, comm: Comm, group: Group, *, stage: int,
@@ -176,7 +178,8 @@ class ZeroDataParallel:
                  source: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
                  layers: Sequence[nn.Module] | None = None, stages: Sequence[Sequence[nn.Module]] | None = None,
                  gather: str = "micro-batch", params: Sequence[nn.Parameter] | None = None,
-                 average_over: int | None = None, masters: bool = True):
+                 average_over: int | None = None, masters: bool = True,
+                 base_device: torch.device | str | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
         if stage == 3 and own_units and stages is None or stage < 3 and quantize_weights != "none":
@@ -222,6 +225,9 @@ class ZeroDataParallel:
                              for module, params in frozen_grouped]
         self.frozen_units += [code_unit(module, tensors, self.group.size, self.group.rank, self.device)
                               for module, tensors in coded]
+        if base_device is not None:
+            for unit in self.frozen_units:
+                unit.shard = unit.master = moved_to(torch.device(base_device), unit.shard)
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_gradient)

@@ -72,8 +72,10 @@ class Gathering:
         """The unit's full parameters, all-gathered from the shards (``wait=False``: started only)."""
         if not unit.gathered:
             unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+            # an offloaded shard (--offload base) comes to the device first
+            shard = unit.shard.to(unit.full.device, non_blocking=True)
             # every rank's S-element shard of the unit's weights, into the regrown full buffer the layer runs on
-            unit.gathering = self.collectives.all_gather(unit.full, unit.shard)
+            unit.gathering = self.collectives.all_gather(unit.full, shard)
             unit.gathered = True
         if wait and unit.gathering is not None:
             unit.gathering.wait()

@@ -127,3 +127,12 @@ def code_unit(module: nn.Module, tensors: list[torch.Tensor], n: int, rank: int,
     unit.shard = unit.master = full[rank * shard_numel:(rank + 1) * shard_numel].clone()
     full.untyped_storage().resize_(0)
     return unit
+
+
+def moved_to(device: torch.device, values: torch.Tensor) -> torch.Tensor:
+    """``values`` moved to ``device`` where that is another one (pinned when it is the host of a GPU, so
+    that each gather's copy to the device can overlap)."""
+    if device == values.device:
+        return values
+    pinned = device.type == "cpu" and torch.cuda.is_available()
+    return torch.empty(values.shape, dtype=values.dtype, device=device, pin_memory=pinned).copy_(values)

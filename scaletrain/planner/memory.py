@@ -42,7 +42,9 @@ units gathered as the trained ones (the root's held from forward into backward);
 codes and scales likewise, a part of units of bytes (S of each module's aligned bytes).
 
 ``--offload optimizer`` keeps the masters, their gradients and the
-optimizer state in host memory: ``host``, not part of what the device must fit.
+optimizer state in host memory: ``host``, not part of what the device must fit;
+``--offload base`` keeps the frozen base's ZeRO-3 shards there (a unit is copied to
+the device to be gathered, so only the gathered units count on it).
 
 A rank with no data-parallel copy (and no compression) and gradients in the
 weights' dtype reduces nothing, so it has no bucket: with masters its
@@ -257,8 +259,9 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
     # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.
     master_grads = masters and (r != 4 or (offload and not host_is_device))
     if p.zero:
+        # what each part moves to the host: the optimizer's state, or a frozen base's shards (--offload base)
         parts = [_zero_memory(cfg, weights, part, shards[part.experts], w, r, masters, master_grads,
-                              offload and not host_is_device)
+                              (t.offload == "base" if part.frozen else offload) and not host_is_device)
                  for part in zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)]
         held = {key: sum(part[key] for part in parts) for key in parts[0]}
         # the frozen base's weights (and a 4-bit base's codes) are parts of their own when ZeRO-3 shards them:
@@ -291,7 +294,8 @@ def _zero_memory(cfg: Config, weights: RankWeights, part: ZeroPart, n: int, w: i
     if part.frozen:  # the held units and the two largest layers gathered at once, as the trained ones
         gathered = sum(padded[:part.held]) + sum(sorted(padded[part.held:])[-ZERO3_GATHERED_LAYERS:])
         size = part.element_bytes(w)
-        return {"params": size * shard_total, "grads": 0, "optimizer": 0, "host": 0, "buffers": size * gathered}
+        return {"params": size * shard_total, "grads": 0, "optimizer": 0, "host": size * shard_total if offloaded else 0,
+                "buffers": size * gathered}
     # The ranks' states differ where 8-bit AdamW keeps some pieces in fp32 (the tables', and the
     # small ones): the fullest rank's is the prediction. Otherwise every rank's is rank 0's.
     ranks = range(n) if cfg.train.optimizer == "adamw8bit" else [0]

@@ -179,6 +179,7 @@ class Layout:
                                            param_dtype=compute_dtype(t.param_dtype),
                                            reduce_dtype=compute_dtype(p.reduce_dtype),
                                            master_device=master_device, masters=t.masters != "none",
+                                           base_device="cpu" if t.offload == "base" else None,
                                            bucket_mb=p.bucket_mb, own_units=tied,
                                            replica=replica, quantize_weights=p.quantize_weights,
                                            device=self.device, layers=self._zero_layers(),

@@ -52,12 +52,14 @@ from scaletrain.config_checks import setting_warnings
 from scaletrain.data.batches import IGNORE_INDEX
 from scaletrain.data.sampler import ShardedSampler
 from scaletrain.errors import UserError
+from scaletrain.finetune.lora import rank_above_width
 from scaletrain.library_checks import (
     check_combinations,
     check_plan,
     engine_config,
     layout_for_world,
 )
+from scaletrain.library_lora import add_library_adapters
 from scaletrain.models.hf_plans import ready_plan
 from scaletrain.models.spec import ModelPlan
 from scaletrain.parallel.data import replicate
@@ -90,7 +92,9 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     ``seed``. ``plan`` says how tp, pp and cp may split the model; ``seq_len`` is every sequence's
     length (cp); ``sample``, one micro-batch of inputs, is what ``pp_balance="time"`` times.
     ``sync_batchnorm=True`` makes every BatchNorm normalize by the statistics of the whole
-    data-parallel batch, not each rank's own (parallel/batchnorm.py).
+    data-parallel batch, not each rank's own (parallel/batchnorm.py). ``lora_rank`` (with
+    ``lora_alpha``, ``lora_dropout``, ``lora_targets``: the fields of ``scaletrain finetune``) freezes
+    the model and trains LoRA's adapters beside its target layers only (library_lora.py).
 
     Before anything is allocated the planner prices the module on this rank: its weights,
     gradients and optimizer state under the layout, ZeRO's shards included, from its parameters
@@ -103,14 +107,22 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     env = detect_environment()
     dims = layout_for_world(cfg, env.world_size)
     plan = plan if plan is not None else ready_plan(model, dims.tp, cfg.parallel.sp)  # models/hf_plans.py
-    check_plan(model, plan, dims, cfg, seq_len, sample)
-    checked = check_combinations(cfg, model, seq_len, sync_batchnorm)
-    machine = Machine.here(check_backend(cfg.parallel.backend, env) == "nccl", env.local_world_size, env.local_rank)
-    if not force and cfg.parallel.layout != AUTO:  # auto's choice is its own gate (planner/auto.py)
-        check_module(model, checked, dims, machine)
+    # the base frozen and the adapters in before anything is checked or priced, as the command's
+    take_out_adapters = add_library_adapters(model, cfg.finetune, options, plan, dims.tp)
+    try:
+        check_plan(model, plan, dims, cfg, seq_len, sample)
+        checked = check_combinations(cfg, model, seq_len, sync_batchnorm)
+        machine = Machine.here(check_backend(cfg.parallel.backend, env) == "nccl", env.local_world_size,
+                               env.local_rank)
+        if not force and cfg.parallel.layout != AUTO:  # auto's choice is its own gate (planner/auto.py)
+            check_module(model, checked, dims, machine)
+    except UserError:  # a refusal leaves the user's model as it came
+        take_out_adapters()
+        raise
     if env.rank == 0:  # settings that do nothing, said once for the job
-        for sentence in setting_warnings(cfg, options):
-            warnings.warn(sentence, stacklevel=2)
+        for sentence in [*setting_warnings(cfg, options), rank_above_width(model, "lora_rank={}")]:
+            if sentence:
+                warnings.warn(sentence, stacklevel=2)
     runtime = init_distributed(env, timeout_s=cfg.parallel.timeout, backend=cfg.parallel.backend)
     try:
         if cfg.parallel.layout == AUTO:  # rank 0 chooses ZeRO's stage, every rank takes it

@@ -5,7 +5,7 @@ command's range checks (config_checks.py) hold for them too; what only a
 library call can get wrong is checked here: an option the engine does not
 take, a layout that does not fit the processes that were started, a plan
 that names what the model lacks, and a tensor plan that would train with
-wrong gradients.
+wrong gradients (LoRA's options: library_lora.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any
 
 from torch import nn
 
-from scaletrain.config import Config, ParallelConfig, TrainConfig, coerce
+from scaletrain.config import Config, FinetuneConfig, ParallelConfig, TrainConfig, coerce
 from scaletrain.config_checks import check_values, refuse_auto
 from scaletrain.errors import UserError
+from scaletrain.library_lora import LORA_OPTIONS, spelled_as_option
 from scaletrain.models.decoder import CausalAttention
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
@@ -34,17 +35,21 @@ from scaletrain.techniques.recompute import parse_policy
 NOT_ENGINE_OPTIONS = frozenset({"eval_every", "eval_batches", "eval_tasks", "eval_tasks_every", "eval_tasks_include",
                                 "eval_tasks_limit", "peak_tflops", "nproc", "max_restarts", "epochs",
                                 "launcher", "ray_address", "cpus_per_worker", "gpus_per_worker", "debug_dist"})
-ENGINE_OPTIONS = tuple(f.name for section in (TrainConfig, ParallelConfig) for f in dataclasses.fields(section)
-                       if f.name not in NOT_ENGINE_OPTIONS)
+ENGINE_OPTIONS = (*(f.name for section in (TrainConfig, ParallelConfig) for f in dataclasses.fields(section)
+                    if f.name not in NOT_ENGINE_OPTIONS), *LORA_OPTIONS)
 
 
 def engine_config(options: dict[str, Any]) -> Config:
-    """The configuration of ``setup(**options)``: each option a field of ``scaletrain train``."""
+    """The configuration of ``setup(**options)``: each option a field of ``scaletrain train`` (LoRA's of
+    ``scaletrain finetune``, library_lora.py)."""
+    options = spelled_as_option(options)
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise UserError(f"setup() takes no option {', '.join(map(repr, unknown))}; the options are the training and "
-                        f"parallel fields of scaletrain train ({', '.join(ENGINE_OPTIONS)}).")
-    fields = {f.name: f for section in (TrainConfig, ParallelConfig) for f in dataclasses.fields(section)}
+                        f"parallel fields of scaletrain train and LoRA's of scaletrain finetune "
+                        f"({', '.join(ENGINE_OPTIONS)}).")
+    fields = {f.name: f for section in (TrainConfig, ParallelConfig, FinetuneConfig)
+              for f in dataclasses.fields(section)}
     checked = {name: coerce(name, fields[name], value, named="setup() option", fix="give one of that type")
                for name, value in options.items()}
     cfg = Config().replace(**checked)

@@ -145,10 +145,11 @@ def adapters(model: nn.Module) -> list[LoRALinear]:
     return [module for module in model.modules() if isinstance(module, LoRALinear)]
 
 
-def rank_above_width(model: nn.Module) -> str | None:
+def rank_above_width(model: nn.Module, option: str = "--lora-rank {}") -> str | None:
     """A sentence when the adapters' rank exceeds min(in, out) of the narrowest layer they adapt: the
     update ``B A`` of that layer has rank at most min(in, out) whatever r is, so the rest of r adds
-    memory there and no capacity. Warned, not refused (PEFT accepts it; wider layers may use it)."""
+    memory there and no capacity. Warned, not refused (PEFT accepts it; wider layers may use it).
+    ``option``: how the rank is given, the command's flag or the library's keyword."""
     layers = [(min(module.in_features, module.out_features), name, module)
               for name, module in model.named_modules() if isinstance(module, LoRALinear)]
     if not layers:
@@ -156,10 +157,10 @@ def rank_above_width(model: nn.Module) -> str | None:
     width, name, narrowest = min(layers, key=lambda layer: layer[0])
     if narrowest.rank <= width:
         return None
-    return (f"--lora-rank {narrowest.rank} is above {width}, min(in, out) of {name} ({narrowest.in_features} in, "
-            f"{narrowest.out_features} out), the narrowest layer it adapts: an update of that layer has rank at "
-            f"most {width} whatever r is, so the rest of r costs memory there and adds nothing; --lora-rank "
-            f"{width} or less wastes none.")
+    return (f"{option.format(narrowest.rank)} is above {width}, min(in, out) of {name} ({narrowest.in_features} "
+            f"in, {narrowest.out_features} out), the narrowest layer it adapts: an update of that layer has rank at "
+            f"most {width} whatever r is, so the rest of r costs memory there and adds nothing; "
+            f"{option.format(width)} or less wastes none.")
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

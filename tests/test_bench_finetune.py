@@ -44,18 +44,24 @@ def test_the_predicted_ladder_of_a_1b_model_on_a_30gb_gpu():
     assert _at(rows["qlora"], "after_step", "params") < _at(rows["lora"], "after_step", "params") / 2.5
     assert _at(rows["zero3"], "after_step", "params") == pytest.approx(_at(rows["dp"], "after_step", "params") / 4,
                                                                        rel=0.01)
+    # adapters over a ZeRO-3 base: a quarter of the lora rung's base a rank, a quarter of the qlora rung's codes
+    for adapters in ("lora", "qlora"):
+        sharded, whole = (_at(rows[name], "after_step", "params") for name in (f"{adapters}-zero3", adapters))
+        assert sharded == pytest.approx(whole / 4, rel=0.02), adapters
 
 
-@pytest.mark.slow  # six rungs, each in processes of its own: pytest -m slow tests/test_bench_finetune.py
+@pytest.mark.slow  # eight rungs, each in processes of its own: pytest -m slow tests/test_bench_finetune.py
 def test_the_measured_ladder_across_one_and_two_processes(tmp_path, corpus):
     png = tmp_path / "ladder.png"
     done = run_cli("bench", "finetune", "--model", "llama-small", "--seq-len", "32", "--data", str(corpus),
-                   "--steps", "3", "--warmup", "2", "--rungs", "full,pure-bf16,lora,qlora,dp,zero3", "--nproc", "2",
+                   "--steps", "3", "--warmup", "2", "--rungs", "full,pure-bf16,lora,qlora,dp,zero3,lora-zero3,qlora-zero3",
+                   "--nproc", "2",
                    "--json", "--plot", str(png), "--cache-dir", str(tmp_path / "cache"), timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
     rows = result["rungs"]
-    assert result["mode"] == "measured" and list(rows) == ["full", "pure-bf16", "lora", "qlora", "dp", "zero3"]
+    assert result["mode"] == "measured" and list(rows) == ["full", "pure-bf16", "lora", "qlora", "dp", "zero3",
+                                                           "lora-zero3", "qlora-zero3"]
     for row in rows.values():
         measured = row["measured"]
         assert list(measured["points"]) == list(POINTS)
@@ -69,6 +75,8 @@ def test_the_measured_ladder_across_one_and_two_processes(tmp_path, corpus):
     assert _at(rows["qlora"], "after_step", "params") < _at(rows["lora"], "after_step", "params")
     assert set(rows["zero3"]["measured"]["per_rank"]) == {"0", "1"}
     assert _at(rows["zero3"], "after_step", "optimizer") < 0.6 * _at(rows["dp"], "after_step", "optimizer")
+    for adapters in ("lora", "qlora"):  # the base a rank halved (its embedding, norms and head too)
+        assert _at(rows[f"{adapters}-zero3"], "after_step", "params") < 0.6 * _at(rows[adapters], "after_step", "params")
     assert png.read_bytes().startswith(b"\x89PNG")
     # the bench contract's figures: the other rungs' median step time against the full rung's
     assert result["peer"]["median_s"] == rows["full"]["measured"]["step_s"]

@@ -19,6 +19,8 @@ data parallelism is set against ZeRO's stages. Each rung here is that step, as f
     lora            bf16-mixed + --recompute full + --lora-rank 16 (a frozen base)
     qlora           lora + --quantize nf4 (the base in 4 bits)
     dp, zero1, zero2, zero3, hybrid   (with --nproc N) bf16-mixed over N processes
+    lora-zero3      (with --nproc N) the lora rung's flags over N processes, its base sharded by ZeRO-3
+    qlora-zero3     the same with the base in 4 bits (its codes sharded too: parallel/zero_units.py)
 
 Measured (no ``--gpu-memory``): each rung trains ``--steps`` steps here, alone, in processes
 of its own (one after the other, so a GPU's allocator figures are the rung's own), and reports
@@ -61,7 +63,7 @@ from scaletrain.train.step_memory import POINTS, total
 
 SINGLE = ("full", "smaller-batch", "accumulation", "bf16-mixed", "pure-bf16", "pure-bf16-sr", "sgd", "adamw8bit",
           "recompute", "offload", "lora", "qlora")
-SHARDED = ("dp", "zero1", "zero2", "zero3", "hybrid")
+SHARDED = ("dp", "zero1", "zero2", "zero3", "hybrid", "lora-zero3", "qlora-zero3")
 FINETUNE_DEFAULTS = {"name": LADDER_PRESET, "seq_len": 128, "micro_batch": 4, "steps": 10}
 LORA_RANK = 16
 
@@ -85,6 +87,8 @@ def ladder(micro_batch: int, nproc: int) -> dict[str, dict[str, Any]]:
         rungs.update({"dp": sharded, **{f"zero{s}": {**sharded, "zero": s} for s in (1, 2, 3)}})
         if nproc >= 4 and nproc % 2 == 0:  # ZeRO-3 within pairs, the pairs' shards averaged
             rungs["hybrid"] = {**sharded, "zero": 3, "shard_group": 2}
+        adapters = {**sharded, "zero": 3, "recompute": "full", "lora_rank": LORA_RANK}
+        rungs.update({"lora-zero3": adapters, "qlora-zero3": {**adapters, "quantize": "nf4"}})
     return rungs
 
 

@@ -123,8 +123,16 @@ def llama_adapter(tmp_path_factory) -> tuple[Path, Path]:
     return base, tmp / "adapter"
 
 
-@pytest.mark.parametrize("flags", [["--quantize", "nf4"], ["--nproc", "2", "--zero", "1"]], ids=["qlora", "dp-zero1"])
-def test_qlora_and_data_parallel_ranks_start_from_the_adapter(llama_adapter, tmp_path, capsys, flags):
+@pytest.mark.parametrize("flags", [
+    ["--quantize", "nf4"],
+    ["--nproc", "2", "--zero", "3", "--quantize", "nf4"],
+    # the same path with the adapter split or staged (about 8 s each): pytest -m slow tests/test_finetune_adapter.py
+    pytest.param(["--nproc", "2", "--zero", "1"], marks=pytest.mark.slow),
+    pytest.param(["--nproc", "2", "--tp", "2", "--sp"], marks=pytest.mark.slow),
+    pytest.param(["--nproc", "2", "--pp", "2", "--microbatches", "2"], marks=pytest.mark.slow),
+], ids=["qlora", "qlora-zero3", "dp-zero1", "tp2-sp", "pp2"])
+def test_every_layout_starts_from_the_adapter(llama_adapter, tmp_path, capsys, flags):
+    """A PEFT folder continued into a layout (its adapters sharded, split or staged) exports as it was read."""
     base, adapter = llama_adapter
     assert continue_from(base, adapter, tmp_path / "run", PROSE, *flags) == 0
     saved, back = load_file(adapter / "adapter_model.safetensors"), exported_adapter(tmp_path / "run")

@@ -92,7 +92,11 @@ def _scale_code() -> torch.Tensor:
 def _code_on(build: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
     # Built once per device: a fresh code book in every forward would be a copy from
     # the host, and such a copy waits for all the work already queued on the device.
-    return build().to(device)
+    # Built on the host whatever device a caller has made the default (the planner's meta
+    # device, say), where its quantiles are computed.
+    with torch.device("cpu"):
+        book = build()
+    return book.to(device)
 
 
 def pack_indices(indices: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,7 @@ from scaletrain.runtime.autograd import (
 )
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
+from scaletrain.runtime.rng import reseed
 from scaletrain.techniques.fp8 import Float8
 
 # -- how a weight is split -----------------------------------------------------
@@ -168,7 +169,7 @@ class RegionRNG:
         # identically when recomputation replays the forward.
         seed = int(torch.randint(2**62, ()).item())
         self._saved = self._state()
-        torch.manual_seed(seed + self.rank)
+        reseed(seed + self.rank, self.device)
 
     def exit(self) -> None:
         if self._saved is None:

@@ -57,6 +57,7 @@ from scaletrain.parallel.pipeline.schedules import Span
 from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.faults import Faults, poison
 from scaletrain.runtime.mesh import Mesh
+from scaletrain.runtime.rng import reseed
 from scaletrain.techniques.compress_activations import ActivationCompression
 from scaletrain.techniques.precision import DynamicLossScaler, autocast
 from scaletrain.train import checkpoint as ckpt
@@ -172,8 +173,9 @@ class Stepper:
         if self.report_memory and self._measured_step is None:  # this process's first step
             self._measured_step = step + 1 if step + 1 < self.train.steps else step
         self._step_under_way = step
-        torch.manual_seed(step_seed(self.train.seed, step, self.layout.dropout_rank(self.mesh.rank)))
-        self.layout.model.train()
+        reseed(step_seed(self.train.seed, step, self.layout.dropout_rank(self.mesh.rank)), self.device)
+        if not self.layout.model.training:  # set back after an evaluation: a walk over every module
+            self.layout.model.train()
 
     def backward_micro_batch(self, loss: torch.Tensor, final: bool) -> torch.Tensor | float:
         """Backward of one micro-batch's (divided) loss, with a mixture of experts' auxiliary

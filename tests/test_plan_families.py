@@ -4,8 +4,8 @@ The layouts of tests/test_plan.py run on llama-tiny (RMSNorm, rotary positions,
 grouped-query attention with 2 key/value heads for 4 query heads, a SwiGLU MLP,
 an untied head): memory within 5% of the ledger, collectives exactly. One
 block's saved activations equal the formula of planner/activations.py byte for
-byte, for several key/value head counts and precisions, and a mixture-of-experts
-block's too. And the planner weighs
+byte, for several key/value head counts and precisions (fp8's float8 layers too), and a
+mixture-of-experts block's too. And the planner weighs
 Llama 3 8B and 70B from meta-device builds alone: their weights are their
 parameter counts, and ``scaletrain plan`` recommends a layout for each.
 """
@@ -24,6 +24,7 @@ from scaletrain.planner import activations
 from scaletrain.planner.hardware import DEVICES, Cluster
 from scaletrain.planner.inventory import Planned, whole_model
 from scaletrain.planner.predict import _flops, predict
+from scaletrain.techniques.fp8 import Float8, convert_to_float8
 from scaletrain.train.layout import loss_fn
 from scaletrain.train.memory import ActivationMeter
 from tests.test_plan import CASES, assert_predicted, measure_layouts
@@ -52,20 +53,23 @@ def _saved_peak(model_cfg: ModelConfig, precision: str) -> int:
     spec = spec_for(model_cfg.name)
     torch.manual_seed(0)
     model = spec.build(spec.configure(model_cfg, 96, 32))
+    if precision == "fp8":
+        convert_to_float8(list(model.blocks), Float8.on(torch.device("cpu")))
     x, y = torch.randint(0, 96, (4, 32)), torch.randint(0, 96, (4, 32))
     with ActivationMeter(model) as meter:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
             logits = model(x)
         loss_fn(logits, y).backward()
     return meter.peak
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("preset, kv_heads", [("gpt-tiny", None), ("llama-tiny", 1), ("llama-tiny", 2),
                                               ("llama-tiny", 4)])
 def test_one_block_saves_what_the_formula_counts(preset, kv_heads, precision):
     """The difference between a 2-block and a 1-block model is one block's saved bytes:
-    exactly `activations.block`, whatever the key/value heads (multi-query to none shared)."""
+    exactly `activations.block`, whatever the key/value heads (multi-query to none shared),
+    and under fp8 with the float8 layers' codes in place of their inputs."""
     one, two = (ModelConfig(name=preset, n_layers=layers, n_kv_heads=kv_heads) for layers in (1, 2))
     model = Planned.of(one, 96, 32)
     x = activations.shape_of(model.shape, model.tensor_plan, 4, 1, False, 1, precision, "fp32")

@@ -41,6 +41,12 @@ only ones the spec lets through (models/llama_spec.py). With ``moe`` set, the
 MLP of every ``moe.every``-th block is a mixture of SwiGLU experts, as in
 Mixtral (models/moe.py), named ``blocks.{i}.moe``.
 
+What a block keeps for backward is cut to its minimum (models/lean_saves.py): each
+RMSNorm its input alone, SwiGLU its gate's and up's outputs (silu is computed again),
+and under autocast q, k and v one 16-bit copy of their input between them, gate and up
+another: the outputs are the plain formulas' bit for bit, the gradients the same to fp32's
+rounding.
+
 Initialization is GPT-2's (models/gpt.py): N(0, 0.02), residual projections
 (attn.proj, mlp.proj, each expert's proj) N(0, 0.02 / sqrt(2 * n_layers)).
 
@@ -57,10 +63,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.decoder import CausalAttention, Decoder, PreNormBlock, document_positions
+from scaletrain.models.lean_saves import rms_norm, shared_cast, silu_mul
 from scaletrain.models.moe import MoE, MoEConfig
 from scaletrain.models.spec import matmul_flops_per_token
 
@@ -102,7 +108,8 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """w * x / sqrt(mean(x^2) + eps), in fp32 whatever the input's dtype; the output stays fp32."""
+    """w * x / sqrt(mean(x^2) + eps), in fp32 whatever the input's dtype; the output stays fp32.
+    Backward keeps its input alone (models/lean_saves.py)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -110,10 +117,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        # Normalize, then scale: the order of Hugging Face's LlamaRMSNorm, which the logits match.
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * y
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -163,6 +167,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    shares_autocast_copy = True  # q, k and v read one autocast copy of x (models/lean_saves.py)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -179,12 +185,14 @@ class Attention(nn.Module):
         # Head counts come from the weights, not the config: a tensor-parallel shard
         # holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
         heads, kv_heads = self.q.out_features // self.head_dim, self.k.out_features // self.head_dim
-        q = self.q(x).view(b, s, heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
+        x_q, x_k, x_v = shared_cast(x, 3) if self.shares_autocast_copy else (x, x, x)
+        q = self.q(x_q).view(b, s, heads, self.head_dim).transpose(1, 2)
+        k = self.k(x_k).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x_v).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
         # Local positions 0..s-1, or in packed rows each document's own [b, s] (models/decoder.py);
         # under context parallelism a hook makes them the rank's.
         cos, sin = self.rope(torch.arange(s, device=x.device) if documents is None else document_positions(documents))
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # cast once: q's and k's products keep the same pair
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Key/value head j serves query heads j*g .. j*g + g-1 (Hugging Face's repeat_kv).
         groups = heads // kv_heads
@@ -194,7 +202,10 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """proj(silu(gate(x)) * up(x))."""
+    """proj(silu(gate(x)) * up(x)); gate and up read one autocast copy of x, and silu(gate(x)) is
+    computed again in backward rather than kept (models/lean_saves.py)."""
+
+    shares_autocast_copy = True
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -204,7 +215,8 @@ class SwiGLU(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.silu(self.gate(x)) * self.up(x)))
+        x_gate, x_up = shared_cast(x, 2) if self.shares_autocast_copy else (x, x)
+        return self.drop(self.proj(silu_mul(self.gate(x_gate), self.up(x_up))))
 
 
 def block(cfg: LlamaConfig, experts: bool = False) -> PreNormBlock:

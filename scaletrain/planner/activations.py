@@ -15,22 +15,23 @@ and fc, 2; q, k, v, gate and up, 5):
 
     each norm (two a block), on the fp32 residual stream         /t with sp
       layer norm: its input, mean and 1/std                     4*b*s*h + 8*b*s
-      RMSNorm: its input, 1/rms, and x/rms (the weight's        8*b*s*h + 4*b*s
-      gradient needs the normalized input: w * (x/rms))
+      RMSNorm: its input alone (1/rms and x/rms are computed    4*b*s*h
+      again in backward: models/lean_saves.py)
     the column layers' inputs (the norms' outputs)               /t with sp
-      fp32 without sp: one tensor per norm, which they share    2*4*b*s*h
-      else each its own (autocast's cast; sp's saved chunk)     c*e*b*s*h
+      without sp: one tensor per norm, which they share (fp32;  2*e*b*s*h
+      autocast: one 16-bit copy, models/lean_saves.py)
+      with sp each its own saved chunk (fp8: below)             c*e*b*s*h
     q, k, v as attention saves them                             3*e*b*s*a*d/t
       (grouped-query k and v are repeated to a heads first; the
       n_kv_heads-wide k and v are saved by nothing: rotary's
       products keep only cos and sin, the repeat keeps nothing)
     attention output (its transpose is proj's input: a view)    e*b*s*a*d/t
     attention log-sum-exp (fp32)                                4*b*a*s/t   (a fused kernel: no a*s*s matrix)
-    rotary's cos and sin, without learned positions             8*s*d       (fp32: one pair for q and k;
-                                                                             autocast: a 16-bit pair each)
-    the MLP: 2 tensors per input matrix                         2*i*e*b*s*f/t
+    rotary's cos and sin, without learned positions             2*e*s*d     (one pair for q and k)
+    the MLP: its input matrices' outputs, and one more          (i+1)*e*b*s*f/t
       GELU (i = 1): fc's output and GELU's
-      SwiGLU (i = 2): gate's and up's outputs, silu's, and the product (proj's input)
+      SwiGLU (i = 2): gate's and up's outputs and their product (proj's input; silu's output is
+      computed again in backward: models/lean_saves.py)
     under autocast of fp32 weights: their e-byte copies         e*(2*a*d*h + 2*k*d*h + (i+1)*h*f)/t
       (q and proj a*d*h each, k and v k*d*h each with k the key/value heads, the MLP (i+1)*h*f;
       with sp only the projections': a column layer that gathers its input saves the weight
@@ -41,9 +42,10 @@ without tp saves ``64*b*s*h + 16*b*s + 4*a*b*s`` bytes, under bf16 autocast
 ``36*b*s*h`` + the same small terms + the weight copies (against
 Korthikanti's 34: our residual stream and norms stay fp32, there are no
 dropout masks and no attention matrix). A block of RMSNorms, separate q,
-k and v and a SwiGLU MLP of width f in fp32: ``40*b*s*h + 16*b*s*f + 8*b*s +
-4*a*b*s + 8*s*d``; under bf16 autocast ``34*b*s*h + 8*b*s*f`` + the same small
-terms + the weight copies. With context parallelism ``s`` is a
+k and v and a SwiGLU MLP of width f in fp32: ``32*b*s*h + 12*b*s*f + 4*a*b*s
++ 8*s*d``; under bf16 autocast ``20*b*s*h + 6*b*s*f + 4*a*b*s + 4*s*d`` + the
+weight copies: the least such a block can keep with the residual stream in
+fp32 (docs/techniques.md). With context parallelism ``s`` is a
 rank's ``s/cp`` positions, and ring attention returns its output laid out
 by heads, so proj's input is a copy: ``+e*b*s*a*d/t``.
 
@@ -113,13 +115,20 @@ weight copies) is stored in bf16 (an fp32 one: 2 bytes an element) or as int8
 blocks of 128 with an fp32 scale each (1 + 4/128 bytes an element); what a
 recomputed block holds while it runs, and saves again in backward, is not.
 
+FP8 (``--precision fp8``, techniques/fp8.py): a dense block's linear layers
+multiply outside autocast and keep, in place of their inputs and of autocast's
+weight copies, the e4m3 codes of both, a byte an element (a column layer under
+sp its chunk of the input's), and the two scales: ``c*b*s*h`` (``/t`` with sp)
++ ``b*s*(a*d + f)/t`` + the block's weights' bytes ``/t``; the product
+silu(gate) * up is kept only as the MLP's projection's codes. A mixture of
+experts' layers are counted as under bf16.
+
 A LoRA fine-tune (finetune/adapters.py: the base frozen, ``r`` the rank): a
-frozen RMSNorm keeps no x/rms and a frozen head no input (neither has a weight
-gradient to compute), the embeddings no ids and the first block's first norm
-nothing (their inputs need no gradient; what the attention's columns save of
-them stays uncompressed), and each adapter keeps its ``x A^T``, ``e*b*s*r``.
-A column layer without an adapter keeps no input, nor the MLP's output
-projection its own. Autocast caches no copy of a frozen weight: recomputed,
+frozen head keeps no input (it has no weight gradient to compute), the
+embeddings no ids and the first block's first norm nothing (their inputs need
+no gradient; what the attention's columns save of them stays uncompressed),
+and each adapter keeps its ``x A^T``, ``e*b*s*r``. A column layer without an
+adapter keeps no input, nor the MLP's output projection its own. Autocast caches no copy of a frozen weight: recomputed,
 the copies go with their block. Where the attention's columns have no
 adapters (``--lora-targets`` without qkv), nothing before the first block's
 first adapter needs a gradient, so it saves nothing there either, which the
@@ -167,6 +176,7 @@ class Shape:
     cp: int = 1
     ep: int = 1
     e: int = 4  # bytes of an autocast activation
+    float8: bool = False  # --precision fp8: a block's linear layers keep their inputs' and weights' e4m3 codes
     cast_weights: bool = False  # autocast saves 16-bit copies of fp32 weights
     compress: str = "none"  # --compress-activations: how the forward stores what it saves
     chunked_loss: bool = False  # the head and loss run a chunk of rows at a time (kernels/head_loss.py)
@@ -246,7 +256,8 @@ def shape_of(model: ModelShape, plan: TensorPlan | None, micro_batch: int, tp: i
     """One micro-batch of ``micro_batch`` sequences under a layout (``lora``: a fine-tune's adapters)."""
     autocast = precision in ("bf16", "fp16", "fp8")
     return Shape(b=micro_batch, s=model.seq_len // cp, model=model, attention_columns=attention_columns(plan), tp=tp,
-                 sp=sp, cp=cp, ep=ep, e=2 if autocast else 4, cast_weights=autocast and param_dtype == "fp32",
+                 sp=sp, cp=cp, ep=ep, e=2 if autocast else 4, float8=precision == "fp8",
+                 cast_weights=autocast and param_dtype == "fp32",
                  compress=compress, chunked_loss=chunked_loss, lora=lora)
 
 
@@ -260,14 +271,13 @@ def norm(x: Shape) -> int:
     rows = x.b * x.s // (x.tp if x.sp else 1)
     if x.model.norm_with_mean:
         return x.stored(rows * x.h, 4) + 8 * rows  # the mean and 1/std are outside the graph: kept as they are
-    # x/rms is kept for the weight's gradient, which a frozen weight has none of
-    return x.stored(rows * x.h, 4, count=1 if x.frozen else 2) + x.stored(rows, 4)
+    return x.stored(rows * x.h, 4)  # RMSNorm: its input alone, the rest computed again in backward
 
 
 def column_inputs(x: Shape, columns: int, norms: int) -> int:
     """What ``columns`` column layers reading ``norms`` norms' outputs save of their inputs:
-    one shared fp32 tensor per norm, or under autocast or sp each layer its own copy."""
-    copies = columns if x.e < 4 or x.sp else min(norms, columns)
+    one shared tensor per norm (under autocast one 16-bit copy), or under sp each layer its own chunk."""
+    copies = columns if x.sp else min(norms, columns)
     return x.stored(x.bsh // (x.tp if x.sp else 1), x.e, count=copies)
 
 
@@ -279,16 +289,29 @@ def block(x: Shape, experts: bool = False) -> int:
     total = 2 * norm(x) + weight_copies(x, experts)
     total += x.stored(rows * x.width // t, e, count=4) + attention_stats(x)  # q, k, v and the output; lse
     if not m.learned_positions:
-        total += 8 * x.s * m.head_dim  # rotary's cos and sin
+        total += 2 * e * x.s * m.head_dim  # rotary's cos and sin, cast once for q and k
     if x.cp > 1:
         total += x.stored(rows * x.width // t, e)  # ring attention's output, copied into proj's layout
     total += x.stored(rows * x.lora.rank, e, count=x.lora.layers)  # each adapter's x A^T, for B's gradient
     if experts:  # the router saves its fp32 input (the second norm's output) in place of the MLP's columns
         return total + column_inputs(x, x.columns(True), 1) + x.stored(x.routed * x.h, 4) + mixture(x)
+    if x.float8:  # the linear layers keep their inputs' codes: no column input, no product kept otherwise
+        return total + float8_codes(x) + x.stored(rows * m.ffn_hidden // t, e, count=m.ffn_inputs)
     total += column_inputs(x, x.columns(True), 1) + column_inputs(x, x.columns(False), 1)
-    # the last f-wide tensor is the output projection's input, which a frozen one without an adapter keeps not
-    tensors = 2 * m.ffn_inputs - (1 if x.frozen and not x.lora.mlp_row else 0)
+    # the input matrices' outputs, then the output projection's input, which a frozen one without an adapter
+    # keeps not (silu's output is computed again in backward)
+    tensors = m.ffn_inputs + (0 if x.frozen and not x.lora.mlp_row else 1)
     return total + x.stored(rows * m.ffn_hidden // t, e, count=tensors)
+
+
+def float8_codes(x: Shape) -> int:
+    """What a dense block's float8 layers keep of their inputs (techniques/fp8.py): each layer its
+    input's e4m3 codes, a byte an element (a column layer under sp its chunk of them, gathered again
+    in backward), and the input's and the weight's scales; the weights' codes are `weight_copies`."""
+    m, rows = x.model, x.b * x.s
+    columns = x.attention_columns + m.ffn_inputs
+    codes = columns * x.bsh // (x.tp if x.sp else 1) + rows * (x.width + m.ffn_hidden) // x.tp  # + the two projs
+    return codes + 8 * (columns + 2)
 
 
 def mixture(x: Shape) -> int:
@@ -305,18 +328,19 @@ def mixture(x: Shape) -> int:
 
 
 def weight_copies(x: Shape, experts: bool = False) -> int:
-    """One block's autocast copies of its fp32 weights (module docstring); none without them."""
-    if not x.cast_weights:
-        return 0
+    """One block's autocast copies of its fp32 weights (module docstring), none without them; under
+    fp8 a dense block's float8 layers keep their weights' e4m3 codes instead, a byte an element."""
     m = x.model
     projections = x.width * x.h  # row-parallel: the attention's proj (and the MLP's, below)
     columns = x.width * x.h + 2 * m.n_kv_heads * m.head_dim * x.h
-    if experts:  # every expert this rank holds, whole: they are no tp layers
+    if experts and x.cast_weights:  # every expert this rank holds, whole: they are no tp layers
         held = m.moe_experts // x.ep * (m.ffn_inputs + 1) * x.h * m.moe_hidden
         return x.e * (projections + (0 if x.sp else columns)) // x.tp + x.e * held
     projections += m.ffn_hidden * x.h
     columns += m.ffn_inputs * x.h * m.ffn_hidden
-    return x.e * (projections + (0 if x.sp else columns)) // x.tp
+    if x.float8 and not experts:
+        return (projections + columns) // x.tp
+    return x.e * (projections + (0 if x.sp else columns)) // x.tp if x.cast_weights else 0
 
 
 def in_flight(x: Shape, experts: bool = False) -> int:
@@ -398,7 +422,8 @@ def chunk_peak(x: Shape, experts: list[bool], first: bool, last: bool, recompute
         after = sum(full) - blocks * attention_stats(x) + ends
         return after, after, after
     # autocast caches the copies of trained weights only: a frozen base's go with the block
-    copies = [0 if x.frozen else weight_copies(x, moe) for moe in experts]
+    # (a dense block's float8 weight codes are saved tensors, which recomputation drops)
+    copies = [0 if x.frozen or (x.float8 and not moe) else weight_copies(x, moe) for moe in experts]
     if recompute == "sqrt":  # each segment's input kept, its blocks rerun together
         segment = math.ceil(math.sqrt(blocks))
         kept = [one] * math.ceil(blocks / segment)
@@ -423,7 +448,7 @@ def weight_grad_inputs(x: Shape, experts: list[bool], last: bool) -> int:
     """What a split backward keeps from B to W (parallel/pipeline/weight_grad.py): the inputs of
     the linear layers whose weight gradient waits, attention and MLP projections and,
     unless sp computes them at once with their re-gathered input, the column layers and
-    the head (autocast casts each column layer's input on its own); of a mixture of experts,
+    the head (a norm's column layers share one input, autocast's copy); of a mixture of experts,
     the experts' projections' and first layers' inputs, their rows."""
     m, rows = x.model, x.e * x.b * x.s
     attention = rows * x.width // x.tp + (0 if x.sp else column_inputs(x, x.attention_columns, 1))

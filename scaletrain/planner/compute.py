@@ -31,7 +31,11 @@ that share instead.
 Memory-bound work. Norms, rotary, activations, residuals, casts and the loss
 move bytes rather than multiply: about ``ELEMENTWISE_PASSES`` times the bytes
 a block saves for backward (planner/activations.py), and the loss's over the
-logits, per micro-batch; and the optimizer reads and writes its weights and
+logits, per micro-batch. What a block computes in forward and again in
+backward rather than keeping (models/lean_saves.py: an RMSNorm's x/rms and
+1/rms, silu's output, and the autocast copies its column layers no longer each
+make) counts as if kept, the bytes the constant was set against: those
+tensors pass through memory all the same, twice where once kept; and the optimizer reads and writes its weights and
 state and reads the gradients once a step. Both at the device's
 ``memory_share`` of its memory's bandwidth (torch's fused AdamW moved 3.28 of
 the H200's 4.8 TB/s); a device of no known bandwidth (an uncalibrated CPU) has
@@ -143,6 +147,24 @@ def attention_rerun_share(recompute: str) -> float:
     return 1 / int(recompute.split(":")[1]) if recompute.startswith("every:") else 1.0
 
 
+def elementwise_bytes(x: activations.Shape) -> int:
+    """The bytes a block's memory-bound work is counted by (module docstring): what it saves
+    (`activations.block`), and what a block of RMSNorms and SwiGLU computes again in backward
+    rather than keeping, or no longer casts for each column layer apart."""
+    m, saved = x.model, activations.block(x)
+    if m.norm_with_mean:  # layer norm and GELU: every tensor the work writes is kept
+        return saved
+    rows = x.b * x.s // (x.tp if x.sp else 1)
+    again = 2 * ((0 if x.frozen else 4 * rows * x.h) + 4 * rows)  # each RMSNorm's x/rms and 1/rms
+    again += (m.ffn_inputs - 1) * x.e * x.b * x.s * m.ffn_hidden // x.tp  # silu's output
+    if x.e < 4 and not (x.sp or x.float8):  # an autocast copy for each column layer but one per norm
+        columns = x.columns(True) + x.columns(False)
+        again += (columns - min(1, x.columns(True)) - min(1, x.columns(False))) * x.e * x.bsh
+    if not m.learned_positions:
+        again += (8 - 2 * x.e) * x.s * m.head_dim  # rotary's 16-bit pair for q's product and k's apart
+    return saved + again
+
+
 def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_batches: int,
           state_bytes: int, precision: str, cluster: Cluster, recompute: str = "none") -> Clock:
     """The clock of the busiest rank (``blocks`` blocks, the head if ``last``, ``state_bytes``
@@ -163,7 +185,7 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
     # are stored (compressed) or chunked
     computed = dataclasses.replace(x, compress="none", chunked_loss=False)
     rerun = 1 + FORWARD_SHARE * block_rerun_share(recompute)
-    passes = ELEMENTWISE_PASSES * (blocks * rerun * activations.block(computed)
+    passes = ELEMENTWISE_PASSES * (blocks * rerun * elementwise_bytes(computed)
                                    + (activations.head_and_loss(computed) if last else 0))
     if x.compress != "none":  # each tensor read and its copy written in forward, the reverse in backward
         passes += COMPRESSION_PASSES * blocks * (activations.block(computed) + activations.block(x))

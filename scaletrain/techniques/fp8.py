@@ -202,10 +202,14 @@ class Float8Linear(nn.Linear):
 def convert_to_float8(blocks: list[nn.Module], float8: Float8) -> int:
     """Inside ``blocks``, every plain ``nn.Linear`` made a `Float8Linear` and every layer that
     offers a float8 product (a ``float8`` class attribute: tensor parallelism's sliced layers)
-    switched to it, in place; how many."""
+    switched to it, in place; how many. A module that hands its layers one shared autocast copy
+    of their input (``shares_autocast_copy``, models/lean_saves.py) hands them the input itself:
+    a float8 layer casts it from full precision and writes its gradient in that precision."""
     count = 0
     for block in blocks:
         for module in block.modules():
+            if hasattr(type(module), "shares_autocast_copy"):
+                module.shares_autocast_copy = False
             if type(module) is nn.Linear:
                 module.__class__ = Float8Linear
             elif not hasattr(type(module), "float8"):

@@ -54,9 +54,10 @@ compressed bytes, which is what stays allocated.
 
 Limits: calls that bypass torch's function API inside a checkpointed region
 (a custom ``autograd.Function`` saving with ``ctx.save_for_backward``) are not
-seen there; outside such regions the meter's base hooks see them. Gradients
-of activations and other temporaries of backward are not saved tensors and
-are left out on purpose; ``cuda_peak`` includes them.
+seen there, unless they make themselves torch functions as the models' own do
+(models/lean_saves.py); outside such regions the meter's base hooks see them.
+Gradients of activations and other temporaries of backward are not saved
+tensors and are left out on purpose; ``cuda_peak`` includes them.
 """
 
 from __future__ import annotations

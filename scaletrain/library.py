@@ -108,7 +108,7 @@ def setup(model: nn.Module, *, plan: ModelPlan | None = None, seq_len: int | Non
     dims = layout_for_world(cfg, env.world_size)
     plan = plan if plan is not None else ready_plan(model, dims.tp, cfg.parallel.sp)  # models/hf_plans.py
     # the base frozen and the adapters in before anything is checked or priced, as the command's
-    take_out_adapters = add_library_adapters(model, cfg.finetune, options, plan, dims.tp)
+    take_out_adapters = add_library_adapters(model, cfg.finetune, options, plan, dims.tp, cfg.train.seed)
     try:
         check_plan(model, plan, dims, cfg, seq_len, sample)
         checked = check_combinations(cfg, model, seq_len, sync_batchnorm)

@@ -8,8 +8,9 @@ The adapters are finetune/lora.py's `LoRALinear`, put in by its `apply_lora` bef
 transform sees the model, as the command's (finetune/adapters.py) are: ZeRO shards the frozen base and
 the adapters' optimizer state, tensor parallelism splits each adapter with its base
 (`LoRALinear.split_with_base`), and the optimizer steps what requires a gradient only (train/layout.py).
-``B`` starts at zero, so the adapted model starts as the model given; rank 0's ``A`` reaches every rank
-with its weights.
+``B`` starts at zero, so the adapted model starts as the model given; ``A`` is drawn for the engine's
+``seed`` and each layer's name (lora.py's `initial_a`), as the command draws it, and rank 0's reaches
+every rank with its weights.
 
 Which layers: ``lora_targets`` names them as PEFT's ``target_modules`` list does (lora.py's `matches`):
 a module's last name or names (``q_proj``, ``self_attn.o_proj``), ``*`` standing for any one part, in
@@ -58,12 +59,13 @@ def plan_targets(model: nn.Module, plan: ModelPlan | None) -> list[str]:
 
 
 def add_library_adapters(model: nn.Module, finetune: FinetuneConfig, given: dict[str, Any],
-                         plan: ModelPlan | None, tp: int) -> Callable[[], None]:
+                         plan: ModelPlan | None, tp: int, seed: int = 0) -> Callable[[], None]:
     """With ``lora_rank``: freeze ``model`` and put an adapter beside each target layer (module
-    docstring); ``given``: the options as the user wrote them. What takes the adapters out again and
-    lets train what trained before, so that a refusal after this leaves the user's model as it came."""
+    docstring; ``A`` drawn for ``seed``, the engine's); ``given``: the options as the user wrote them.
+    What takes the adapters out again and lets train what trained before, so that a refusal after
+    this leaves the user's model as it came."""
     trained = {param: param.requires_grad for param in model.parameters()}
-    names = _adapt(model, finetune, given, plan, tp)
+    names = _adapt(model, finetune, given, plan, tp, seed)
 
     def take_out() -> None:
         for name in names:
@@ -77,7 +79,7 @@ def add_library_adapters(model: nn.Module, finetune: FinetuneConfig, given: dict
 
 
 def _adapt(model: nn.Module, finetune: FinetuneConfig, given: dict[str, Any], plan: ModelPlan | None,
-           tp: int) -> list[str]:
+           tp: int, seed: int) -> list[str]:
     """The adapters put in, refused first where they cannot work (module docstring); their layers' names."""
     f = finetune
     if f.lora_rank < 0:
@@ -106,7 +108,7 @@ def _adapt(model: nn.Module, finetune: FinetuneConfig, given: dict[str, Any], pl
                             f"that names its projections (transformers' Llama, Qwen2 and Mistral have one ready); "
                             f"name them, as model.named_modules() does: lora_targets='q_proj,v_proj', say.")
     check_splits(model, targets, plan, tp)
-    return apply_lora(model, targets, f.lora_rank, f.lora_alpha, f.lora_dropout)
+    return apply_lora(model, targets, f.lora_rank, f.lora_alpha, f.lora_dropout, seed)
 
 
 def check_words(model: nn.Module, words: list[str]) -> list[str]:

@@ -5,10 +5,11 @@ weights, before the first step (getrusage's peak resident set size, in a
 fresh process for each measurement):
 
   ours  ``scaletrain finetune --from DIR`` in the layout given (``--nproc``
-        ranks; ``--tp``, ``--pp``, ``--zero 3``), one step: each rank builds
-        the model on the meta device, splits it there and reads its own
-        slices (finetune/sliced.py); memory.json's ``host_peak_at_start`` of
-        every rank.
+        ranks; ``--tp``, ``--pp``, ``--zero 3``; ``--lora-rank R``: LoRA's
+        adapters over the frozen base), one step: each rank builds the model
+        on the meta device, splits it there and reads its own slices
+        (finetune/sliced.py); memory.json's ``host_peak_at_start`` of every
+        rank.
   peer  the plain load every rank did before, as a hand-written loader or
         ``from_pretrained`` without its low-memory path does it: the model
         built whole (initialized), every tensor of the folder read, then
@@ -93,6 +94,8 @@ def _ours(cfg: Config, folder: Path, work: Path) -> list[int]:
     corpus.write_text("".join(f"line {i} of a small corpus for one step\n" for i in range(2000)))
     run = work / "run"
     flags = [f"--{name}={getattr(cfg.parallel, name)}" for name in LAYOUT_FLAGS if getattr(cfg.parallel, name)]
+    if cfg.finetune.lora_rank:
+        flags.append(f"--lora-rank={cfg.finetune.lora_rank}")
     command = [sys.executable, "-m", "scaletrain", "finetune", "--from", str(folder), "--data", str(corpus),
                "--nproc", str(cfg.parallel.nproc), *flags, "--steps", "1", "--seq-len", "16",
                "--micro-batch", "1", "--eval-every", "0", "--eval-batches", "1",
@@ -133,7 +136,7 @@ def run(cfg: Config, folder: Path | None) -> dict:
     splitting = p.tp * p.pp * (p.nproc // (p.tp * p.pp) if p.zero == 3 else 1)
     return {"what": "load", "machine": machine(), "model": hf_model.values["name"], "parameters": numel,
             "model_bytes": 4 * numel, "share_bytes": 4 * numel // splitting, "nproc": p.nproc,
-            "layout": {name: getattr(p, name) for name in LAYOUT_FLAGS},
+            "layout": {name: getattr(p, name) for name in LAYOUT_FLAGS}, "lora_rank": cfg.finetune.lora_rank,
             "ours": {"name": "slice by slice (finetune/sliced.py)", "host_peak_bytes": ours},
             "peer": {"name": "whole: build, read every tensor, load_state_dict", "host_peak_bytes": peer},
             "ratio": max(ours) / peer}
@@ -143,8 +146,9 @@ def format_table(result: dict) -> str:
     gib = 2**30
     layout = ", ".join(f"{name} {value}" for name, value in result["layout"].items()
                        if value and (value > 1 or name == "zero"))
+    adapters = f", LoRA rank {result['lora_rank']} over the frozen base" if result.get("lora_rank") else ""
     lines = [f"bench load: {result['parameters'] / 1e9:.2f}B parameters ({result['model_bytes'] / gib:.2f} GiB "
-             f"fp32), {result['nproc']} ranks ({layout or 'replicated'}), on {result['machine']}",
+             f"fp32), {result['nproc']} ranks ({layout or 'replicated'}){adapters}, on {result['machine']}",
              f"a rank's share of the weights: {result['share_bytes'] / gib:.2f} GiB",
              *(f"ours, rank {rank}: peak {peak / gib:.2f} GiB" for rank, peak in
                enumerate(result["ours"]["host_peak_bytes"])),

@@ -34,16 +34,17 @@ def whole_parameters(model: nn.Module, family: ModelSpec, modules_to_save: str |
     return {name: param for name, param in model.named_parameters() if id(param) in chosen}
 
 
-def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
+def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec, seed: int = 0) -> None:
     """With ``--lora-rank``: freeze ``model`` (in 4 bits with ``--quantize nf4``), put the adapters
-    beside its target layers and let the modules to save train; the model a fine-tune trains and
-    checkpoints."""
+    beside its target layers (their ``A`` drawn for the run's ``seed``: lora.py's `initial_a`; a
+    model on the meta device draws none) and let the modules to save train; the model a fine-tune
+    trains and checkpoints."""
     if not finetune.lora_rank:
         return
     targets = family.lora_layers(words(finetune.lora_targets))
     if finetune.quantize == "nf4":
         quantize_linears(model, targets)
-    apply_lora(model, targets, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout)
+    apply_lora(model, targets, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout, seed)
     for param in whole_parameters(model, family, finetune.lora_modules_to_save).values():
         param.requires_grad_(True)
 

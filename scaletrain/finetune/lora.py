@@ -6,8 +6,14 @@ update of rank ``r`` is added beside it:
 
     y = x W^T + (alpha / r) * dropout(x) A^T B^T,     A: r x d_in,  B: d_out x r
 
-``A`` starts Kaiming-uniform (``a = sqrt(5)``, as ``nn.Linear`` and PEFT do) and
-``B`` at zero, so the adapted model starts as exactly the base. Only ``A`` and
+``A`` starts Kaiming-uniform (``a = sqrt(5)``, as ``nn.Linear`` and PEFT do: uniform on
+``[-1/sqrt(d_in), 1/sqrt(d_in)]``) and ``B`` at zero, so the adapted model starts as exactly the
+base. Each ``A`` is drawn whole, on the host, by a generator of its own seeded from the run's
+seed and the adapted layer's name (`initial_a`), not from the global stream after the model's
+own initialization: a model built on the meta device and read slice by slice (finetune/sliced.py)
+draws nothing while it is built, and draws each ``A`` only once its layout is known, each rank
+keeping its slice. So whole or sliced, on one device or N ranks, every run of a seed starts
+from the same adapters. Only ``A`` and
 ``B`` train: a layer's gradients and AdamW state shrink from ``d_in * d_out``
 values to ``r * (d_in + d_out)``. Dividing by ``r`` keeps the update's size
 (and the learning rate that suits it) roughly independent of the rank.
@@ -37,8 +43,10 @@ attention's does: each rank its own mask, never one device's (parity runs withou
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,17 +57,36 @@ ADAPTER_PARAMS = ("lora_A", "lora_B")
 ADAPTER_FILE = "adapters.safetensors"  # in the run folder, written at the end of a LoRA fine-tune
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear layer (``base``) with a trainable low-rank update beside it."""
+def adapter_seed(seed: int, layer: str) -> int:
+    """The seed of the generator that draws the adapter of ``layer`` in a run of ``seed``: a hash of
+    both (stable across processes, unlike Python's ``hash``), below 2**63."""
+    digest = hashlib.blake2b(f"{seed}:{layer}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+
+def initial_a(seed: int, layer: str, rank: int, in_features: int) -> torch.Tensor:
+    """The starting ``A`` (``rank x in_features``, whole, fp32 on the host) of the adapter of
+    ``layer`` in a run of ``seed``: Kaiming-uniform from a generator of its own (module docstring)."""
+    generator = torch.Generator().manual_seed(adapter_seed(seed, layer))
+    return nn.init.kaiming_uniform_(torch.empty(rank, in_features, device="cpu"), a=math.sqrt(5),
+                                    generator=generator)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer (``base``) with a trainable low-rank update beside it; ``layer``, its
+    name in the model, and ``seed``, the run's, choose ``A``'s starting values (`initial_a`). A base
+    on the meta device gets an ``A`` there too, without values: its reader draws them (sliced.py)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, *, layer: str = "",
+                 seed: int = 0):
         super().__init__()
         self.base = base.requires_grad_(False)
         self.rank, self.scaling = rank, alpha / rank
-        weight = self.base_weight()
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=weight.device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=weight.device))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        device = self.base_weight().device
+        first = torch.empty(rank, base.in_features, device=device) if device.type == "meta" else \
+            initial_a(seed, layer, rank, base.in_features).to(device)
+        self.lora_A = nn.Parameter(first)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
         self.dropout = nn.Dropout(dropout)
         self.merged = False
 
@@ -130,15 +157,36 @@ def target_names(model: nn.Module, targets: list[str]) -> list[str]:
             if hasattr(module, "in_features") and any(matches(name, pattern) for pattern in targets)]
 
 
-def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float) -> list[str]:
-    """Freeze every weight, then put an adapter beside each target layer; the adapted names."""
+def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
+               seed: int = 0) -> list[str]:
+    """Freeze every weight, then put an adapter beside each target layer, its ``A`` drawn for the
+    run's ``seed`` (`initial_a`); the adapted names."""
     model.requires_grad_(False)
     names = target_names(model, targets)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout))
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, layer=name, seed=seed))
     return names
+
+
+def starting_values(model: nn.Module, seed: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """For each adapter of ``model`` (whole, as `apply_lora` left it; on the meta device), by
+    parameter name: what gives its whole starting value, ``A`` as `initial_a` draws it for
+    ``seed``, ``B`` zero, the values a model built with real weights starts from."""
+    values: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoRALinear):
+            values[f"{name}.lora_A"] = partial(initial_a, seed, name, layer.rank, layer.in_features)
+            values[f"{name}.lora_B"] = partial(torch.zeros, layer.out_features, layer.rank, device="cpu")
+    return values
+
+
+def plain_names(model: nn.Module) -> dict[str, str]:
+    """The adapted layers' frozen weights of ``model`` by their names there (``X.base.weight``) -> by
+    the plain model's (``X.weight``), the names a base's files know them by."""
+    return {f"{name}.base.{key}": f"{name}.{key}" for name, layer in model.named_modules()
+            if isinstance(layer, LoRALinear) for key, _ in layer.base.named_parameters()}
 
 
 def adapters(model: nn.Module) -> list[LoRALinear]:

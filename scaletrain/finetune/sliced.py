@@ -27,11 +27,24 @@ so a rank's peak is its own share plus one unit, not the model
 folder stores transposed (a Conv1D layer's [in, out]) is sliced on the transposed
 indices and turned back. Every rank reads the same file, so the replicas
 start equal without a broadcast.
+
+LoRA over a float base reads the same way (`FolderSource.adapt`): the adapters
+are put in on the meta device before the splits, each frozen ``X.base.weight``
+is read under the plain model's ``X.weight``, and each adapter's A and B are
+not read but made, whole, as the model built whole makes them (lora.py's
+`starting_values`: A drawn by a generator of the run's seed and the layer's
+name, B zero), then cut like any weight: a tp rank keeps its slice, ZeRO-3 its
+range. A PEFT adapter continued with ``--adapter`` gives its A and B (and the
+modules it trained whole) from its own file instead. A 4-bit base
+(``--quantize nf4``) loads whole: its codes are computed from each whole
+matrix before any split.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +52,7 @@ import torch
 from torch import nn
 
 from scaletrain.finetune.hf import HFModel, folder_tensors, is_hf_folder, read_hf_model
+from scaletrain.finetune.lora import plain_names, starting_values
 
 
 class FolderSource:
@@ -48,10 +62,22 @@ class FolderSource:
         self.reader, hf_of_ours = folder_tensors(hf_model, family_cfg)
         transposed = {name for name, (_, t) in hf_model.spec.hf.names(family_cfg).items() if t}
         self.where = {ours: (name, name in transposed) for name, ours in hf_of_ours.items()}
+        self.plain: dict[str, str] = {}  # an adapted layer's frozen weight -> the plain model's name of it
+        self.made: dict[str, Callable[[], torch.Tensor]] = {}  # weights made, not read: the adapters'
+
+    def adapt(self, model: nn.Module, seed: int, given: dict[str, torch.Tensor]) -> None:
+        """Read ``model`` (whole, on the meta device, its adapters in) for a LoRA fine-tune: the
+        frozen base under the plain model's names, the adapters made as the run of ``seed`` starts
+        them (module docstring), and the tensors ``given`` (a PEFT adapter's, by our names) as given."""
+        self.plain = plain_names(model)
+        self.made = {**starting_values(model, seed), **{name: partial(torch.Tensor.clone, tensor)
+                                                        for name, tensor in given.items()}}
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """``ours[index]`` of our weight ``name`` in its full, single-device layout."""
-        hf_name, transposed = self.where[name]
+        if name in self.made:
+            return self.made[name]()[index]
+        hf_name, transposed = self.where[self.plain.get(name, name)]
         if not transposed:
             return self.reader.read(hf_name, index)
         theirs = tuple(reversed((*index, *[slice(None)] * (2 - len(index)))))
@@ -67,10 +93,13 @@ class FolderSource:
 
 
 def folder_source(cfg, family_cfg: Any) -> FolderSource | None:
-    """The folder a full fine-tune starts from, to read slice by slice; None for any other run
-    (adapters load their base whole: quantizing and freezing it come before any split)."""
+    """The Hugging Face folder a fine-tune starts from, to read slice by slice: a full fine-tune's,
+    or LoRA's float base (with ``--lora-modules-to-save`` and ``--adapter`` too: their tensors are
+    read or given like any other, `FolderSource.adapt`). None for any other run: a base that is
+    one of our runs (its checkpoint loads whole) and a 4-bit base (``--quantize nf4``), whose
+    codes are computed from each whole matrix before any split."""
     base = cfg.finetune.base
-    if not base or cfg.finetune.lora_rank or not is_hf_folder(Path(base)):
+    if not base or cfg.finetune.quantize == "nf4" or not is_hf_folder(Path(base)):
         return None
     return FolderSource(read_hf_model(Path(base)), family_cfg)
 

@@ -14,7 +14,10 @@ tokenizer (``--tokenizer-from`` set to the base: the run's saved
 The base weights load into the freshly built model before anything else
 touches it; then the base is frozen and adapters are put beside the target
 layers (``--lora-rank``), its weights stored in 4 bits first with
-``--quantize nf4``. The data-parallel and ZeRO wrappers that follow see only
+``--quantize nf4``. A Hugging Face folder as base (but a 4-bit one) is not
+loaded here: the model is built on the meta device, the adapters put in there,
+and each rank reads its slices of the base after the layout's splits
+(finetune/sliced.py). The data-parallel and ZeRO wrappers that follow see only
 the adapters as trainable.
 
 ``--adapter DIR`` continues a PEFT LoRA adapter over the base
@@ -48,6 +51,7 @@ from scaletrain.finetune.hf import (
 )
 from scaletrain.finetune.lora import load_adapters, target_names
 from scaletrain.finetune.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+from scaletrain.finetune.sliced import FolderSource
 from scaletrain.job.data_setup import run_tokenizer
 from scaletrain.job.export import find_checkpoint, without_adapters
 from scaletrain.models import spec_for
@@ -204,18 +208,29 @@ def check_words(cfg: Config) -> None:
 
 
 @torch.no_grad()
-def start_from_base(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec) -> None:
+def start_from_base(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec, seed: int,
+                    source: FolderSource | None = None) -> None:
     """Load the base weights into ``model``; with ``--lora-rank``, freeze them (in 4 bits
-    with ``--quantize nf4``) and add the adapters, set from ``--adapter``'s folder if given."""
-    source = Path(finetune.base)
-    if is_hf_folder(source):
-        tensors = read_hf_weights(read_hf_model(source), model.cfg)
-    else:
-        checkpoint = base_checkpoint(finetune)
-        tensors = without_adapters(read_model_tensors(checkpoint), checkpoint)  # a LoRA fine-tune: merged
-    model.load_state_dict(tensors)
+    with ``--quantize nf4``) and add the adapters (``A`` drawn for the run's ``seed``), set from
+    ``--adapter``'s folder if given. With ``source`` (a Hugging Face folder read slice by slice,
+    finetune/sliced.py) ``model`` is on the meta device: the adapters go in there, and what the
+    base and the adapter folder hold is left to ``source``, which the layout reads after the splits."""
+    if source is None:
+        model.load_state_dict(base_tensors(finetune, model.cfg))
     # Read over the plain model, whose layers the folder's modules name.
     adapter = read_adapter(Path(finetune.adapter), model, family, model.cfg) if finetune.adapter else None
-    add_adapters(model, finetune, family)
-    if adapter:
+    add_adapters(model, finetune, family, seed)
+    if source is not None:
+        source.adapt(model, seed, adapter.tensors if adapter else {})
+    elif adapter:
         load_adapters(model, adapter.tensors)
+
+
+def base_tensors(finetune: FinetuneConfig, family_cfg) -> dict[str, torch.Tensor]:
+    """The base's weights, whole, by our names: a Hugging Face folder's, or a run's newest checkpoint's
+    (a LoRA fine-tune's adapters merged)."""
+    source = Path(finetune.base)
+    if is_hf_folder(source):
+        return read_hf_weights(read_hf_model(source), family_cfg)
+    checkpoint = base_checkpoint(finetune)
+    return without_adapters(read_model_tensors(checkpoint), checkpoint)

@@ -67,11 +67,11 @@ class RunModel:
 def build_run_model(cfg: Config, prepared: PreparedData, device: torch.device, n_features: int = 0,
                     n_classes: int = 0) -> RunModel:
     """The command's model: the preset built from the seed (the same initial weights on every
-    rank and layout), a base's weights loaded, or a full fine-tune's folder to read from."""
+    rank and layout), a base's weights loaded, or a fine-tune's folder to read from."""
     family = None if cfg.model.name == CLASSIFIER else spec_for(cfg.model.name)
     family_cfg = family.configure(cfg.model, prepared.vocab_size, cfg.data.seq_len) if family else None
-    # A full fine-tune from a Hugging Face folder: the model is built on the meta device and
-    # each weight read after the splits, each rank its own slice (finetune/sliced.py).
+    # A fine-tune from a Hugging Face folder (full, or LoRA over a float base): the model is built on
+    # the meta device and each weight read after the splits, each rank its own slice (finetune/sliced.py).
     source = folder_source(cfg, family_cfg)
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta") if source else nullcontext():
@@ -79,8 +79,8 @@ def build_run_model(cfg: Config, prepared: PreparedData, device: torch.device, n
                             n_features=n_features, n_classes=n_classes)
     if not source:
         model.to(device)
-    if cfg.finetune.base and not source:  # the base's weights, frozen beside adapters with --lora-rank
-        start_from_base(model, cfg.finetune, family)
+    if cfg.finetune.base:  # the base's weights (or the source's), frozen beside adapters with --lora-rank
+        start_from_base(model, cfg.finetune, family, cfg.train.seed, source)
     # Of the whole model, before any split.
     return RunModel(model, family.plan(family_cfg) if family else None, source, model.flops_per_token())
 

@@ -109,6 +109,8 @@ class Layout:
         # BatchNorm's running estimates, one set over the copies of this stage (parallel/batchnorm.py)
         self.running_statistics = RunningStatistics(self.model, comm, self.replicas.dense)
         if self.folder and parallel.zero == 3:  # its units read their shards: their gradient shards came with them
+            # what ZeRO-3 left unsharded (a frozen base inside pipeline stages or beside experts), whole
+            materialize(self.model, self.folder, self.device, splits={}, tp_rank=self.tp_group.rank)
             self.host_peak = peak_resident_bytes()
         if self.folder and self.tensor_parallel:  # the weights have their storage now, for good
             self.tensor_parallel.hook_replicated_gradients(self.model)
@@ -155,7 +157,8 @@ class Layout:
 
     def _read_folder(self, tensor_parallel: TensorParallel | None) -> None:
         """Storage for this rank's meta weights, read from the folder; under ZeRO-3 the weights
-        tensor parallelism left whole stay meta, for ZeRO to read its shard of each."""
+        tensor parallelism left whole stay meta, for ZeRO to read its shard of each (those it
+        does not shard are read after it, whole)."""
         splits = tensor_parallel.splits if tensor_parallel else {}
         later = {id(q) for q in self.model.parameters() if q not in splits} if self.parallel.zero == 3 else set()
         materialize(self.model, self.folder, self.device, splits, self.tp_group.rank, skip=later)

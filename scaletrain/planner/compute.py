@@ -147,6 +147,15 @@ def attention_rerun_share(recompute: str) -> float:
     return 1 / int(recompute.split(":")[1]) if recompute.startswith("every:") else 1.0
 
 
+def norm_again(x: activations.Shape) -> int:
+    """What an RMSNorm computes again in backward rather than keeping (models/lean_saves.py): its
+    x/rms (kept before only for a trained weight's gradient) and 1/rms; a layer norm keeps all."""
+    if x.model.norm_with_mean:
+        return 0
+    rows = x.b * x.s // (x.tp if x.sp else 1)
+    return (0 if x.frozen else 4 * rows * x.h) + 4 * rows
+
+
 def elementwise_bytes(x: activations.Shape) -> int:
     """The bytes a block's memory-bound work is counted by (module docstring): what it saves
     (`activations.block`), and what a block of RMSNorms and SwiGLU computes again in backward
@@ -154,9 +163,7 @@ def elementwise_bytes(x: activations.Shape) -> int:
     m, saved = x.model, activations.block(x)
     if m.norm_with_mean:  # layer norm and GELU: every tensor the work writes is kept
         return saved
-    rows = x.b * x.s // (x.tp if x.sp else 1)
-    again = 2 * ((0 if x.frozen else 4 * rows * x.h) + 4 * rows)  # each RMSNorm's x/rms and 1/rms
-    again += (m.ffn_inputs - 1) * x.e * x.b * x.s * m.ffn_hidden // x.tp  # silu's output
+    again = 2 * norm_again(x) + (m.ffn_inputs - 1) * x.e * x.b * x.s * m.ffn_hidden // x.tp  # silu's output
     if x.e < 4 and not (x.sp or x.float8):  # an autocast copy for each column layer but one per norm
         columns = x.columns(True) + x.columns(False)
         again += (columns - min(1, x.columns(True)) - min(1, x.columns(False))) * x.e * x.bsh
@@ -186,7 +193,7 @@ def clock(m: ModelShape, x: activations.Shape, blocks: int, last: bool, micro_ba
     computed = dataclasses.replace(x, compress="none", chunked_loss=False)
     rerun = 1 + FORWARD_SHARE * block_rerun_share(recompute)
     passes = ELEMENTWISE_PASSES * (blocks * rerun * elementwise_bytes(computed)
-                                   + (activations.head_and_loss(computed) if last else 0))
+                                   + (activations.head_and_loss(computed) + norm_again(computed) if last else 0))
     if x.compress != "none":  # each tensor read and its copy written in forward, the reverse in backward
         passes += COMPRESSION_PASSES * blocks * (activations.block(computed) + activations.block(x))
     if device.materialized_attention:

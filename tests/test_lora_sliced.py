@@ -4,7 +4,8 @@ device with its adapters, split, then each rank's frozen base read from the file
 Each ZeRO-3 rank reads about half of the base and holds exactly the elements of every weight (base and
 adapters) that the whole load gives; under tp each rank's slices are the whole load's; the adapters'
 ``A`` is the same whole or sliced, on one rank or two, and depends on the seed and the layer only.
-Parity with one device under other layouts: ``pytest -m slow tests/test_lora_sliced.py``.
+Parity with one device under other layouts, and a resume across layouts: ``pytest -m slow
+tests/test_lora_sliced.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.runtime.mesh import Group
 from tests.distributed import run_distributed
 from tests.test_llama_hf import PROSE, SEQ, make_folder
-from tests.trainers import build_trainer
+from tests.trainers import assert_resumes_both_ways, build_trainer
 
 SEED = 7
 
@@ -144,3 +145,13 @@ def test_a_sliced_lora_layout_reproduces_one_device(base, tmp_path, changes):
     report = run_parity(_config(base, tmp_path, **changes), tolerance=1e-5)
     assert report.passed, report.to_json()
     assert report.reference_losses[-1] < report.reference_losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_a_sliced_lora_zero3_checkpoint_resumes_on_one_device_and_back(base, tmp_path):
+    """Saved under dp2 ZeRO-3 after step 2, resumed on one process, and the other way: steps 3 and 4 as
+    the uninterrupted run's (fp32, 1e-5; about 25 s)."""
+    cfg = as_finetune(_config(base, tmp_path / "zero3", steps=4, nproc=2, dp=2, zero=3, micro_batch=2))
+    one = as_finetune(_config(base, tmp_path / "one", steps=4))
+    assert_resumes_both_ways(cfg, one, prepare_data(cfg, Path(cfg.data.cache_dir)), 2)

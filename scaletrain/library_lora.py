@@ -15,7 +15,7 @@ every rank with its weights.
 Which layers: ``lora_targets`` names them as PEFT's ``target_modules`` list does (lora.py's `matches`):
 a module's last name or names (``q_proj``, ``self_attn.o_proj``), ``*`` standing for any one part, in
 a string separated by commas or in a list. Without it (None), the layers the model's tensor plan splits as
-Column or Row: for transformers' Llama, Qwen2 and Mistral the ready plan's (models/hf_plans.py), the
+Column or Row: for the transformers classes with a ready plan (models/hf_plans.py), the
 attention's q, k, v, o and the MLP's gate, up, down projections (PEFT's ``all-linear`` but the head);
 for a model given with a plan, that plan's. A model with neither must name its layers.
 
@@ -105,7 +105,7 @@ def _adapt(model: nn.Module, finetune: FinetuneConfig, given: dict[str, Any], pl
         targets = plan_targets(model, plan)
         if not targets:
             raise UserError(f"lora_rank={f.lora_rank} puts adapters beside linear layers, and the model has no plan "
-                            f"that names its projections (transformers' Llama, Qwen2 and Mistral have one ready); "
+                            f"that names its projections (the transformers classes of models/hf_plans.py have one ready); "
                             f"name them, as model.named_modules() does: lora_targets='q_proj,v_proj', say.")
     check_splits(model, targets, plan, tp)
     return apply_lora(model, targets, f.lora_rank, f.lora_alpha, f.lora_dropout, seed)

@@ -170,7 +170,8 @@ def test_generate_stops_at_the_token_and_ignore_eos_goes_on(runs, capsys):
 # -- the readers -------------------------------------------------------------------------------
 
 
-@pytest.mark.numerics
+# Not rerun on the portable kernels (the numerics marker): that rerun would train every run of the
+# fixture again, and the logits of an export against transformers' rerun there in tests/test_llama_hf.py.
 @pytest.mark.parametrize("name", ["gpt-bpe", "llama-bytes", "hf-finetune", "hf-sft-lora", "bytes-sft"])
 def test_transformers_reads_the_export_as_written(runs, name):
     """Our ids, our logits, the end-of-text token as EOS (BOS too where we made the tokenizer)."""

@@ -162,7 +162,7 @@ def test_llama3_70b_qlora_fits_two_24_gb_gpus_with_its_base_on_the_host(capsys):
 def test_offload_base_without_a_sharded_base_is_one_sentence(base, tmp_path, capsys):
     folder, prose = base
     assert main(["finetune", "--from", str(folder), "--data", str(prose), "--nproc", "2", "--zero", "2",
-                 "--lora-rank", "4", "--offload", "base", "--out", str(tmp_path / "run")]) == 2
+                 "--lora-rank", "4", "--offload", "base", "--seq-len", str(SEQ), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "--offload base keeps ZeRO-3's shards of a fine-tune's frozen base in host memory" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

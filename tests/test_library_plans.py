@@ -152,7 +152,8 @@ def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("make_model, nproc, options", [
     pytest.param(hf_llama, 2, dict(tp=2), marks=pytest.mark.slow),  # within llama-tp2-sp
-    (hf_qwen2_tied, 2, dict(tp=2)),
+    # the tied head split once: the ready plan's check below; a split transformers model's parity: llama-tp2-sp
+    pytest.param(hf_qwen2_tied, 2, dict(tp=2), marks=pytest.mark.slow),
     pytest.param(hf_mistral, 2, dict(tp=2), marks=pytest.mark.slow),  # Llama's architecture under a third name
     (hf_llama, 2, dict(tp=2, sp=True)),
     pytest.param(hf_llama, 4, dict(tp=2, zero=3), marks=pytest.mark.slow),

@@ -205,7 +205,8 @@ def _calls_and_bytes(traffic: dict, op: str) -> tuple[int, int]:
     return entry["calls"], entry["bytes"]
 
 
-@pytest.mark.parametrize("sp", [False, True])
+# without sp (slow): its all-reduces are counted again in tests/test_plan.py's ledgers
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_communication_per_block_matches_megatron(sp):
     """Per block, forward and backward each: 2 all-reduces of b*s*h fp32 values without
     sp; with sp 2 all-gathers and 2 reduce-scatters of the same buffers instead (the same
@@ -258,7 +259,9 @@ def _one_device_peak(layers: int) -> int:
     return meter.peak
 
 
-@pytest.mark.parametrize("n,sp", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow),
+# without sp (slow): the planner's tp activations against the ledger, tests/test_plan.py
+@pytest.mark.parametrize("n,sp", [pytest.param(2, False, marks=pytest.mark.slow), (2, True),
+                                  pytest.param(4, False, marks=pytest.mark.slow),
                                   pytest.param(4, True, marks=pytest.mark.slow)])
 def test_activation_memory_per_block_matches_korthikanti(n, sp):
     """Saved activations of one block, measured as the difference between a 2-block and
@@ -317,6 +320,7 @@ def test_dropout_agrees_where_activations_are_replicated(tiny_cfg, sp):
 # -- checkpoints across layouts ------------------------------------------------------
 
 
+@pytest.mark.slow  # about 20 s; a tp2-sp checkpoint resumed in another layout by default: tests/test_nd.py
 def test_checkpoint_saved_by_one_layout_resumes_in_another(tiny_cfg):
     """Saved split over tp2 with sp, the run continues exactly in one process and over
     dp2: the files hold full tensors' chunks, weights and AdamW moments alike."""

@@ -125,6 +125,10 @@ LAYOUTS = {
     "qlora-llama-pp2-zb-h1": ("llama", dict(nproc=2, pp=2, microbatches=2, pp_schedule="zb-h1", quantize="nf4")),
     "qlora-llama-cp2": ("llama", dict(nproc=2, cp=2, quantize="nf4")),
     "qlora-moe-ep2": ("moe", dict(nproc=2, ep=2, quantize="nf4")),
+    "llama-dp2-tp2-zero3": ("llama", dict(nproc=4, dp=2, tp=2, zero=3, micro_batch=2)),
+    "llama-dp2-pp2-tp2-zero3": ("llama", dict(nproc=8, dp=2, pp=2, tp=2, zero=3, microbatches=2, micro_batch=2)),
+    "qlora-llama-dp2-pp2-zero3": ("llama", dict(nproc=4, dp=2, pp=2, zero=3, microbatches=2, micro_batch=2,
+                                                quantize="nf4")),
 }
 IN_CI = {"gpt-tp2-sp", "llama-pp2-zb-h1"}
 

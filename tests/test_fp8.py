@@ -126,12 +126,12 @@ def test_fp8_trains_as_bf16_does(tiny_cfg, tmp_path):
     assert converted and set(linears) - set(converted) == {"head"}  # every block's linear, not the head
 
 
-@pytest.mark.numerics
+# The portable-kernel rerun (marker numerics) takes dp2 and tp2-sp; cp2's ring runs fp8's same products.
 @pytest.mark.parametrize("changes", [
-    dict(nproc=2, dp=2),
+    pytest.param(dict(nproc=2, dp=2), marks=pytest.mark.numerics),
     dict(nproc=2, cp=2),
     pytest.param(dict(nproc=2, tp=2), marks=pytest.mark.slow),  # within tp2-sp
-    dict(nproc=2, tp=2, sp=True),
+    pytest.param(dict(nproc=2, tp=2, sp=True), marks=pytest.mark.numerics),
     pytest.param(dict(nproc=2, pp=2, zero=1, microbatches=2), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, dp=2, zero=3, param_dtype="bf16"), marks=pytest.mark.slow),
     pytest.param(dict(nproc=2, dp=2, recompute="full", grad_accum=2), marks=pytest.mark.slow),

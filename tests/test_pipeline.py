@@ -174,8 +174,11 @@ def test_evaluation_and_generation_run_through_the_stages():
 # -- parity with one device -----------------------------------------------------------
 
 
+# The portable-kernel rerun (marker numerics) takes 1F1B and ZB-H1: GPipe's and the interleaved
+# schedule's stages run the same kernels on the same micro-batches, in another order.
 PARITY = [
-    ("gpipe", 2, {}), ("1f1b", 2, {}), ("zb-h1", 2, {}), ("interleaved", 2, {"n_layers": 4}),
+    ("gpipe", 2, {}), pytest.param("1f1b", 2, {}, marks=pytest.mark.numerics),
+    pytest.param("zb-h1", 2, {}, marks=pytest.mark.numerics), ("interleaved", 2, {"n_layers": 4}),
     pytest.param("1f1b", 4, {"n_layers": 4}, marks=pytest.mark.slow),  # four stages: the README's pp4 run
     pytest.param("gpipe", 4, {"n_layers": 4}, marks=pytest.mark.slow),
     pytest.param("zb-h1", 4, {"n_layers": 4}, marks=pytest.mark.slow),
@@ -183,7 +186,6 @@ PARITY = [
 ]
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("schedule,n,sizes", PARITY)
 def test_pipeline_reproduces_single_device_training(tiny_cfg, schedule, n, sizes):
     """scaletrain parity --nproc N --pp N --pp-schedule S: losses and weights within 1e-5

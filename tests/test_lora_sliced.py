@@ -26,7 +26,9 @@ from scaletrain.job.data_setup import prepare_data
 from scaletrain.parallel.tensor import parallelize_tensor
 from scaletrain.runtime.mesh import Group
 from tests.distributed import run_distributed
-from tests.test_llama_hf import PROSE, SEQ, make_folder
+from tests.test_llama_hf import SEQ
+from tests.test_lora_zero3 import _config as zero3_config
+from tests.test_lora_zero3 import llama_and_prose
 from tests.trainers import assert_resumes_both_ways, build_trainer
 
 SEED = 7
@@ -34,19 +36,11 @@ SEED = 7
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> tuple[Path, Path]:
-    """A random Llama-shaped Hugging Face folder and the prose to fine-tune it on."""
-    root = tmp_path_factory.mktemp("lora-sliced")
-    prose = root / "prose.txt"
-    prose.write_text(PROSE)
-    return make_folder(root / "llama", "llama"), prose
+    return llama_and_prose(tmp_path_factory.mktemp("lora-sliced"))
 
 
 def _config(base: tuple[Path, Path], root: Path, **changes) -> Config:
-    folder, prose = base
-    settings = dict(base=str(folder), data=str(prose), lora_rank=4, seq_len=SEQ, micro_batch=4, steps=3, lr=1e-2,
-                    warmup_steps=1, eval_every=0, eval_batches=1, sample_tokens=0, progress=False, seed=SEED,
-                    out=str(root / "run"), cache_dir=str(root / "cache"))
-    return Config().replace(**{**settings, **changes})
+    return zero3_config(base, root, seed=SEED, **changes)
 
 
 def _whole(folder: Path, seed: int) -> dict[str, torch.Tensor]:

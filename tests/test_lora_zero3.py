@@ -24,13 +24,16 @@ from tests.test_plan import assert_predicted
 from tests.trainers import assert_resumes_both_ways, build_trainer
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> tuple[Path, Path]:
-    """A random Llama-shaped Hugging Face folder and the prose to fine-tune it on."""
-    root = tmp_path_factory.mktemp("lora-zero3")
+def llama_and_prose(root: Path) -> tuple[Path, Path]:
+    """A random Llama-shaped Hugging Face folder and the prose to fine-tune it on, in ``root``."""
     prose = root / "prose.txt"
     prose.write_text(PROSE)
     return make_folder(root / "llama", "llama"), prose
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, Path]:
+    return llama_and_prose(tmp_path_factory.mktemp("lora-zero3"))
 
 
 def _config(base: tuple[Path, Path], root: Path, **changes) -> Config:

@@ -275,7 +275,9 @@ def _generate_and_evaluate(options: dict) -> tuple[list[list[int]], float]:
 
 
 @pytest.mark.parametrize("options", [
-    pytest.param(dict(zero=3), marks=pytest.mark.slow), dict(tp=2), dict(pp=2, microbatches=2),
+    # pp2 (slow): a pipeline's generation and evaluation by default in tests/test_evaluation.py (pp2-run)
+    pytest.param(dict(zero=3), marks=pytest.mark.slow), dict(tp=2),
+    pytest.param(dict(pp=2, microbatches=2), marks=pytest.mark.slow),
     pytest.param(dict(cp=2), marks=pytest.mark.slow),
 ], ids=["zero3", "tp2", "pp2", "cp2"])
 def test_generate_and_evaluate_on_every_rank_equal_one_process(options):

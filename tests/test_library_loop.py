@@ -164,6 +164,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator)
 
 
+@pytest.mark.slow  # about 15 s; check_parity's own runs by default: tests/test_library.py
 @pytest.mark.numerics
 def test_check_parity_switches_dropout_off_and_says_so():
     """Two ranks draw other masks than one process, so a model with dropout cannot match it: by

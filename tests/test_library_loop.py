@@ -37,7 +37,8 @@ def _printed_records(stdout: str) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in records}
 
 
-@pytest.mark.numerics
+# Not in the portable-kernel rerun (marker numerics): the library's exact resume is rerun there by
+# tests/test_library_loop.py's sampler cases below, on the same engine.
 def test_the_docs_loop_runs_as_written_and_resumes_exactly(tmp_path):
     """docs/library.md's script, copied as it stands (its loader built before ``engine.load``),
     on two processes: straight, and with rank 1 killed in step 55 and the job restarted, the

@@ -75,7 +75,8 @@ def reference(tmp_path_factory) -> tuple[list[float], list[float], list[str], di
     return _run(1, {}, tmp_path_factory.mktemp("lora-reference"))
 
 
-@pytest.mark.numerics
+# Not in the portable-kernel rerun (marker numerics): adapters under ZeRO-3 and tp are rerun there
+# through the command (tests/test_lora_zero3.py, tests/test_lora_layouts.py), the same code.
 @pytest.mark.parametrize("nproc, options", [
     (2, dict(zero=3)),
     (2, dict(tp=2)),

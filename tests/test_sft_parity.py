@@ -80,9 +80,10 @@ LAYOUTS = {
 
 
 # cp2 runs as the README's `scaletrain parity --data alpaca.json --sft --nproc 2 --cp 2 ...`.
-# dp2: within dp2-accum2; the masked loss under ZeRO-3 and pipelines (slow) follows the same divisor as
-# tp2's and dp2's, and the layouts themselves are proven by tests/test_zero.py and tests/test_pipeline.py
-IN_CI = {"dp2-accum2", "tp2"}
+# dp2: within dp2-accum2; the masked loss under ZeRO-3 (slow) follows the same divisor as tp2's and
+# dp2's, and the layout itself is proven by tests/test_zero.py. pp2-1f1b stays: it is also a Llama
+# pipeline's parity by default (tests/test_llama_parity.py points here).
+IN_CI = {"dp2-accum2", "tp2", "pp2-1f1b"}
 
 
 @pytest.mark.numerics

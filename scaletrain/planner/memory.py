@@ -259,15 +259,16 @@ def weight_memory(cfg: Config, weights: RankWeights, shards: tuple[int, int], ho
     # The masters' gradients are their own tensors unless the buckets are fp32 on the same device.
     master_grads = masters and (r != 4 or (offload and not host_is_device))
     if p.zero:
+        cut = zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)
         # what each part moves to the host: the optimizer's state, or a frozen base's shards (--offload base)
         parts = [_zero_memory(cfg, weights, part, shards[part.experts], w, r, masters, master_grads,
                               (t.offload == "base" if part.frozen else offload) and not host_is_device)
-                 for part in zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)]
+                 for part in cut]
         held = {key: sum(part[key] for part in parts) for key in parts[0]}
         # the frozen base's weights (and a 4-bit base's codes) are parts of their own when ZeRO-3 shards them:
         # then only the rest of the buffers
-        cut = zero_parts(weights, p.zero, p.bucket_mb, p.reduce_dtype)
-        codes = sum(t.numel() * t.element_size() for part in cut if part.in_bytes for unit in part.units for t in unit)
+        codes = sum(code.numel() * code.element_size() for part in cut if part.in_bytes
+                    for unit in part.units for code in unit)
         held["params"] += weights.untrained_bytes(0 if any(part.frozen for part in cut) else w) - codes
         return held
     n = weights.numel

@@ -43,13 +43,14 @@ def _config(base: tuple[Path, Path], root: Path, **changes) -> Config:
     return zero3_config(base, root, seed=SEED, **changes)
 
 
-def _whole(folder: Path, seed: int) -> dict[str, torch.Tensor]:
-    """The adapted model as the whole load makes it: built with values, the base loaded, the adapters added."""
+def _whole(folder: Path, seed: int, quantize: str = "none") -> dict[str, torch.Tensor]:
+    """The adapted model as the whole load makes it: built with values, the base loaded (and coded in 4
+    bits with nf4), the adapters added; its weights and a 4-bit base's code buffers."""
     hf_model = read_hf_model(folder)
     family_cfg = hf_model.family_cfg(Config().replace(**hf_model.values).model, SEQ)
     model = hf_model.spec.build(family_cfg)
-    start_from_base(model, FinetuneConfig(base=str(folder), lora_rank=4), hf_model.spec, seed)
-    return {name: param.detach() for name, param in model.named_parameters()}
+    start_from_base(model, FinetuneConfig(base=str(folder), lora_rank=4, quantize=quantize), hf_model.spec, seed)
+    return {name: tensor.detach() for name, tensor in (*model.named_parameters(), *model.named_buffers())}
 
 
 def _tp_slices(folder: Path, tp: int, seed: int) -> list[tuple[dict[str, torch.Tensor], dict]]:
@@ -98,8 +99,9 @@ def _zero3_shards(rank: int, n: int, cfg: Config, spec) -> tuple[dict, int]:
     """This rank's elements of every weight under ZeRO-3, by name ([start, stop) of its flattening and
     the values), and the bytes it read from the folder."""
     layout = build_trainer(rank, n, cfg, spec).layout
-    zero, names = layout.zero, {id(p): name for name, p in layout.model.named_parameters()}
-    held = {}
+    zero = layout.zero
+    names = {id(t): name for name, t in (*layout.model.named_parameters(), *layout.model.named_buffers())}
+    held = {name: ((0, t.numel()), t) for name, t in layout.model.named_buffers()}  # those ZeRO left whole
     for unit in [*zero.units, *zero.frozen_units]:
         for i, param in enumerate(unit.params):
             held[names[id(param)]] = (unit.span(i, zero.group.rank),
@@ -107,22 +109,29 @@ def _zero3_shards(rank: int, n: int, cfg: Config, spec) -> tuple[dict, int]:
     return held, layout.folder.reader.bytes_read
 
 
-def test_each_zero3_rank_reads_its_shards_of_the_base_and_makes_its_adapters(base, tmp_path):
-    """dp2 ZeRO-3: each rank reads about half of the base (never all of it), and its shard of every
-    weight is the whole load's elements, the adapters' A included (about 6 s)."""
-    cfg = as_finetune(_config(base, tmp_path, nproc=2, dp=2, zero=3, micro_batch=2))
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_each_zero3_rank_reads_its_shards_of_the_base_and_makes_its_adapters(base, tmp_path, quantize):
+    """dp2 ZeRO-3: each rank reads about half of the float base (never all of it) and every matrix a
+    4-bit base codes whole, one at a time; its shard of every weight, and of every 4-bit code and
+    scale, is the whole load's elements, the adapters' A included (about 6 s each)."""
+    cfg = as_finetune(_config(base, tmp_path, nproc=2, dp=2, zero=3, micro_batch=2, quantize=quantize))
     spec = prepare_data(cfg, Path(cfg.data.cache_dir))
-    whole = _whole(base[0], SEED)
-    base_bytes = sum(t.numel() * t.element_size() for name, t in whole.items() if "lora" not in name)
+    whole = _whole(base[0], SEED, quantize)
+    float_base = _whole(base[0], SEED)
+    coded = [name.removesuffix(".base.weight_shape") for name in whole if name.endswith("weight_shape")]
+    read_whole = sum(float_base[f"{name}.base.weight"].numel() * 4 for name in coded)  # the folder holds fp32
+    halved = sum(t.numel() * 4 for name, t in float_base.items() if "lora" not in name) - read_whole
     ranks = run_distributed(_zero3_shards, 2, cfg, spec, timeout_s=120)
     for held, bytes_read in ranks:
         assert held.keys() == whole.keys()
-        assert 0.4 * base_bytes < bytes_read < 0.6 * base_bytes
+        assert read_whole + 0.4 * halved < bytes_read < read_whole + 0.6 * halved
         for name, ((start, stop), values) in held.items():
-            assert torch.equal(values, whole[name].flatten()[start:stop]), name
+            assert torch.equal(values.flatten(), whole[name].flatten()[start:stop]), name
     for name, tensor in whole.items():  # the two shards cover every element
         spans = sorted(span for span, _ in (held[name] for held, _ in ranks))
-        assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == tensor.numel(), name
+        assert spans[0][0] == 0 and spans[0][1] in (spans[1][0], tensor.numel()), name
+        assert spans[-1][1] == tensor.numel(), name
+    assert len(coded) == (7 * 2 if quantize == "nf4" else 0)  # every adapted layer of both blocks, coded
 
 
 @pytest.mark.slow

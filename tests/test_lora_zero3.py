@@ -64,7 +64,6 @@ def test_lora_over_a_zero3_base_reproduces_one_device(base, tmp_path, changes):
     assert report.reference_losses[-1] < report.reference_losses[0]
 
 
-@pytest.mark.slow
 def exported(run: Path) -> dict[str, dict]:
     """A fine-tune's adapters file and its ``export --format peft`` and ``--format hf`` folders' tensors,
     exported beside the run folder."""

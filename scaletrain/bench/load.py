@@ -6,7 +6,8 @@ fresh process for each measurement):
 
   ours  ``scaletrain finetune --from DIR`` in the layout given (``--nproc``
         ranks; ``--tp``, ``--pp``, ``--zero 3``; ``--lora-rank R``: LoRA's
-        adapters over the frozen base), one step: each rank builds the model
+        adapters over the frozen base, with ``--quantize nf4`` coded in 4
+        bits), one step: each rank builds the model
         on the meta device, splits it there and reads its own slices
         (finetune/sliced.py); memory.json's ``host_peak_at_start`` of every
         rank.
@@ -96,6 +97,8 @@ def _ours(cfg: Config, folder: Path, work: Path) -> list[int]:
     flags = [f"--{name}={getattr(cfg.parallel, name)}" for name in LAYOUT_FLAGS if getattr(cfg.parallel, name)]
     if cfg.finetune.lora_rank:
         flags.append(f"--lora-rank={cfg.finetune.lora_rank}")
+    if cfg.finetune.quantize != "none":
+        flags.append(f"--quantize={cfg.finetune.quantize}")
     command = [sys.executable, "-m", "scaletrain", "finetune", "--from", str(folder), "--data", str(corpus),
                "--nproc", str(cfg.parallel.nproc), *flags, "--steps", "1", "--seq-len", "16",
                "--micro-batch", "1", "--eval-every", "0", "--eval-batches", "1",
@@ -137,6 +140,7 @@ def run(cfg: Config, folder: Path | None) -> dict:
     return {"what": "load", "machine": machine(), "model": hf_model.values["name"], "parameters": numel,
             "model_bytes": 4 * numel, "share_bytes": 4 * numel // splitting, "nproc": p.nproc,
             "layout": {name: getattr(p, name) for name in LAYOUT_FLAGS}, "lora_rank": cfg.finetune.lora_rank,
+            "quantize": cfg.finetune.quantize,
             "ours": {"name": "slice by slice (finetune/sliced.py)", "host_peak_bytes": ours},
             "peer": {"name": "whole: build, read every tensor, load_state_dict", "host_peak_bytes": peer},
             "ratio": max(ours) / peer}
@@ -146,7 +150,8 @@ def format_table(result: dict) -> str:
     gib = 2**30
     layout = ", ".join(f"{name} {value}" for name, value in result["layout"].items()
                        if value and (value > 1 or name == "zero"))
-    adapters = f", LoRA rank {result['lora_rank']} over the frozen base" if result.get("lora_rank") else ""
+    coded = " (NF4)" if result.get("quantize", "none") != "none" else ""
+    adapters = f", LoRA rank {result['lora_rank']} over the frozen base{coded}" if result.get("lora_rank") else ""
     lines = [f"bench load: {result['parameters'] / 1e9:.2f}B parameters ({result['model_bytes'] / gib:.2f} GiB "
              f"fp32), {result['nproc']} ranks ({layout or 'replicated'}){adapters}, on {result['machine']}",
              f"a rank's share of the weights: {result['share_bytes'] / gib:.2f} GiB",

@@ -162,7 +162,7 @@ def transformers_twin(model: nn.Module, cfg: Config) -> nn.Module:
     config = adapter.config_to_hf(model.cfg)
     twin = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**config), attn_implementation="sdpa").to(next(model.parameters()).device)
-    tensors = hf_tensors({k: v.detach() for k, v in model.state_dict().items()}, adapter.names(model.cfg))
+    tensors = dict(hf_tensors({k: v.detach() for k, v in model.state_dict().items()}, adapter.names(model.cfg)))
     unexpected = twin.load_state_dict(tensors, strict=False).unexpected_keys
     assert not unexpected, unexpected  # the adapter names only what the class holds
     return _Logits(twin)

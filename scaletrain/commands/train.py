@@ -31,7 +31,7 @@ from scaletrain.config import (
 from scaletrain.config_checks import check_values, resolve_layout, setting_warnings
 from scaletrain.data.digits import NUM_CLASSES, NUM_FEATURES
 from scaletrain.errors import JobFailed, UserError
-from scaletrain.finetune.adapters import add_adapters, trained_tensors
+from scaletrain.finetune.adapters import add_adapters, trained_names
 from scaletrain.finetune.lora import ADAPTER_FILE, rank_above_width, save_adapters
 from scaletrain.job.base_model import as_finetune
 from scaletrain.job.data_setup import PreparedData, prepare_data, save_run_tokenizer
@@ -407,10 +407,9 @@ def _train_and_report(trainer: Trainer, cfg: Config, predicted: dict | None, is_
         raise JobFailed(f"--micro-batch auto chose {cfg.train.micro_batch}, which the planner predicted to "
                         f"fit in {predicted['total'] / 2**30:.2f} GiB, but a step ran out of memory; give "
                         f"--micro-batch {max(cfg.train.micro_batch // 2, 1)}.") from None
-    if cfg.finetune.lora_rank and is_main and summary.checkpoint:  # whole, from the final checkpoint
-        trained = ckpt.read_model_tensors(summary.checkpoint)
-        save_adapters(trained_tensors(trained, cfg.finetune, spec_for(cfg.model.name), layout.model.cfg),
-                      run_dir / ADAPTER_FILE,
+    if cfg.finetune.lora_rank and is_main and summary.checkpoint:  # whole, from the final checkpoint: not the base
+        trained = trained_names(cfg.finetune, spec_for(cfg.model.name), layout.model.cfg)
+        save_adapters(ckpt.read_model_tensors(summary.checkpoint, trained), run_dir / ADAPTER_FILE,
                       {"rank": str(cfg.finetune.lora_rank), "alpha": str(cfg.finetune.lora_alpha),
                        "targets": cfg.finetune.lora_targets, "base": str(cfg.finetune.base),
                        "step": str(summary.steps_done)})

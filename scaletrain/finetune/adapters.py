@@ -49,13 +49,11 @@ def add_adapters(model: nn.Module, finetune: FinetuneConfig, family: ModelSpec, 
         param.requires_grad_(True)
 
 
-def trained_tensors(tensors: dict[str, torch.Tensor], finetune: FinetuneConfig, family: ModelSpec,
-                    family_cfg: Any) -> dict[str, torch.Tensor]:
-    """Of a fine-tune's whole tensors (its checkpoint's, whatever layout split them: a tp slice, a
-    pipeline stage, an ep rank's experts hold only part of the adapters), those it trained, by the
-    names `adapter_state` gives them on the whole model (built on the meta device: names only, so
-    its base stays unquantized)."""
+def trained_names(finetune: FinetuneConfig, family: ModelSpec, family_cfg: Any) -> list[str]:
+    """The names of the tensors a fine-tune trains (adapters and modules trained whole), as
+    `adapter_state` gives them on the whole model (built on the meta device: names only, so its base
+    stays unquantized), whatever layout split them: what a reader takes from its checkpoint."""
     with torch.device("meta"):
         model = family.build(family_cfg)
     add_adapters(model, dataclasses.replace(finetune, quantize="none"), family)
-    return {name: tensors[name] for name in adapter_state(model)}
+    return list(adapter_state(model))

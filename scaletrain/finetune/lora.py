@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -239,22 +239,43 @@ def save_adapters(trained: dict[str, torch.Tensor], path: Path, metadata: dict[s
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def merge_sources(keys: Iterable[str]) -> dict[str, list[str]]:
+    """A saved adapted model's tensors as the plain model's (`merged_tensors`), by the plain model's
+    names: the saved keys each is made from, so that a reader may take one at a time."""
+    keys = list(keys)
+    layers = {key.rsplit(".", 1)[0] for key in keys if key.endswith(".lora_A")}
+    sources: dict[str, list[str]] = {}
+    for layer in sorted(layers):
+        base = f"{layer}.base."
+        sources[f"{layer}.weight"] = [key for key in keys if key.startswith(base) and key != base + "bias"] + \
+            [f"{layer}.{part}" for part in ADAPTER_PARAMS]
+    for key in keys:
+        owner, adapted, part = key.rpartition(".base.")
+        if adapted and owner in layers:
+            if part == "bias":
+                sources[f"{owner}.bias"] = [key]
+        elif key.rsplit(".", 1)[0] not in layers:
+            sources[key] = [key]
+    return sources
+
+
+def merged_tensor(name: str, saved: dict[str, torch.Tensor], scaling: float, dequantize=None) -> torch.Tensor:
+    """The plain model's tensor ``name`` from ``saved``, the tensors `merge_sources` gives for it:
+    ``X.weight = W + scaling B A`` for an adapted layer (an NF4 base's codes dequantized first, by
+    ``dequantize(saved, prefix)``), else the one saved tensor as it is."""
+    layer = name.removesuffix(".weight")
+    if f"{layer}.lora_A" not in saved:
+        (value,) = saved.values()
+        return value
+    base = f"{layer}.base."
+    weight = saved[base + "weight"] if base + "weight" in saved else dequantize(saved, base)
+    return weight.float() + scaling * (saved[f"{layer}.lora_B"].float() @ saved[f"{layer}.lora_A"].float())
+
+
 def merged_tensors(tensors: dict[str, torch.Tensor], scaling: float,
                    dequantize=None) -> dict[str, torch.Tensor]:
     """A saved adapted model's tensors as the plain model's: every ``X.base.weight`` with
     ``X.lora_A`` and ``X.lora_B`` becomes ``X.weight = W + scaling B A`` (an NF4 base's
     codes dequantized first, by ``dequantize(tensors, prefix)``), other ``X.base.*`` become ``X.*``."""
-    merged: dict[str, torch.Tensor] = {}
-    layers = {key.rsplit(".", 1)[0] for key in tensors if key.endswith(".lora_A")}
-    for layer in sorted(layers):
-        base = f"{layer}.base."
-        weight = (tensors[base + "weight"] if base + "weight" in tensors else dequantize(tensors, base))
-        merged[f"{layer}.weight"] = weight.float() + scaling * (tensors[f"{layer}.lora_B"].float()
-                                                                @ tensors[f"{layer}.lora_A"].float())
-    for key, value in tensors.items():
-        layer = next((name for name in layers if key.startswith(f"{name}.")), None)
-        if layer is None:
-            merged[key] = value
-        elif key.startswith(f"{layer}.base.") and key.removeprefix(f"{layer}.base.") == "bias":
-            merged[f"{layer}.bias"] = value
-    return merged
+    return {name: merged_tensor(name, {key: tensors[key] for key in keys}, scaling, dequantize)
+            for name, keys in merge_sources(tensors).items()}

@@ -191,6 +191,12 @@ def _to_buffers(quantized: NF4Tensor) -> dict[str, torch.Tensor]:
                                          device=quantized.packed_indices.device)}
 
 
+def quantized_buffers(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The buffers ``NF4Linear`` holds for ``weight``, by name (the bias aside): its 4-bit codes and
+    scales as `quantize_nf4` computes them from the whole matrix."""
+    return _to_buffers(quantize_nf4(weight))
+
+
 def _from_buffers(buffers: Mapping[str, torch.Tensor], prefix: str, shape: torch.Size) -> NF4Tensor:
     return NF4Tensor(buffers[prefix + "packed_indices"], buffers[prefix + "quantized_absmax"],
                      buffers[prefix + "absmax_scales"].view(torch.float32),

@@ -35,9 +35,17 @@ not read but made, whole, as the model built whole makes them (lora.py's
 `starting_values`: A drawn by a generator of the run's seed and the layer's
 name, B zero), then cut like any weight: a tp rank keeps its slice, ZeRO-3 its
 range. A PEFT adapter continued with ``--adapter`` gives its A and B (and the
-modules it trained whole) from its own file instead. A 4-bit base
-(``--quantize nf4``) loads whole: its codes are computed from each whole
-matrix before any split.
+modules it trained whole) from its own file instead.
+
+A 4-bit base (``--quantize nf4``, QLoRA) reads one matrix at a time: its codes
+(nf4.py) are a function of the whole matrix (its mean block scale ``mu`` and the
+groups of 256 scales span it), so a rank reads each quantized matrix whole,
+codes it exactly as the whole load does, and keeps what its layout keeps:
+under ZeRO-3 its bytes of each block's unit of codes (parallel/zero_units.py's
+`code_unit`), elsewhere the codes whole. The float matrix is dropped as soon
+as it is coded, so a rank's peak is its share plus one matrix in fp32, never
+the model: every rank reads every quantized matrix (the reads are I/O, not
+memory), each the same codes, so the replicas start equal without a broadcast.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ import torch
 from torch import nn
 
 from scaletrain.finetune.hf import HFModel, folder_tensors, is_hf_folder, read_hf_model
-from scaletrain.finetune.lora import plain_names, starting_values
+from scaletrain.finetune.lora import LoRALinear, plain_names, starting_values
+from scaletrain.finetune.nf4 import NF4Linear, quantized_buffers
 
 
 class FolderSource:
@@ -64,14 +73,35 @@ class FolderSource:
         self.where = {ours: (name, name in transposed) for name, ours in hf_of_ours.items()}
         self.plain: dict[str, str] = {}  # an adapted layer's frozen weight -> the plain model's name of it
         self.made: dict[str, Callable[[], torch.Tensor]] = {}  # weights made, not read: the adapters'
+        self.coded: dict[str, tuple[str, str]] = {}  # a 4-bit layer's buffer -> (the weight it codes, which)
+        self._codes: dict[str, dict[str, torch.Tensor]] = {}  # each coded weight's buffers not yet taken
 
     def adapt(self, model: nn.Module, seed: int, given: dict[str, torch.Tensor]) -> None:
         """Read ``model`` (whole, on the meta device, its adapters in) for a LoRA fine-tune: the
-        frozen base under the plain model's names, the adapters made as the run of ``seed`` starts
-        them (module docstring), and the tensors ``given`` (a PEFT adapter's, by our names) as given."""
+        frozen base under the plain model's names (a 4-bit one coded from them), the adapters made
+        as the run of ``seed`` starts them (module docstring), and the tensors ``given`` (a PEFT
+        adapter's, by our names) as given."""
         self.plain = plain_names(model)
         self.made = {**starting_values(model, seed), **{name: partial(torch.Tensor.clone, tensor)
                                                         for name, tensor in given.items()}}
+        for name, layer in model.named_modules():
+            if isinstance(layer, LoRALinear) and isinstance(layer.base, NF4Linear):
+                self.plain[f"{name}.base.bias"] = f"{name}.bias"
+                self.coded.update({f"{name}.base.{key}": (f"{name}.weight", key)
+                                   for key, _ in layer.base.named_buffers() if key != "bias"})
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """Our buffer ``name`` whole: a 4-bit layer's codes, or its bias."""
+        if name not in self.coded:
+            return self.read(name, (slice(None),))
+        weight, key = self.coded[name]
+        if weight not in self._codes:  # the whole matrix, coded as the whole load codes it, then dropped
+            self._codes[weight] = quantized_buffers(self.read(weight, (slice(None),)).float())
+        codes = self._codes[weight]
+        values = codes.pop(key)  # each buffer is taken once: what is left of the matrix is its codes not yet taken
+        if not codes:
+            del self._codes[weight]
+        return values
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """``ours[index]`` of our weight ``name`` in its full, single-device layout."""
@@ -94,12 +124,11 @@ class FolderSource:
 
 def folder_source(cfg, family_cfg: Any) -> FolderSource | None:
     """The Hugging Face folder a fine-tune starts from, to read slice by slice: a full fine-tune's,
-    or LoRA's float base (with ``--lora-modules-to-save`` and ``--adapter`` too: their tensors are
-    read or given like any other, `FolderSource.adapt`). None for any other run: a base that is
-    one of our runs (its checkpoint loads whole) and a 4-bit base (``--quantize nf4``), whose
-    codes are computed from each whole matrix before any split."""
+    or LoRA's base, float or coded in 4 bits (with ``--lora-modules-to-save`` and ``--adapter`` too:
+    their tensors are read or given like any other, `FolderSource.adapt`). None for any other run:
+    a base that is one of our runs (its checkpoint loads whole)."""
     base = cfg.finetune.base
-    if not base or cfg.finetune.quantize == "nf4" or not is_hf_folder(Path(base)):
+    if not base or not is_hf_folder(Path(base)):
         return None
     return FolderSource(read_hf_model(Path(base)), family_cfg)
 
@@ -107,8 +136,13 @@ def folder_source(cfg, family_cfg: Any) -> FolderSource | None:
 def materialize(model: nn.Module, source: FolderSource, device: torch.device, splits: dict, tp_rank: int,
                 skip: set[int] = frozenset()) -> None:
     """Give every meta weight of ``model`` storage on ``device``, filled with this rank's slice
-    from ``source`` (``splits``: tensor parallelism's Split of each split weight); the
-    weights whose ids are in ``skip`` stay meta (ZeRO-3 fills them unit by unit)."""
+    from ``source`` (``splits``: tensor parallelism's Split of each split weight), and every meta
+    buffer (a 4-bit layer's) its values whole; the tensors whose ids are in ``skip`` stay meta
+    (ZeRO-3 fills them unit by unit)."""
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta and id(buffer) not in skip:
+            values = source.buffer(name)
+            torch.utils.swap_tensors(buffer, values.to(device, torch.float32 if values.is_floating_point() else None))
     for name, param in list(model.named_parameters()):
         if not param.is_meta or id(param) in skip:
             continue
@@ -123,12 +157,15 @@ def materialize(model: nn.Module, source: FolderSource, device: torch.device, sp
 
 
 def flat_reader(model: nn.Module, source: FolderSource):
-    """For ZeRO-3: ``read(param, lo, hi)``, elements [lo, hi) of the meta weight ``param``
-    flattened (one that tensor parallelism left whole)."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    """For ZeRO-3: ``read(tensor, lo, hi)``, elements [lo, hi) of the meta weight ``tensor``
+    flattened (one that tensor parallelism left whole), or of a 4-bit layer's meta code buffer."""
+    names = {id(t): name for name, t in (*model.named_parameters(), *model.named_buffers())}
 
-    def read(param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
-        return source.read_flat(names[id(param)], tuple(param.shape), lo, hi).float()
+    def read(tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        name = names[id(tensor)]
+        if name in source.coded:
+            return source.buffer(name).reshape(-1)[lo:hi]
+        return source.read_flat(name, tuple(tensor.shape), lo, hi).float()
 
     return read
 

@@ -14,10 +14,10 @@ tokenizer (``--tokenizer-from`` set to the base: the run's saved
 The base weights load into the freshly built model before anything else
 touches it; then the base is frozen and adapters are put beside the target
 layers (``--lora-rank``), its weights stored in 4 bits first with
-``--quantize nf4``. A Hugging Face folder as base (but a 4-bit one) is not
-loaded here: the model is built on the meta device, the adapters put in there,
-and each rank reads its slices of the base after the layout's splits
-(finetune/sliced.py). The data-parallel and ZeRO wrappers that follow see only
+``--quantize nf4``. A Hugging Face folder as base is not loaded here: the
+model is built on the meta device, the adapters (and a 4-bit base's layers) put
+in there, and each rank reads its slices of the base after the layout's splits,
+coding a 4-bit base one matrix at a time (finetune/sliced.py). The data-parallel and ZeRO wrappers that follow see only
 the adapters as trainable.
 
 ``--adapter DIR`` continues a PEFT LoRA adapter over the base

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from scaletrain.train.checkpoint import (
     failure_reason,
     latest_checkpoint,
     read_model_tensors,
+    saved_shapes,
 )
 from scaletrain.train.manifest import MANIFEST
 
@@ -85,13 +87,64 @@ def check_target(target: Path, force: bool) -> None:
         raise UserError(f"--to {target} already exists; add --force to replace it, or choose another name.")
 
 
-def _read(checkpoint: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    """The step and the model's full tensors; a damaged checkpoint is a user's problem."""
+def _unreadable(checkpoint: Path, exc: BaseException) -> UserError:
+    """A damaged checkpoint is a user's problem: one sentence."""
+    return UserError(f"checkpoint {checkpoint} cannot be read ({failure_reason(exc)}); export an earlier one.")
+
+
+def _step(checkpoint: Path) -> int:
     try:
-        return json.loads((checkpoint / STATE_FILE).read_text())["step"], read_model_tensors(checkpoint)
+        return json.loads((checkpoint / STATE_FILE).read_text())["step"]
     except READ_ERRORS as exc:
-        raise UserError(f"checkpoint {checkpoint} cannot be read ({failure_reason(exc)}); export an earlier "
-                        f"one.") from None
+        raise _unreadable(checkpoint, exc) from None
+
+
+def _read(checkpoint: Path, names: list[str] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """The step and the model's full tensors (``names``' only, where given)."""
+    step = _step(checkpoint)
+    try:
+        return step, read_model_tensors(checkpoint, names)
+    except READ_ERRORS as exc:
+        raise _unreadable(checkpoint, exc) from None
+
+
+def saved_names(checkpoint: Path) -> list[str]:
+    """The names of the model's tensors a checkpoint holds, from its metadata (nothing else read)."""
+    try:
+        return list(saved_shapes(checkpoint))
+    except READ_ERRORS as exc:
+        raise _unreadable(checkpoint, exc) from None
+
+
+class SavedModel(Mapping[str, torch.Tensor]):
+    """A checkpoint's model as the plain model's tensors (`without_adapters`), each read from the files,
+    and merged, when it is asked for: a writer that takes them one at a time holds one at a time, not
+    the model (a 70B's merged fp32 weights would be 280 GB)."""
+
+    def __init__(self, checkpoint: Path):
+        from scaletrain.config import load_run_config
+        from scaletrain.finetune.lora import merge_sources
+
+        self.checkpoint, self.step = checkpoint, _step(checkpoint)
+        self.sources = merge_sources(saved_names(checkpoint))
+        finetune = load_run_config(checkpoint.parent.parent).finetune
+        self.scaling = finetune.lora_alpha / finetune.lora_rank if finetune.lora_rank else 1.0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from scaletrain.finetune.lora import merged_tensor
+        from scaletrain.finetune.nf4 import dequantize_saved
+
+        _, saved = _read(self.checkpoint, self.sources[name])
+        return merged_tensor(name, saved, self.scaling, dequantize_saved)
+
+    def __contains__(self, name: object) -> bool:  # by the names alone: Mapping's own would read the tensor
+        return name in self.sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
 
 
 def without_adapters(tensors: dict[str, torch.Tensor], checkpoint: Path) -> dict[str, torch.Tensor]:

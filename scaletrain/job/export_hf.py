@@ -19,9 +19,12 @@ same function as ours:
                              of lm-evaluation-harness finds its prefix token
                              with no model args
 
-The checkpoint is read whole as one device would hold it (train/checkpoint.py
+Each tensor is read whole as one device would hold it (train/checkpoint.py
 gathers any layout: ZeRO shards, tp slices, pipeline stages), a LoRA
-fine-tune's adapters merged first. Rows padded by ``--vocab-multiple`` stay:
+fine-tune's adapters merged into it (an NF4 base dequantized first), and
+written into the shard being filled, which goes to disk when full: the
+export holds one shard and the tensor in hand, never the model, so a 70B
+fine-tune exports on a machine with a few times 5 GB of memory. Rows padded by ``--vocab-multiple`` stay:
 config.json's ``vocab_size`` counts them, so the logits are ours, column for
 column. Layers our model builds without a bias where the format has one
 (a bias-free model exported to a format with biases) get zeros, which compute the same.
@@ -35,8 +38,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,14 +53,7 @@ from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import UserError
 from scaletrain.finetune.hf import is_hf_folder
 from scaletrain.job.data_setup import run_tokenizer
-from scaletrain.job.export import (
-    DTYPES,
-    Exported,
-    _prepared,
-    _read,
-    find_checkpoint,
-    without_adapters,
-)
+from scaletrain.job.export import DTYPES, Exported, SavedModel, _prepared, find_checkpoint
 from scaletrain.models import CLASSIFIER, spec_for
 from scaletrain.paths import writable_dir
 
@@ -77,49 +74,63 @@ def check_folder_target(target: Path, force: bool, form: str = "hf") -> None:
                         f"another name.")
 
 
-def hf_tensors(ours: dict[str, torch.Tensor], names: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor]:
-    """Our tensors under the folder's names and layouts; a bias we lack is zeros."""
-    tensors = {}
+def hf_tensors(ours: Mapping[str, torch.Tensor], names: dict[str, tuple[str, bool]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our tensors under the folder's names and layouts, one at a time (each read from ``ours`` as it
+    is asked for: a `SavedModel` reads it then); a bias we lack is zeros."""
     for name, (our_name, transposed) in names.items():
         if our_name in ours:
             tensor = ours[our_name]
-            tensors[name] = tensor.t() if transposed else tensor
-        elif our_name.endswith(".bias"):
-            weight = ours[our_name.removesuffix(".bias") + ".weight"]
-            tensors[name] = weight.new_zeros(weight.shape[0])
+            yield name, tensor.t() if transposed else tensor
+        elif our_name.endswith(".bias") and (weight_name := our_name.removesuffix(".bias") + ".weight") in ours:
+            yield name, torch.zeros(ours[weight_name].shape[0], dtype=ours[weight_name].dtype)
         else:
             raise UserError(f"the checkpoint lacks {our_name}, which the exported format needs; export a "
                             f"complete checkpoint.")
-    return tensors
 
 
-def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Tensors in file order, a new shard whenever the next would pass SHARD_BYTES."""
-    shards, size = [{}], 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
+@dataclass
+class Written:
+    """What `write_weights` wrote: tensors, their elements, and the dtype of the first."""
+    tensors: int = 0
+    parameters: int = 0
+    dtype: torch.dtype | None = None
 
 
-def write_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    shards = _shards(tensors)
+def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path,
+                  dtype: torch.dtype | None = None) -> Written:
+    """``tensors`` (cast to ``dtype`` where given) into ``model.safetensors``, or past ``SHARD_BYTES``
+    into numbered shards and their index, each shard written as soon as it is full: at most one
+    shard is held, never the model."""
     metadata = {"format": "pt"}  # what transformers' loader expects in the header
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata=metadata)
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file, metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, file))
-        total += sum(t.numel() * t.element_size() for t in shard.values())
+    written, files, shard, size = Written(), [], {}, 0
+
+    def flush() -> None:
+        files.append((folder / f".shard-{len(files) + 1}", list(shard)))
+        save_file(_prepared(shard, dtype), files[-1][0], metadata=metadata)
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+        if shard and size + nbytes > SHARD_BYTES:
+            flush()
+            size = 0
+        shard[name], size = tensor, size + nbytes
+        written.tensors, written.parameters = written.tensors + 1, written.parameters + tensor.numel()
+        written.dtype = written.dtype or (dtype if dtype and tensor.is_floating_point() else tensor.dtype)
+    flush()
+    if len(files) == 1:
+        files[0][0].rename(folder / "model.safetensors")
+        return written
+    weight_map = {}
+    for i, (path, names) in enumerate(files, start=1):
+        file = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        path.rename(folder / file)
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum((folder / file).stat().st_size for file in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return written
 
 
 def byte_tokenizer(tokenizer: ByteTokenizer) -> Tokenizer:
@@ -232,16 +243,13 @@ def export_hf(source: Path, target: Path, dtype: str | None = None, force: bool 
                         f"export it with --format safetensors.")
     family = spec_for(cfg.model.name)
     family_cfg = family.configure(cfg.model, run_tokenizer(run_dir).vocab_size, cfg.data.seq_len)
-    step, ours = _read(checkpoint)
-    ours = without_adapters(ours, checkpoint)
-    tensors = _prepared(hf_tensors(ours, family.hf.names(family_cfg)), DTYPES[dtype] if dtype else None)
+    ours = SavedModel(checkpoint)  # each tensor read, merged and written in turn: one shard held at a time
     with folder_in_place(target) as partial:
+        written = write_weights(hf_tensors(ours, family.hf.names(family_cfg)), partial,
+                                DTYPES[dtype] if dtype else None)
         special = write_tokenizer(run_dir, partial)
-        config = {**family.hf.config_to_hf(family_cfg), **special}
-        config["torch_dtype"] = DTYPE_NAMES[next(iter(tensors.values())).dtype]
+        config = {**family.hf.config_to_hf(family_cfg), **special, "torch_dtype": DTYPE_NAMES[written.dtype]}
         (partial / "config.json").write_text(json.dumps(config, indent=2))
         (partial / "generation_config.json").write_text(json.dumps(generation_config(run_dir, special), indent=2))
-        write_weights(tensors, partial)
-    return Exported(path=target, step=step, tensors=len(tensors),
-                    parameters=sum(t.numel() for t in tensors.values()),
+    return Exported(path=target, step=ours.step, tensors=written.tensors, parameters=written.parameters,
                     bytes=sum(f.stat().st_size for f in target.iterdir()))

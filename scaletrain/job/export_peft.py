@@ -50,7 +50,7 @@ from scaletrain.finetune.peft_adapter import (
     whole_holders,
 )
 from scaletrain.job.data_setup import run_tokenizer
-from scaletrain.job.export import DTYPES, Exported, _prepared, _read, find_checkpoint
+from scaletrain.job.export import DTYPES, Exported, _prepared, _read, find_checkpoint, saved_names
 from scaletrain.job.export_hf import check_folder_target, folder_in_place
 from scaletrain.models import spec_for
 
@@ -85,7 +85,13 @@ def export_peft(source: Path, target: Path, dtype: str | None = None, force: boo
     family = spec_for(cfg.model.name)
     family_cfg = family.configure(cfg.model, run_tokenizer(run_dir).vocab_size, cfg.data.seq_len)
     modules_of = hf_modules(family, family_cfg)
-    step, ours = _read(checkpoint)
+    with torch.device("meta"):
+        model = family.build(family_cfg)
+    holders = whole_holders(model, family, family_cfg)
+    whole = {name: holders[name] for name in whole_parameters(model, family, f.lora_modules_to_save)}
+    # the adapters and the modules trained whole, not the base (a 70B's 4-bit codes are 36 GB)
+    step, ours = _read(checkpoint, [name for name in saved_names(checkpoint)
+                                    if name.endswith(ADAPTER_PARAMS) or name in whole])
     tensors, adapted, transposed = {}, [], set()
     for key in sorted(k for k in ours if k.endswith(".lora_A")):
         layer = key.removesuffix(".lora_A")
@@ -97,10 +103,6 @@ def export_peft(source: Path, target: Path, dtype: str | None = None, force: boo
     if len(transposed) > 1:  # PEFT takes one fan_in_fan_out for all of an adapter's layers
         raise UserError(f"the run adapted layers stored both ways in the folder format ({', '.join(adapted[:2])}), "
                         f"which one PEFT adapter cannot hold; fine-tune with --lora-targets of one kind.")
-    with torch.device("meta"):
-        model = family.build(family_cfg)
-    holders = whole_holders(model, family, family_cfg)
-    whole = {name: holders[name] for name in whole_parameters(model, family, f.lora_modules_to_save)}
     for name, holding in whole.items():
         tensors.update({adapter_key(module, None): ours[name] for module in holding})
     tensors = _prepared(tensors, DTYPES[dtype] if dtype else None)  # a tied pair's copies made apart

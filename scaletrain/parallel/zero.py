@@ -158,7 +158,8 @@ class ZeroDataParallel:
     ``replica`` (hybrid sharding: ``group`` is a shard group) and ``quantize_weights``
     (int8 gathers): parallel/hybrid.py. Every rank must start from the same weights.
     ``source`` (stage 3, a model loaded slice by slice: finetune/sliced.py) gives elements
-    [lo, hi) of a weight still on the meta device: each rank reads only its shard of it.
+    [lo, hi) of a weight (or a 4-bit base's code buffer) still on the meta device: each rank keeps
+    only its shard of it.
     ``layers``: stage 3's units (default: `layer_modules`). ``stages`` (stage 3 inside pipeline
     stages): the blocks of each of this rank's stages, in forward order, its units, the rest of
     the rank's weights held per round (and ``own_units``, tied across stages, each alone), each
@@ -223,7 +224,8 @@ class ZeroDataParallel:
         self.units = [self._build_unit(module, params, param_dtype, reduce_dtype) for module, params in grouped]
         self.frozen_units = [self._build_unit(module, params, param_dtype, reduce_dtype, frozen=True)
                              for module, params in frozen_grouped]
-        self.frozen_units += [code_unit(module, tensors, self.group.size, self.group.rank, self.device)
+        self.frozen_units += [code_unit(module, tensors, self.group.size, self.group.rank, self.device,
+                                        read=lambda t: self.source(t, 0, t.numel()))
                               for module, tensors in coded]
         if base_device is not None:
             for unit in self.frozen_units:

@@ -15,6 +15,7 @@ two shards and each rank's part of a tensor is whole elements, read back in the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,16 +113,21 @@ def code_shard_bytes(tensors: list[torch.Tensor], n: int) -> int:
 
 
 @torch.no_grad()
-def code_unit(module: nn.Module, tensors: list[torch.Tensor], n: int, rank: int, device: torch.device) -> Unit:
-    """A frozen unit of ``tensors`` (integer buffers every rank holds whole, equal on all) over ``n`` ranks,
-    flattened byte by byte (module docstring); this rank keeps its shard, the tensors become views of the
-    full buffer, whose storage is freed: ZeRO-3 gathers it before each use."""
+def code_unit(module: nn.Module, tensors: list[torch.Tensor], n: int, rank: int, device: torch.device,
+              read: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Unit:
+    """A frozen unit of ``tensors`` (integer buffers every rank holds whole, equal on all; or on the meta
+    device, their values given by ``read``: a 4-bit base coded from its folder one matrix at a time,
+    finetune/sliced.py) over ``n`` ranks, flattened byte by byte (module docstring); this rank keeps its
+    shard, the tensors become views of the full buffer, whose storage is freed: ZeRO-3 gathers it before
+    each use."""
     offsets, shard_numel = code_offsets(tensors)[0], code_shard_bytes(tensors, n)
     full = torch.zeros(shard_numel * n, dtype=torch.uint8, device=device)
     empty = full.new_zeros(0)
     unit = Unit(tensors, offsets, shard_numel, full, empty, empty, empty, empty, None, module, frozen=True,
                 in_bytes=True)
     for i, tensor in enumerate(tensors):
+        if tensor.is_meta:  # its values first: a meta tensor cannot take another device's storage as .data
+            torch.utils.swap_tensors(tensor, read(tensor).reshape(tensor.shape))
         unit.slot(full, i).copy_(tensor)
         tensor.data = unit.slot(full, i)  # the module's own buffer objects, now views of the unit
     unit.shard = unit.master = full[rank * shard_numel:(rank + 1) * shard_numel].clone()

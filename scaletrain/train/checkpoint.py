@@ -50,6 +50,7 @@ import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Collection
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,11 +100,10 @@ _OLD_PREFIX = ".old_"
 
 @contextmanager
 def _quiet():
-    """DCP warns that it assumes one process when no group exists; that is
-    exactly the intent of a one-process run, so the warning is noise. It also
-    warns on every ShardedTensor that DTensor is its successor: a DTensor
-    shards a tensor into even blocks per dimension and cannot describe ZeRO's
-    flat ranges, which ShardedTensor's arbitrary chunks do (see `_sharded`)."""
+    """DCP warns that it assumes one process when no group exists; that is exactly the intent of a
+    one-process run, so the warning is noise. It also warns on every ShardedTensor that DTensor is its
+    successor: a DTensor shards a tensor into even blocks per dimension and cannot describe ZeRO's flat
+    ranges, which ShardedTensor's arbitrary chunks do (see `_sharded`)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
@@ -485,14 +485,15 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return trainer_state
 
 
-def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a checkpoint, whatever layout wrote it:
-    shapes come from the metadata, DCP assembles the shards."""
+def read_model_tensors(path: Path, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """The model's full tensors (``names``' only, where given) from a checkpoint, whatever layout
+    wrote it: shapes come from the metadata, DCP assembles the shards."""
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
     state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in metadata.state_dict_metadata.items()
-             if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+             if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)
+             and (names is None or fqn.removeprefix("model.") in names)}
     with _quiet():  # one reader, whole tensors: no collective, even inside a run's process group
         dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return {fqn.removeprefix("model."): tensor for fqn, tensor in state.items()}

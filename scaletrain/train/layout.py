@@ -157,10 +157,11 @@ class Layout:
 
     def _read_folder(self, tensor_parallel: TensorParallel | None) -> None:
         """Storage for this rank's meta weights, read from the folder; under ZeRO-3 the weights
-        tensor parallelism left whole stay meta, for ZeRO to read its shard of each (those it
-        does not shard are read after it, whole)."""
+        tensor parallelism left whole and a 4-bit base's codes stay meta, for ZeRO to read its
+        shard of each (those it does not shard are read after it, whole)."""
         splits = tensor_parallel.splits if tensor_parallel else {}
-        later = {id(q) for q in self.model.parameters() if q not in splits} if self.parallel.zero == 3 else set()
+        later = {id(t) for t in (*self.model.parameters(), *self.model.buffers()) if t not in splits} \
+            if self.parallel.zero == 3 else set()
         materialize(self.model, self.folder, self.device, splits, self.tp_group.rank, skip=later)
 
     def _hold_optimizer_tensors(self) -> None:

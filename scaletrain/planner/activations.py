@@ -160,6 +160,8 @@ class Adapters:
     attention_columns: int = 0
     mlp_columns: int = 0
     mlp_row: bool = False
+    embedding: bool = False  # trained whole beside the adapters (--lora-modules-to-save embed, or a tied head)
+    head: bool = False  # the same for the output head
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,16 @@ class Shape:
     def frozen(self) -> bool:
         """A LoRA fine-tune's: its base trains nothing."""
         return self.lora.rank > 0
+
+    @property
+    def frozen_embedding(self) -> bool:
+        """A fine-tune's embedding that does not train: its output, the first block's input, needs no gradient."""
+        return self.frozen and not self.lora.embedding
+
+    @property
+    def frozen_head(self) -> bool:
+        """A fine-tune's head that does not train: it needs no input for a weight gradient."""
+        return self.frozen and not self.lora.head
 
     def columns(self, attention: bool) -> int:
         """The attention's or the MLP's column layers that save their input: every one, or of a
@@ -373,14 +385,14 @@ def head(x: Shape) -> int:
     """The last stage's final norm and head input (and the head's weight copy); a frozen head
     keeps no input, having no weight gradient to compute."""
     weight = x.e * x.vocab * x.h // x.tp if x.cast_weights and not x.sp else 0
-    return norm(x) + (0 if x.frozen else column_inputs(x, 1, 1)) + weight
+    return norm(x) + (0 if x.frozen_head else column_inputs(x, 1, 1)) + weight
 
 
 def loss_gradients(x: Shape) -> int:
     """What the chunked head and loss save: the gradients they compute in the forward, of the
     final norm's fp32 output and, unless it is frozen, of the head's weight in fp32
     (kernels/cross_entropy.py)."""
-    return 4 * x.b * x.s * x.h + (0 if x.frozen else 4 * x.vocab * x.h)
+    return 4 * x.b * x.s * x.h + (0 if x.frozen_head else 4 * x.vocab * x.h)
 
 
 def head_and_loss(x: Shape) -> int:
@@ -406,13 +418,13 @@ def chunk_peak(x: Shape, experts: list[bool], first: bool, last: bool, recompute
     held as it is: compression stores only what the forward saves through its hooks."""
     # A frozen embedding (a LoRA fine-tune's) keeps no ids, and the first block's first norm no input,
     # which needs no gradient.
-    ids = inputs(x) if first and not x.frozen else 0
+    ids = inputs(x) if first and not x.frozen_embedding else 0
     ends = ids + (head_and_loss(x) if last else 0)
     targets = 8 * x.b * x.s if last and not x.chunked_loss else 0  # saved by the loss, alive until the end
     kept_ids = ids + targets
     full, one, blocks = [block(x, moe) for moe in experts], block_input(x), len(experts)
     rerun = [block(x.plain, moe) for moe in experts]  # a block as its recomputation in backward saves it
-    if first and x.frozen and blocks:  # and what its attention's columns save of it stays uncompressed
+    if first and x.frozen_embedding and blocks:  # and what its attention's columns save of it stays uncompressed
         below = norm(x) + column_inputs(x, x.columns(True), 1) - column_inputs(x.plain, x.columns(True), 1)
         full[0], rerun[0] = full[0] - below, rerun[0] - norm(x.plain)
     if recompute == "none" or blocks == 0:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from scaletrain.config import FinetuneConfig, ModelConfig
-from scaletrain.finetune.adapters import add_adapters
+from scaletrain.finetune.adapters import add_adapters, whole_parameters
 from scaletrain.finetune.lora import ADAPTER_PARAMS, LoRALinear
 from scaletrain.models import spec_for
 from scaletrain.models.spec import Column, ModelShape, ModelSpec, Region, Row, TensorPlan
@@ -85,7 +85,8 @@ class Planned:
         plan = self.tensor_plan or ()
         region = next((pattern for pattern, style in plan if isinstance(style, Region)), None)
         found = {"attention": 0, "mlp": 0, "mlp_row": False, "layers": 0}
-        for name, module in getattr(whole_model(self), stack)[0].named_modules(prefix=f"{stack}.0"):
+        model = whole_model(self)
+        for name, module in getattr(model, stack)[0].named_modules(prefix=f"{stack}.0"):
             if not isinstance(module, LoRALinear):
                 continue
             style = next((style for pattern, style in plan if fnmatch.fnmatchcase(name, pattern)), None)
@@ -95,7 +96,14 @@ class Planned:
                 found["attention" if attention else "mlp"] += 1
             elif isinstance(style, Row) and not attention:
                 found["mlp_row"] = True
-        return Adapters(self.adapters[0], found["layers"], found["attention"], found["mlp"], found["mlp_row"])
+        trained = {id(p) for p in whole_parameters(model, self.spec, self.adapters[3]).values()}
+
+        def trains(word: str) -> bool:
+            module = self.spec.whole_modules.get(word)
+            return module is not None and any(id(p) in trained for p in model.get_submodule(module).parameters())
+
+        return Adapters(self.adapters[0], found["layers"], found["attention"], found["mlp"], found["mlp_row"],
+                        trains("embed"), trains("head"))
 
     @property
     def adapted_head(self) -> bool:

@@ -53,7 +53,10 @@ tensor parallel per micro-batch and block, two regions (parallel/tensor.py): the
                 weights every rank holds whole are all-reduced every micro-batch.
                 A LoRA fine-tune (finetune/lora.py): of its frozen columns only the
                 adapted ones gather again, and the gradients of the adapters'
-                factors tp leaves whole are all-reduced every micro-batch, sp or not.
+                factors tp leaves whole are all-reduced every micro-batch, sp or not;
+                a frozen embedding's output needs no gradient, so the first region's
+                backward collective (and sp's gather of the embedding's gradient)
+                never runs, nor does a frozen head gather its input again.
                 Recomputing a block runs its forward again up to its last saved
                 tensor (PyTorch stops a recomputation there): the attention's
                 collectives and the MLP's entry again, not the MLP's output's.
@@ -225,8 +228,11 @@ def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: i
     full, act = 4 * x.b * x.s * x.h, x.e * x.b * x.s * x.h
     rows = x.b * x.s
     regions = blocks + mlps
+    # a frozen embedding's output needs no gradient: the first region's input gradient is never
+    # formed (nor reduced), and the embedding's own backward does not run
+    entered = regions - (1 if weights.first and x.frozen_embedding and regions else 0)
     if not x.sp:
-        reduces = [(act, regions + recomputed), (full, regions)]
+        reduces = [(act, regions + recomputed), (full, entered)]
         if weights.first:
             reduces.append((w * x.b * x.s * x.h, 1))
         if weights.last:
@@ -239,12 +245,12 @@ def _tensor_parallel(traffic: Traffic, x: Shape, weights: RankWeights, blocks: i
     # of a frozen base, only the adapted columns gather again: a frozen weight keeps no input
     columns = blocks * x.columns(True) + mlps * x.columns(False)
     gathers = [(full, regions + 2 * recomputed), (act, regions + columns)]  # enter; leave's backward, re-gathers
-    scatters = [(act, regions + recomputed), (full, regions)]  # leave; enter's backward
+    scatters = [(act, regions + recomputed), (full, entered)]  # leave; enter's backward
     if weights.first:
         scatters.append((w * x.b * x.s * x.h, 1))
-        gathers.append((w * x.b * x.s * x.h, 1))
-    if weights.last:
-        gathers += [(full, 1), (act, 1)]
+        gathers.append((w * x.b * x.s * x.h, 0 if x.frozen_embedding else 1))
+    if weights.last:  # the head's input entered, and re-gathered for its weight's gradient unless frozen
+        gathers += [(full, 1), (act, 0 if x.frozen_head else 1)]
         scatters.append((full, 1))
         traffic.add("all_reduce", "tp", 4 * rows, calls=k)
         traffic.add("all_reduce", "tp", 8 * rows, calls=k)

@@ -6,10 +6,13 @@ each other; mistakes are one sentence before any process starts."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
+from scaletrain.bench import throughput
 from scaletrain.commands.cli import main
+from scaletrain.config import Config
 from tests.readme import readme_argv
 
 TINY = ("--model", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "4",
@@ -47,6 +50,7 @@ def test_ours_a_plain_loop_and_transformers_on_equal_work(corpus, tmp_path, monk
     (("--model", "mlp"), "races language models"),
     (("--warmup", "4"), "--warmup 4 leaves no timed step"),
     (("--sft",), "drop --sft and --pack"),
+    (("--rounds", "0"), "--rounds must be at least 1, not 0"),
 ])
 def test_what_it_cannot_measure_is_one_sentence(corpus, tmp_path, monkeypatch, capsys, flags, sentence):
     monkeypatch.chdir(tmp_path)
@@ -54,3 +58,22 @@ def test_what_it_cannot_measure_is_one_sentence(corpus, tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert sentence in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_rounds_pool_every_rounds_timed_steps_and_keep_each_rounds_ratio():
+    """--rounds R: a contender's median is over all its rounds' timed steps (warm-up left out of each),
+    and each round's ratio of medians is kept beside the pooled one."""
+    def run(times: list[float]) -> dict:
+        return {"name": "x", "device": "cpu", "step_s": times, "losses": [3.0] * len(times),
+                "median_s": statistics.median(times[1:]), "tokens_per_step": 64, "flops_per_token": 1e6, "peak_tflops": None, "peak_memory_bytes": len(times)}
+
+    ours = throughput.pooled([run([9.0, 1.0, 2.0, 3.0]), run([9.0, 4.0, 5.0, 6.0, 7.0])], warmup=1)
+    assert ours["median_s"] == 4.0 and ours["round_medians_s"] == [2.0, 5.5]
+    assert ours["tokens_per_s"] == 16.0 and ours["peak_memory_bytes"] == 5
+    plain = throughput.pooled([run([9.0, 2.0, 2.0, 2.0]), run([9.0, 5.0, 5.0, 5.0])], warmup=1)
+    rows = {"scaletrain": {**ours, "name": "scaletrain"}, "plain": {**plain, "name": "plain"},
+            "transformers": {"name": "transformers", "skipped": "not here"}}
+    report = throughput.report(Config(), 1, rows)
+    assert report["peer"]["name"] == "plain" and report["ratio"] == pytest.approx(4.0 / plain["median_s"])
+    assert report["peer"]["round_ratios"] == pytest.approx([1.0, 1.1])
+    assert report["setup"]["rounds"] == 2

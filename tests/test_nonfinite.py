@@ -40,16 +40,21 @@ def _run(cfg, n: int, fault: str) -> list[dict]:
     return run_distributed(_train_with_fault, n, cfg, spec, fault, timeout_s=120)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_stop_reports_the_step_and_the_first_non_finite_gradient_on_every_rank(tiny_cfg, zero):
-    cfg = tiny_cfg.replace(nproc=2, dp=2, zero=zero, steps=5)
-    ranks = _run(cfg, 2, "nan rank=1 step=3 param=blocks.0.attn.qkv.weight")
+@pytest.mark.parametrize("layout,param", [
+    (dict(dp=2), "blocks.0.attn.qkv.weight"),
+    (dict(dp=2, zero=1), "blocks.0.attn.qkv.weight"),
+    # a weight tp replicates: rank 1's copy is one the gradient norm does not count (checked apart)
+    (dict(tp=2), "blocks.0.ln1.weight"),
+], ids=["dp2", "dp2-zero1", "tp2-replicated-copy"])
+def test_stop_reports_the_step_and_the_first_non_finite_gradient_on_every_rank(tiny_cfg, layout, param):
+    cfg = tiny_cfg.replace(nproc=2, steps=5, **layout)
+    ranks = _run(cfg, 2, f"nan rank=1 step=3 param={param}")
     for rank in ranks:
         assert len(rank["records"]) == 2  # steps 1 and 2; step 3 stopped
         assert rank["stopped"] == ranks[0]["stopped"]  # the same verdict, the same sentence
         assert torch.equal(rank["weights"][-1], rank["weights"][-2])  # stopped before the update
     assert "step 3 is not finite" in ranks[0]["stopped"]
-    assert "the first non-finite gradient is blocks.0.attn.qkv.weight (rank 1)" in ranks[0]["stopped"]
+    assert f"the first non-finite gradient is {param} (rank 1)" in ranks[0]["stopped"]
 
 
 @pytest.mark.numerics

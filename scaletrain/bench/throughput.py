@@ -14,7 +14,10 @@ that compilation, the allocator and CUDA's peak memory are each one's alone:
                    where transformers does not import)
 
 Every step ends with its loss read, so each step's wall time is its own. Reported per
-contender: the median step time after ``--warmup`` (compilation, allocator warm-up),
+contender: the median step time after ``--warmup`` (compilation, allocator warm-up), over
+every round's timed steps with ``--rounds R`` (the contenders run R times, in an order
+rotated each round, so that a noisy machine's slow spells fall on all of them; each round's
+ratio is printed beside the pooled one),
 
     tokens/s = micro-batch x grad-accum x seq_len / median step time
     MFU      = tokens/s x F / peak,   F = 6 N + 12 L d_attn s   (per token; models/spec.py)
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.bench import machine, median
+from scaletrain.bench import machine, median, rotated
 from scaletrain.config import Config
 from scaletrain.errors import UserError
 from scaletrain.job.data_setup import PreparedData, open_data, prepare_data
@@ -60,8 +63,10 @@ CONTENDERS = ("scaletrain", "plain", "transformers")
 OURS, PLAIN, HF = CONTENDERS
 
 
-def check(cfg: Config, warmup: int) -> None:
+def check(cfg: Config, warmup: int, rounds: int = 1) -> None:
     """What bench throughput cannot measure, in one sentence, before any process starts."""
+    if rounds < 1:
+        raise UserError(f"--rounds must be at least 1, not {rounds}.")
     if cfg.parallel.nproc > 1 or detect_environment().world_size > 1:
         raise UserError("bench throughput measures one device's step; drop --nproc and run it in one process.")
     if cfg.model.name == CLASSIFIER:
@@ -74,16 +79,33 @@ def check(cfg: Config, warmup: int) -> None:
                         f"raise --steps or lower --warmup.")
 
 
-def run(cfg: Config, warmup: int) -> dict:
-    """Each contender in a process of its own, one after another; the bench JSON of all three."""
-    check(cfg, warmup)
+def run(cfg: Config, warmup: int, rounds: int = 1) -> dict:
+    """Each contender in a process of its own, one after another, ``rounds`` times (in an order
+    rotated each round); the bench JSON of all three."""
+    check(cfg, warmup, rounds)
     cfg = cfg.replace(nproc=1, sample_tokens=0, eval_every=0, progress=False, checkpoint_every=0)
     prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
-    rows = {}
-    for name in CONTENDERS:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-            rows[name] = process.submit(measure, name, cfg, prepared, warmup).result()
-    return report(cfg, warmup, rows)
+    measured: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
+    for round_ in range(rounds):
+        for name in rotated(CONTENDERS, round_):
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+                measured[name].append(process.submit(measure, name, cfg, prepared, warmup).result())
+    return report(cfg, warmup, {name: pooled(runs, warmup) for name, runs in measured.items()})
+
+
+def pooled(runs: list[dict], warmup: int) -> dict:
+    """A contender's rounds as one row: its median over every round's timed steps (the machine's
+    slow spells fall on every contender alike, round after round), each round's median beside it,
+    and the first round's losses and the largest peak."""
+    first = runs[0]
+    if first.get("skipped"):
+        return first
+    timed = [seconds for run in runs for seconds in run["step_s"][warmup:]]
+    step_s = median(timed)
+    return {**first, "median_s": step_s, "round_medians_s": [run["median_s"] for run in runs],
+            "tokens_per_s": first["tokens_per_step"] / step_s,
+            "mfu": mfu(first["tokens_per_step"] / step_s, first["flops_per_token"], first["peak_tflops"], 1),
+            "peak_memory_bytes": max(run["peak_memory_bytes"] for run in runs)}
 
 
 def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
@@ -92,6 +114,7 @@ def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
     peer = peers[0]
     for row in peers:
         row["ratio"] = ours["median_s"] / row["median_s"]
+        row["round_ratios"] = [a / b for a, b in zip(ours["round_medians_s"], row["round_medians_s"])]
         row["max_loss_rel_diff_to_ours"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ours["losses"]))
     t = cfg.train
     return {"what": "throughput", "machine": machine(), "ours": ours, "peer": peer, "peers": peers,
@@ -100,6 +123,7 @@ def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
             "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
                       "grad_accum": t.grad_accum, "precision": t.precision, "compile": t.compile,
                       "steps": t.steps, "warmup": warmup, "timed_steps": t.steps - warmup,
+                      "rounds": len(ours["round_medians_s"]),
                       "tokens_per_step": ours["tokens_per_step"], "flops_per_token": ours["flops_per_token"],
                       "peak_tflops": ours["peak_tflops"], "device": ours["device"]}}
 
@@ -213,7 +237,8 @@ def format_table(result: dict) -> str:
     setup = result["setup"]
     lines = [f"{setup['model']}, seq {setup['seq_len']}, micro-batch {setup['micro_batch']} x {setup['grad_accum']}, "
              f"{setup['precision']}{', compiled' if setup['compile'] else ''}, on {setup['device']} "
-             f"({result['machine']}); median of {setup['timed_steps']} timed steps, each process its own",
+             f"({result['machine']}); median of {setup['timed_steps']} timed steps"
+             f"{' x ' + str(setup['rounds']) + ' rounds' if setup.get('rounds', 1) > 1 else ''}, each process its own",
              f"{'contender':<14}{'step s':>10}{'tokens/s':>12}{'MFU':>8}{'peak memory':>14}{'ours/it':>9}"
              f"{'loss diff':>11}"]
     for row in (result["ours"], *result["peers"]):
@@ -223,6 +248,9 @@ def format_table(result: dict) -> str:
         lines.append(f"{row['name']:<14}{row['median_s']:>10.4f}{row['tokens_per_s']:>12,.0f}{share:>8}"
                      f"{row['peak_memory_bytes'] / 2**20:>11,.0f} MiB{ratio:>9}{diff:>11}")
     lines.extend(f"{name}: left out, {why}" for name, why in result["skipped"].items())
+    if setup.get("rounds", 1) > 1:
+        lines.extend(f"ours/{row['name']} round by round: " + ", ".join(f"{r:.3f}" for r in row["round_ratios"])
+                     for row in result["peers"])
     lines.append(f"FLOPs per token 6N + 12 L d s = {setup['flops_per_token']:.4g}; MFU against "
                  + (f"{setup['peak_tflops']:g} TFLOP/s" if setup["peak_tflops"] else "no known peak (--peak-tflops)")
                  + f"; ratio {result['ratio']:.3f} = our median step / {result['peer']['name']}'s")

@@ -56,8 +56,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--layouts", default="core", metavar="core|all|A,B",
                        help="bench planner's layouts: one of each kind, every one the planner enumerates (hours "
                             "on a CPU), or the named ones of core (dp, zero1, tp-dp-sp, pp-interleaved, ...) [core]")
-    bench.add_argument("--rounds", type=int, default=2, metavar="R",
-                       help="bench planner: passes through the layouts, alternating them [2]")
+    bench.add_argument("--rounds", type=int, default=None, metavar="R",
+                       help="bench planner: passes through the layouts, alternating them [2]; bench throughput: "
+                            "runs of each contender, alternating them, pooled [1]")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_flags(bench)
     bench.set_defaults(handler=run)
@@ -104,12 +105,14 @@ def _measure(args: argparse.Namespace, cfg: Config, plot: Path):
     if args.what == "planner":
         from scaletrain.bench import planner
 
-        return planner.run(cfg, args.layouts, args.rounds, args.warmup), planner.format_table
+        return planner.run(cfg, args.layouts, 2 if args.rounds is None else args.rounds, args.warmup), \
+            planner.format_table
     if args.what == "techniques":
         return techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), techniques.format_table
     if args.what in ("dp", "zero", "tp", "pp", "adam", "throughput"):  # a race of the config alone
         race = importlib.import_module(f"scaletrain.bench.{args.what}")
-        return race.run(cfg, args.warmup), race.format_table
+        rounds = {"rounds": 1 if args.rounds is None else args.rounds} if args.what == "throughput" else {}
+        return race.run(cfg, args.warmup, **rounds), race.format_table
     if args.what == "load":
         from scaletrain.bench import load
 

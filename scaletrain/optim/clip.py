@@ -48,6 +48,29 @@ def _grouped(grads: Sequence[torch.Tensor]) -> list[tuple[tuple[torch.device, to
 
 
 @torch.no_grad()
+def global_grad_norm(counted: Sequence[torch.Tensor], *, comm: Comm, groups: Sequence[Group],
+                     device: torch.device) -> torch.Tensor:
+    """The whole model's gradient norm, the same on every rank: the squares of ``counted`` (the
+    gradients this rank counts, module docstring) summed over each of ``groups`` in turn. An inf or
+    a NaN in any counted element, on any rank, makes it inf or NaN everywhere (train/nonfinite.py
+    reads that as the step's check)."""
+    total = _square_sum(counted, device)
+    for group in groups:
+        if group.size > 1:
+            # one float per rank (its counted sum of squares), summed so every rank clips by the same norm
+            comm.all_reduce(total, group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def scale_to_norm(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))`` (nothing for an infinite ``max_norm``)."""
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for (where, dtype), same in _grouped(grads):
+            torch._foreach_mul_(same, coef.to(where, dtype))
+
+
 def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, counted: Sequence[torch.Tensor],
                     comm: Comm, groups: Sequence[Group], device: torch.device | None = None) -> torch.Tensor:
     """Scale ``grads`` (every gradient this rank holds) so the whole model's
@@ -56,15 +79,6 @@ def clip_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, counted: 
     squares are summed over each of ``groups`` in turn. ``device``: where the
     collectives run (default: the first gradient's; host gradients of an
     offloaded optimizer are summed on the accelerator)."""
-    device = device or grads[0].device
-    total = _square_sum(counted, device)
-    for group in groups:
-        if group.size > 1:
-            # one float per rank (its counted sum of squares), summed so every rank clips by the same norm
-            comm.all_reduce(total, group)
-    total = total.sqrt()
-    if math.isfinite(max_norm):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for (where, dtype), same in _grouped(grads):
-            torch._foreach_mul_(same, coef.to(where, dtype))
+    total = global_grad_norm(counted, comm=comm, groups=groups, device=device or grads[0].device)
+    scale_to_norm(grads, max_norm, total)
     return total

@@ -118,6 +118,8 @@ class Layout:
         self.delayed = delayed_update(parallel.pp_schedule, self.model,
                                       self.pipeline.versions if self.pipeline else None)
         self.norm_counted = self._counted_for_norm()
+        counted = {id(t) for t in self.norm_counted}
+        self.norm_uncounted = [t for t in self.step_params if id(t) not in counted]  # copies: checked apart
         # Over these groups the counted gradients add up to the whole model's, each element once: ZeRO's
         # group (with ep, the dense one, which spans the ep ranks' different experts too), or else ep.
         self.norm_groups = [self.tp_group, self.pp_group, self.zero.group if self.zero else self.ep_group]

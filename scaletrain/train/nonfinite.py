@@ -10,6 +10,15 @@ masters, after the gradient synchronisation), and one all-reduce of a flag
 
     found = max over ranks r of  [loss_r or any g in grads_r is inf or NaN]
 
+The gradients are checked without a pass of their own: the model's gradient
+norm, which the clipping computes anyway (optim/clip.py), sums the squares of
+every element of every gradient some rank counts, so an inf or a NaN in any
+of them makes it inf or NaN on every rank. What no rank's norm counts (a
+weight's copy that tensor parallelism replicates, on the ranks past the first;
+a tied embedding's copy on the last stage) is checked apart. A norm past fp32's
+range (gradients of 1e19) is read as not finite too: clipping by it would have
+zeroed the step.
+
 fp16's loss scaler finds overflows this way (techniques/precision.py: the same flag,
 read from its unscaling pass). ``--on-nan skip`` applies its rule, leave
 the update out, to every precision; ``--on-nan stop`` ends the run before
@@ -29,11 +38,13 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.mesh import Group
 
 
-def local_flag(loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    """1.0 where ``loss`` or any of ``grads`` holds an inf or a NaN, else 0.0 (on the loss's device)."""
+def local_flag(loss: torch.Tensor, grads: list[torch.Tensor], norm: torch.Tensor | None = None) -> torch.Tensor:
+    """1.0 where ``loss``, the gradient ``norm`` (module docstring) or any of ``grads`` holds an inf
+    or a NaN, else 0.0 (on the loss's device)."""
     # Max-abs per gradient, where it lives (host memory when offloaded): inf and NaN propagate.
     peaks = [peak.to(loss.device) for peak in torch._foreach_norm(grads, math.inf)] if grads else []
-    values = torch.stack([loss.detach().float().reshape(()), *[p.float() for p in peaks]])
+    norms = [] if norm is None else [norm.to(loss.device)]
+    values = torch.stack([loss.detach().float().reshape(()), *[p.float().reshape(()) for p in [*norms, *peaks]]])
     return (~torch.isfinite(values)).any().float()
 
 

@@ -50,7 +50,7 @@ from scaletrain.finetune.sliced import FolderSource
 from scaletrain.models.moe import auxiliary_loss, moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import run_lr
-from scaletrain.optim.clip import clip_grad_norm_
+from scaletrain.optim.clip import global_grad_norm, scale_to_norm
 from scaletrain.parallel.pipeline.partition import Stage
 from scaletrain.parallel.pipeline.runtime import timer
 from scaletrain.parallel.pipeline.schedules import Span
@@ -295,19 +295,21 @@ class Stepper:
             poison(layout.named_step_tensors(), name)
         if not self.faults.skips(step + 1):  # a desync on purpose (runtime/faults.py)
             self.comm.all_reduce(loss_sum, layout.replicas.dense, op="avg")  # one float: the global batch's loss
-        # Every rank skips (or stops) together (train/nonfinite.py); fp16's unscaling pass checks the gradients.
-        grads = [p.grad for p in layout.step_params if p.grad is not None]
         overflow = self.scaler.unscale_(layout.step_params).to(self.device)
-        flag = local_flag(loss_sum, [] if self.scaler.enabled else grads).maximum(overflow)
+        grad_norm = global_grad_norm([p.grad for p in layout.norm_counted if p.grad is not None], comm=self.comm,
+                                     groups=layout.norm_groups, device=self.device)
+        # Every rank skips (or stops) together (train/nonfinite.py): the norm checks every gradient it
+        # counts, the copies it does not are checked apart; fp16's unscaling pass checks them all.
+        apart = [p.grad for p in layout.norm_uncounted if p.grad is not None]
+        flag = local_flag(loss_sum, [] if self.scaler.enabled else apart,
+                          None if self.scaler.enabled else grad_norm).maximum(overflow)
         late = self._reads_flag_late
         flag = agreed_flag(flag, self.comm, self.mesh.group("world"))  # one number over the world: the max
         skip = False if late else bool(flag.item())
         if skip and self.on_nan == "stop":
             raise self._nonfinite_stop(step + 1, loss_sum.item())
-        grad_norm = clip_grad_norm_([p.grad for p in layout.step_params if p.grad is not None],
-                                    t.grad_clip if t.grad_clip > 0 else math.inf,
-                                    counted=[p.grad for p in layout.norm_counted if p.grad is not None],
-                                    comm=self.comm, groups=layout.norm_groups, device=self.device)
+        scale_to_norm([p.grad for p in layout.step_params if p.grad is not None],
+                      t.grad_clip if t.grad_clip > 0 else math.inf, grad_norm)
         if lr is None:
             lr = run_lr(step, t)
         for group in layout.optimizer.param_groups:

@@ -110,6 +110,11 @@ class TrainConfig:
                                    choices=("logits", "chunked"))
     compile: bool = option(False, "compile every transformer block with torch.compile (the first steps "
                                   "pay the compile time)")
+    compile_mode: str = option("default", "how --compile compiles: Inductor's kernels, or with reduce-overhead "
+                                          "also each block's forward and backward replayed as CUDA graphs "
+                                          "(one launch for a block's kernels: for small, launch-bound models; "
+                                          "static shapes only)",
+                               choices=("default", "reduce-overhead"))
     peak_tflops: str | None = option(None, "peak FLOP/s of one device for MFU, in TFLOP/s, or 'measure' "
                                            "(default: known GPUs from a table, otherwise MFU is n/a)")
     on_nan: str | None = option(None, "a step whose loss or gradients are not finite on any rank: skip it on "

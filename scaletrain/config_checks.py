@@ -55,6 +55,7 @@ def check_values(cfg: Config) -> None:
     _check_peak(cfg.train.peak_tflops)
     _check_adapter(cfg)
     _check_chat(cfg)
+    _check_cuda_graphs(cfg)
     check_eval_tasks(cfg.train)
 
 
@@ -337,6 +338,30 @@ def _check_context(cfg: Config) -> None:
     if cfg.train.compile:
         raise UserError(f"--compile cannot capture ring attention's point-to-point hops, which --cp {cp} "
                         f"puts in every block; drop --compile.")
+
+
+def _check_cuda_graphs(cfg: Config) -> None:
+    """What a CUDA graph replay cannot follow (techniques/compile.py): one sentence for each."""
+    t, p = cfg.train, cfg.parallel
+    if t.compile_mode == "default":
+        return
+    if not t.compile:
+        raise UserError(f"--compile-mode {t.compile_mode} says how --compile compiles; add --compile.")
+    why = next((reason for given, reason in (
+        (cfg.data.pack, "--pack gives each micro-batch its own documents' mask, and a graph replays the one it "
+                        "recorded"),
+        (p.pp > 1, f"--pp {p.pp} keeps several micro-batches in flight through a block, and each replay writes "
+                   "into the outputs the one before still needs"),
+        (p.zero == 3, "--zero 3 gathers each block's weights into fresh storage every step, and a graph reads the "
+                      "addresses it recorded"),
+        (p.tp > 1 or p.ep > 1, "tensor and expert parallelism communicate inside every block, and a replay would "
+                               "run their collectives unseen by the communication ledger"),
+        (cfg.model.moe_experts > 0, "a mixture of experts reads its routing's counts on the host inside each "
+                                    "block, a sync a graph cannot hold"),
+    ) if given), None)
+    if why:
+        raise UserError(f"--compile-mode {t.compile_mode} replays each block as a CUDA graph, but {why}; drop "
+                        f"--compile-mode {t.compile_mode} (plain --compile still fuses the block's kernels).")
 
 
 def _check_experts(cfg: Config) -> None:

@@ -150,7 +150,7 @@ class Layout:
             if self.train.recompute != "none":
                 apply_recompute(self.model, self.train.recompute, blocks)
             if self.train.compile:
-                compile_blocks(self.model, blocks)
+                compile_blocks(self.model, blocks, self.train.compile_mode)
 
     def blocks(self) -> list[nn.Module]:
         """The model's repeated blocks: the plan's stack, or every layer of its module lists."""

@@ -58,6 +58,7 @@ from scaletrain.runtime.comm import Comm
 from scaletrain.runtime.faults import Faults, poison
 from scaletrain.runtime.mesh import Mesh
 from scaletrain.runtime.rng import reseed
+from scaletrain.techniques.compile import mark_step
 from scaletrain.techniques.compress_activations import ActivationCompression
 from scaletrain.techniques.precision import DynamicLossScaler, autocast
 from scaletrain.train import checkpoint as ckpt
@@ -174,6 +175,8 @@ class Stepper:
             self._measured_step = step + 1 if step + 1 < self.train.steps else step
         self._step_under_way = step
         reseed(step_seed(self.train.seed, step, self.layout.dropout_rank(self.mesh.rank)), self.device)
+        if self.train.compile and self.train.compile_mode == "reduce-overhead":
+            mark_step()  # the last step's graph outputs may be overwritten (techniques/compile.py)
         if not self.layout.model.training:  # set back after an evaluation: a walk over every module
             self.layout.model.train()
 

@@ -19,14 +19,22 @@ not the rest), with nothing but the machine's own torch, Triton and transformers
                compiled: tokens per second, and their ratio (``--rows fp8`` runs it alone)
 
 and writes OUT/figures.json (every command, its seconds, exit code and JSON) and OUT/figures.md
-(the tables), rewritten after every row. ``--budget SECONDS`` bounds the whole (470 s on a GPU
-by default): the rows run headline first (the throughputs, the profile after the first), and
-those the budget cannot reach are recorded as skipped; ``--rows tinyllama,gpt2`` runs only the
-rows whose names hold one of the words. On one H200 the rows took: tinyllama throughput
-200-240 s (three compilations), the profile 31-38 s, gpt2 eager 50 s, the planner 27 s, the
-three kernel benches 53 s; the rest did not fit in the first two runs' budgets. ``--tiny`` runs
-the same on tiny models with fp32 and no compilation: the dry run a CPU machine can make (the
-Triton benches then need TRITON_INTERPRET=1, which it sets).
+(the tables), rewritten after every row. Each row carries an estimate of its seconds on one
+H200: measured where the first two runs (2026-11-27) ran it (tinyllama's three-contender
+throughput 200-240 s, the profile 31-38 s, gpt2 eager 50 s, the planner 27 s, the three kernel
+benches 53 s), else by its compilations (about a minute for each contender's) and steps. The
+rows come in two tiers, each planned to fit one call of ``--budget SECONDS`` (470 s, under
+eight minutes with start-up): the goals' rows (tinyllama's throughput and its profile,
+compiled gpt2-124m's MFU with ours alone, packed against unpacked, fp8 against bf16 compiled)
+by default, 460 s by their estimates; the rest with ``--more``, 395 s. The plan, each row's
+estimate and the running total, is printed first (``--plan`` prints it alone); a row whose
+estimate is over what is left of the budget is recorded as skipped rather than started, and
+each row's time limit is cut to what is left. Inductor's compiled kernels are kept in
+OUT/inductor-cache, so the profile reuses the headline's and a second call or a rerun after a
+fix compiles only what changed. ``--rows tinyllama,gpt2`` runs only the rows whose names hold
+one of the words, of either tier. ``--tiny`` runs every row on tiny models with fp32 and no
+compilation: the dry run a CPU machine can make (the Triton benches then need
+TRITON_INTERPRET=1, which it sets).
 """
 
 from __future__ import annotations
@@ -47,30 +55,44 @@ ROOT = Path(__file__).resolve().parent.parent  # this checkout: importable witho
 sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
 
-# (row, arguments after `scaletrain`, time limit in seconds), on a GPU and in the dry run
-GPU = [  # the headline first: a budget that runs out drops the rows at the end
+# (row, arguments after `scaletrain`, time limit in seconds, estimate on one H200 in seconds, tier) on a GPU,
+# and in the dry run; tier 1: the rows the goals need (docs/performance.md), run first and by default; tier 2
+# (--more): the rest. The estimates: the rows' times on 2026-11-27's two H200 runs where measured, else by
+# their compilations (about 60 s for a model's, its contenders each their own) and steps.
+GPU = [
     ("throughput tinyllama-1.1b", ["bench", "throughput", "--model", "tinyllama-1.1b", "--seq-len", "2048",
-                                   "--micro-batch", "4", "--precision", "bf16", "--compile", "--steps", "20",
-                                   "--warmup", "8"], 330),
+                                   "--micro-batch", "4", "--precision", "bf16", "--compile", "--steps", "16",
+                                   "--warmup", "6"], 300, 220, 1),
+    # the goal is its MFU: ours alone, one compilation
     ("throughput gpt2-124m", ["bench", "throughput", "--model", "gpt2-124m", "--seq-len", "1024", "--micro-batch", "16",
-                              "--precision", "bf16", "--compile", "--steps", "20", "--warmup", "5"], 150),
+                              "--precision", "bf16", "--compile", "--steps", "20", "--warmup", "5", "--peers", ""],
+     120, 60, 1),
+    ("throughput gpt2-124m reduce-overhead", ["bench", "throughput", "--model", "gpt2-124m", "--seq-len", "1024",
+                                              "--micro-batch", "16", "--precision", "bf16", "--compile",
+                                              "--compile-mode", "reduce-overhead", "--steps", "20", "--warmup", "5",
+                                              "--peers", ""], 120, 60, 2),
     ("throughput llama3.2-1b", ["bench", "throughput", "--model", "llama3.2-1b", "--seq-len", "2048",
-                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"], 150),
-    ("adam", ["bench", "adam"], 60),
-    ("softmax", ["bench", "softmax"], 60),
-    ("cross-entropy", ["bench", "cross-entropy"], 60),
+                                "--micro-batch", "4", "--precision", "bf16", "--steps", "15", "--warmup", "5"],
+     150, 60, 2),
+    ("adam", ["bench", "adam"], 60, 20, 2),
+    ("softmax", ["bench", "softmax"], 60, 15, 2),
+    ("cross-entropy", ["bench", "cross-entropy"], 60, 20, 2),
     ("ladder", ["bench", "finetune", "--model", "tinyllama-1.1b", "--seq-len", "1024", "--micro-batch", "4",
-                "--steps", "4", "--warmup", "2", "--rungs", "full,bf16-mixed,pure-bf16,adamw8bit,recompute"], 240),
+                "--steps", "4", "--warmup", "2", "--rungs", "full,bf16-mixed,pure-bf16,adamw8bit,recompute"],
+     240, 120, 2),
 ]
 TINY = [
     ("throughput llama-tiny", ["bench", "throughput", "--model", "llama-tiny", "--seq-len", "64", "--micro-batch", "2",
-                               "--steps", "4", "--warmup", "1"], 300),
+                               "--steps", "4", "--warmup", "1"], 300, 0, 1),
     ("throughput gpt-tiny", ["bench", "throughput", "--model", "gpt-tiny", "--seq-len", "64", "--micro-batch", "2",
-                             "--steps", "4", "--warmup", "1"], 300),
-    ("adam", ["bench", "adam"], 300),
+                             "--steps", "4", "--warmup", "1", "--peers", ""], 300, 0, 1),
+    ("adam", ["bench", "adam"], 300, 0, 2),
     ("ladder", ["bench", "finetune", "--model", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "3",
-                "--warmup", "1", "--rungs", "full,recompute"], 300),
+                "--warmup", "1", "--rungs", "full,recompute"], 300, 0, 2),
 ]
+# the rows of their own, after the throughputs: (row, time limit, estimate on one H200, tier)
+OWN_ROWS = [("profile", 240, 40, 1), ("packing", 200, 70, 1), ("fp8", 240, 70, 1), ("fp8 eager", 200, 50, 2),
+            ("planner", 240, 30, 2), ("gemm", 40, 20, 2)]
 PACKED = {"gpu": ("tinyllama-1.1b", 2048, 4, 12), "tiny": ("llama-tiny", 64, 2, 6)}  # model, seq, micro, steps
 PLANNED = {"gpu": ("gpt2-124m", 1024, 8), "tiny": ("gpt-tiny", 64, 4)}  # model, seq, micro-batch
 # Llama 3 8B's matrix shapes cut to the layers one GPU holds: model, layers, seq, micro-batch, steps
@@ -136,22 +158,23 @@ def _race(row: str, runs: dict[str, list[str]], limit: float, work: Path) -> tup
     return result, rates
 
 
-def fp8_row(size: str, limit: float, work: Path) -> dict:
-    """``--precision fp8`` against bf16 (both over fp32 masters) on Llama 3 8B's shapes, eager and
-    compiled, each run in a process of its own (techniques/fp8.py; the tiny dry run: eager only)."""
+def fp8_row(size: str, limit: float, work: Path, compiled: bool = True, row: str = "fp8") -> dict:
+    """``--precision fp8`` against bf16 (both over fp32 masters) on Llama 3 8B's shapes, compiled (or
+    eager), each run in a process of its own (techniques/fp8.py; the tiny dry run: eager only)."""
     model, layers, seq, micro, steps = FP8[size]
     shape = ["--model", model, "--n-layers", str(layers), "--seq-len", str(seq), "--micro-batch", str(micro),
              "--steps", str(steps), "--param-dtype", "bf16"]
+    compiled = compiled and size == "gpu"
     runs = {precision + (" compiled" if compiled else ""): [*shape, "--precision", precision,
                                                             *(["--compile"] if compiled else [])]
-            for compiled in ((False, True) if size == "gpu" else (False,)) for precision in ("bf16", "fp8")}
-    result, rates = _race("fp8", runs, limit, work)
+            for precision in ("bf16", "fp8")}
+    result, rates = _race(row, runs, limit, work)
     if result["rc"] == 0:
         ratios = {kind: rates[f"fp8{kind}"] / rates[f"bf16{kind}"]
                   for kind in ("", " compiled") if f"fp8{kind}" in rates}
         result["json"] = {"model": model, "n_layers": layers, "seq_len": seq, "micro_batch": micro,
                           "tokens_per_s": rates, "ratio": ratios}
-    print(f"fp8: {result['rc']} in {result['seconds']} s", flush=True)
+    print(f"{row}: {result['rc']} in {result['seconds']} s", flush=True)
     return result
 
 
@@ -337,8 +360,8 @@ def _headline(result: dict) -> str:
     if result["row"].startswith("throughput"):
         ours = figures["ours"]
         share = "n/a" if ours["mfu"] is None else f"{ours['mfu']:.1%}"
-        return (f"{ours['tokens_per_s']:,.0f} tokens/s, MFU {share}, "
-                f"ratio {figures['ratio']:.3f} to {figures['peer']['name']}")
+        return (f"{ours['tokens_per_s']:,.0f} tokens/s, MFU {share}"
+                + (f", ratio {figures['ratio']:.3f} to {figures['peer']['name']}" if figures["peer"] else ""))
     if result["row"] == "planner":
         predicted = figures["predicted"]["memory_bytes"]
         counted = predicted["params"] + predicted["grads"] + predicted["optimizer"] + predicted["activations"]
@@ -366,47 +389,80 @@ def _headline(result: dict) -> str:
     return "" if ratio is None else f"ratio {ratio:.3f} (ours / {peer})"
 
 
+def jobs_for(size: str, tier: int | None) -> list[tuple[str, Callable[[float, Path], dict], float, float]]:
+    """The rows to run, in order (the throughputs, the headline first and the profile right after it, then
+    the rows of their own), each with its job, time limit and estimate; ``tier``: only that tier's."""
+    own = {"profile": functools.partial(profile_row, size), "packing": functools.partial(packing, size),
+           "fp8": functools.partial(fp8_row, size), "fp8 eager": functools.partial(fp8_row, size, compiled=False,
+                                                                                 row="fp8 eager"),
+           "planner": functools.partial(planner_check, size), "gemm": functools.partial(gemm_sweep, size)}
+    if size == "tiny":  # the dry run compiles nothing: its fp8 row is eager already
+        own.pop("fp8 eager")
+    rows = [(row, functools.partial(run, row, command), limit, estimate, level)
+            for row, command, limit, estimate, level in (TINY if size == "tiny" else GPU)]
+    limit, estimate, level = OWN_ROWS[0][1:]
+    rows[1:1] = [("profile", own.pop("profile"), limit, 0 if size == "tiny" else estimate, level)]
+    after_throughput = 1 + max(i for i, (row, *_) in enumerate(rows) if row.startswith("throughput"))
+    rows[after_throughput:after_throughput] = [(row, own[row], limit, 0 if size == "tiny" else estimate, level)
+                                               for row, limit, estimate, level in OWN_ROWS if row in own]
+    return [(row, job, limit, estimate) for row, job, limit, estimate, level in rows if tier in (None, level)]
+
+
+def plan_lines(jobs: list, budget: float) -> list[str]:
+    """Each row's estimate and the running total against ``budget``: what the run expects to fit."""
+    lines, total = [], 0.0
+    for row, _, _, estimate in jobs:
+        total += estimate
+        lines.append(f"{row:<40}{estimate:>6.0f} s{total:>8.0f} s{'' if total <= budget else '  over the budget'}")
+    return [*lines, f"by its estimates: {total:.0f} s of the {budget:.0f} s budget"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="folder for figures.json and figures.md")
     parser.add_argument("--tiny", action="store_true", help="tiny models, fp32, no compilation: a CPU dry run")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole (default: 470 on a GPU, none with --tiny): a row that would start "
-                             "with under 30 s left is skipped, and each row's time limit is cut to what is left")
+                        help="seconds for the whole (default: 470 on a GPU, none with --tiny): a row whose estimate "
+                             "is over what is left is skipped, and each row's time limit is cut to what is left")
+    parser.add_argument("--more", action="store_true",
+                        help="the second call's rows: those the goals do not need (tier 2); the default runs the "
+                             "goals' rows (tier 1), the dry run both")
     parser.add_argument("--rows", default=None,
                         help="run only the rows whose names contain one of these comma-separated words "
-                             "(such as tinyllama,gpt2,profile)")
+                             "(such as tinyllama,gpt2,profile), of either tier")
+    parser.add_argument("--plan", action="store_true", help="print the rows and their estimates, run nothing")
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the profile row's own process
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out.resolve()
     size = "tiny" if args.tiny else "gpu"
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.profile:
-        print(json.dumps(profile(size, out)))  # out: the working folder its parent gave
+        print(json.dumps(profile(size, args.out.resolve())))  # out: the working folder its parent gave
         return 0
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     budget = args.budget if args.budget is not None else (float("inf") if args.tiny else GPU_BUDGET_S)
-    deadline = time.monotonic() + budget
-    jobs = [(row, functools.partial(run, row, command), limit) for row, command, limit in (TINY if args.tiny else GPU)]
-    jobs.insert(1, ("profile", functools.partial(profile_row, size), 240))  # what to fix, right after the headline
-    after_throughput = 1 + max(i for i, (row, _, _) in enumerate(jobs) if row.startswith("throughput"))
-    jobs[after_throughput:after_throughput] = [("packing", functools.partial(packing, size), 200),
-                                               ("planner", functools.partial(planner_check, size), 240),
-                                               ("gemm", functools.partial(gemm_sweep, size), 40),
-                                               ("fp8", functools.partial(fp8_row, size), 240)]
+    jobs = jobs_for(size, None if args.tiny or args.rows else 2 if args.more else 1)
     if args.rows:
         wanted = [name.strip() for name in args.rows.split(",")]
         jobs = [job for job in jobs if any(name in job[0] for name in wanted)]
+    print("\n".join(plan_lines(jobs, budget)), flush=True)
+    if args.plan:
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+    # Inductor's compiled kernels kept beside the figures: the profile row reuses the headline's, and a
+    # second call or a rerun on the same machine (after a fix) pays only for what changed
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor-cache"))
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    deadline = time.monotonic() + budget
     results = []
     work = Path(tempfile.mkdtemp(prefix="gpu-figures-"))  # the runs' folders and caches, apart from the two files
-    for row, job, limit in jobs:
+    for row, job, limit, estimate in jobs:
         left = deadline - time.monotonic()
-        if left < 30:
-            results.append({"row": row, "rc": None, "seconds": 0, "error": "skipped: the budget ran out"})
+        if left < max(30, estimate):
+            results.append({"row": row, "rc": None, "seconds": 0,
+                            "error": f"skipped: its estimate of {estimate:.0f} s is over the {left:.0f} s left"})
         else:
             results.append(job(min(limit, left), work))
         # written after every row, so a run stopped from outside keeps what it measured

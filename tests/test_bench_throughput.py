@@ -51,6 +51,7 @@ def test_ours_a_plain_loop_and_transformers_on_equal_work(corpus, tmp_path, monk
     (("--warmup", "4"), "--warmup 4 leaves no timed step"),
     (("--sft",), "drop --sft and --pack"),
     (("--rounds", "0"), "--rounds must be at least 1, not 0"),
+    (("--peers", "plain,hf"), "--peers names hf; choose among plain and transformers"),
 ])
 def test_what_it_cannot_measure_is_one_sentence(corpus, tmp_path, monkeypatch, capsys, flags, sentence):
     monkeypatch.chdir(tmp_path)

@@ -221,6 +221,41 @@ def test_rope_sees_positions_through_its_module():
     assert not any("rope" in name for name in model.state_dict())
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["windows", "packed"])
+def test_the_rotary_table_is_computed_once_and_read_bit_for_bit(packed):
+    """The model's cos and sin table (one per length and device, kept across forwards) gives every block
+    exactly the angles each would compute for itself, for plain windows and packed documents, in the
+    logits and in every gradient; a sequence past the run's length gets a table of its own, not kept."""
+    torch.manual_seed(0)
+    model = Llama(LLAMA_SPEC.configure(model_cfg(name="llama-tiny"), 64, SEQ))
+    idx = torch.randint(64, (2, SEQ))
+    documents = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7]) if packed else None
+
+    def blocks_computing_their_own(ids: torch.Tensor) -> torch.Tensor:
+        x = model.embed(ids, documents)
+        for block in model.blocks:
+            x = block(x, *(() if documents is None else (documents,)))
+        return model.unembed(x)
+
+    results = []
+    for forward in (lambda: model(idx, documents=documents), lambda: blocks_computing_their_own(idx)):
+        model.zero_grad(set_to_none=True)
+        logits = forward()
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (table_logits, table_grads), (own_logits, own_grads) = results
+    assert torch.equal(table_logits, own_logits)
+    assert all(torch.equal(a, b) for a, b in zip(table_grads, own_grads))
+    first = model.position_table(SEQ, idx.device)
+    assert first[0].shape == (SEQ, model.cfg.head_dim) and len(model._tables) == 1
+    with torch.no_grad():
+        model(idx[:, :5])
+    assert model.position_table(SEQ, idx.device) is first and len(model._tables) == 1  # one table, every step
+    longer = model.position_table(SEQ + 4, idx.device)
+    assert longer[0].shape[0] == SEQ + 4 and len(model._tables) == 1
+    assert torch.equal(longer[0][:SEQ], first[0]) and torch.equal(longer[1][:SEQ], first[1])
+
+
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     layer.weight.data, layer.bias = weight, bias if bias is None else torch.nn.Parameter(bias)

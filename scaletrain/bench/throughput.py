@@ -63,10 +63,13 @@ CONTENDERS = ("scaletrain", "plain", "transformers")
 OURS, PLAIN, HF = CONTENDERS
 
 
-def check(cfg: Config, warmup: int, rounds: int = 1) -> None:
+def check(cfg: Config, warmup: int, rounds: int = 1, peers: tuple[str, ...] = (PLAIN, HF)) -> None:
     """What bench throughput cannot measure, in one sentence, before any process starts."""
     if rounds < 1:
         raise UserError(f"--rounds must be at least 1, not {rounds}.")
+    unknown = [name for name in peers if name not in (PLAIN, HF)]
+    if unknown:
+        raise UserError(f"--peers names {', '.join(unknown)}; choose among {PLAIN} and {HF} (or none: '').")
     if cfg.parallel.nproc > 1 or detect_environment().world_size > 1:
         raise UserError("bench throughput measures one device's step; drop --nproc and run it in one process.")
     if cfg.model.name == CLASSIFIER:
@@ -79,15 +82,16 @@ def check(cfg: Config, warmup: int, rounds: int = 1) -> None:
                         f"raise --steps or lower --warmup.")
 
 
-def run(cfg: Config, warmup: int, rounds: int = 1) -> dict:
-    """Each contender in a process of its own, one after another, ``rounds`` times (in an order
-    rotated each round); the bench JSON of all three."""
-    check(cfg, warmup, rounds)
+def run(cfg: Config, warmup: int, rounds: int = 1, peers: tuple[str, ...] = (PLAIN, HF)) -> dict:
+    """Ours and each of ``peers`` in a process of its own, one after another, ``rounds`` times (in an
+    order rotated each round); the bench JSON of them all (no peers: ours alone, its MFU)."""
+    check(cfg, warmup, rounds, peers)
     cfg = cfg.replace(nproc=1, sample_tokens=0, eval_every=0, progress=False, checkpoint_every=0)
     prepared = prepare_data(cfg, cache_dir=Path(cfg.data.cache_dir))
-    measured: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
+    racing = [name for name in CONTENDERS if name == OURS or name in peers]
+    measured: dict[str, list[dict]] = {name: [] for name in racing}
     for round_ in range(rounds):
-        for name in rotated(CONTENDERS, round_):
+        for name in rotated(racing, round_):
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
                 measured[name].append(process.submit(measure, name, cfg, prepared, warmup).result())
     return report(cfg, warmup, {name: pooled(runs, warmup) for name, runs in measured.items()})
@@ -110,8 +114,8 @@ def pooled(runs: list[dict], warmup: int) -> dict:
 
 def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
     ours = rows[OURS]
-    peers = [rows[name] for name in (HF, PLAIN) if rows[name].get("skipped") is None]
-    peer = peers[0]
+    peers = [rows[name] for name in (HF, PLAIN) if name in rows and rows[name].get("skipped") is None]
+    peer = peers[0] if peers else None
     for row in peers:
         row["ratio"] = ours["median_s"] / row["median_s"]
         row["round_ratios"] = [a / b for a, b in zip(ours["round_medians_s"], row["round_medians_s"])]
@@ -119,9 +123,10 @@ def report(cfg: Config, warmup: int, rows: dict[str, dict]) -> dict:
     t = cfg.train
     return {"what": "throughput", "machine": machine(), "ours": ours, "peer": peer, "peers": peers,
             "skipped": {name: row["skipped"] for name, row in rows.items() if row.get("skipped")},
-            "ratio": ours["median_s"] / peer["median_s"],
+            "ratio": ours["median_s"] / peer["median_s"] if peer else None,
             "setup": {"model": cfg.model.name, "seq_len": cfg.data.seq_len, "micro_batch": t.micro_batch,
                       "grad_accum": t.grad_accum, "precision": t.precision, "compile": t.compile,
+                      "compile_mode": t.compile_mode,
                       "steps": t.steps, "warmup": warmup, "timed_steps": t.steps - warmup,
                       "rounds": len(ours["round_medians_s"]),
                       "tokens_per_step": ours["tokens_per_step"], "flops_per_token": ours["flops_per_token"],
@@ -233,10 +238,16 @@ def _plain_loop(model: nn.Module, cfg: Config, prepared: PreparedData, device: t
     return step
 
 
+def _mode(setup: dict) -> str:
+    """How ours compiled, where not as the plain loop does."""
+    mode = setup.get("compile_mode", "default")
+    return f" ({mode})" if setup["compile"] and mode != "default" else ""
+
+
 def format_table(result: dict) -> str:
     setup = result["setup"]
     lines = [f"{setup['model']}, seq {setup['seq_len']}, micro-batch {setup['micro_batch']} x {setup['grad_accum']}, "
-             f"{setup['precision']}{', compiled' if setup['compile'] else ''}, on {setup['device']} "
+             f"{setup['precision']}{', compiled' if setup['compile'] else ''}{_mode(setup)}, on {setup['device']} "
              f"({result['machine']}); median of {setup['timed_steps']} timed steps"
              f"{' x ' + str(setup['rounds']) + ' rounds' if setup.get('rounds', 1) > 1 else ''}, each process its own",
              f"{'contender':<14}{'step s':>10}{'tokens/s':>12}{'MFU':>8}{'peak memory':>14}{'ours/it':>9}"
@@ -253,5 +264,6 @@ def format_table(result: dict) -> str:
                      for row in result["peers"])
     lines.append(f"FLOPs per token 6N + 12 L d s = {setup['flops_per_token']:.4g}; MFU against "
                  + (f"{setup['peak_tflops']:g} TFLOP/s" if setup["peak_tflops"] else "no known peak (--peak-tflops)")
-                 + f"; ratio {result['ratio']:.3f} = our median step / {result['peer']['name']}'s")
+                 + (f"; ratio {result['ratio']:.3f} = our median step / {result['peer']['name']}'s"
+                    if result["peer"] else "; no peer raced (--peers '')"))
     return "\n".join(lines)

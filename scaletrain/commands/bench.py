@@ -59,6 +59,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--rounds", type=int, default=None, metavar="R",
                        help="bench planner: passes through the layouts, alternating them [2]; bench throughput: "
                             "runs of each contender, alternating them, pooled [1]")
+    bench.add_argument("--peers", default="plain,transformers", metavar="A,B",
+                       help="bench throughput: the peers raced beside ours, of plain and transformers ('': ours "
+                            "alone, its MFU) [plain,transformers]")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_flags(bench)
     bench.set_defaults(handler=run)
@@ -111,7 +114,8 @@ def _measure(args: argparse.Namespace, cfg: Config, plot: Path):
         return techniques.run(cfg, techniques.parse_selection(args.techniques), args.warmup), techniques.format_table
     if args.what in ("dp", "zero", "tp", "pp", "adam", "throughput"):  # a race of the config alone
         race = importlib.import_module(f"scaletrain.bench.{args.what}")
-        rounds = {"rounds": 1 if args.rounds is None else args.rounds} if args.what == "throughput" else {}
+        rounds = {"rounds": 1 if args.rounds is None else args.rounds,
+                  "peers": tuple(word for word in args.peers.split(",") if word)} if args.what == "throughput" else {}
         return race.run(cfg, args.warmup, **rounds), race.format_table
     if args.what == "load":
         from scaletrain.bench import load

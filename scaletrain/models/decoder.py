@@ -24,6 +24,7 @@ documents too.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +97,10 @@ class PreNormBlock(nn.Module):
         else:
             self.mlp = feed_forward
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), documents)
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None, table: Any = None) -> torch.Tensor:
+        """``table``: what the model computes once per forward for every block's attention to read
+        (`Decoder.position_table`), passed on where there is one."""
+        x = x + self.attn(self.ln1(x), *((documents,) if table is None else (documents, table)))
         feed_forward = self.moe if hasattr(self, "moe") else self.mlp
         return x + feed_forward(self.ln2(x))
 
@@ -108,6 +111,17 @@ class Decoder(nn.Module):
 
     def embed(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def position_table(self, s: int, device: torch.device) -> Any:
+        """What every block's attention reads of the positions, for sequences of ``s``, computed
+        once and handed to each block (a family's rotary angles); None where the blocks need none."""
+        return None
+
+    def block_extras(self, s: int, device: torch.device, documents: torch.Tensor | None) -> tuple:
+        """The arguments after ``x`` of every block's call for a micro-batch of ``s`` positions: its
+        documents where packed, and the model's `position_table` where it has one."""
+        table = self.position_table(s, device)
+        return (documents, table) if table is not None else () if documents is None else (documents,)
 
     def init_weights(self, n_layers: int) -> None:
         """GPT-2's initialization (Radford et al. 2019): N(0, 0.02) for linear and embedding
@@ -130,8 +144,9 @@ class Decoder(nn.Module):
         head itself (a fused head and cross-entropy never holds the logits whole);
         ``documents``: the rows are packed (module docstring)."""
         x = self.embed(idx, documents)
+        extras = self.block_extras(idx.shape[1], idx.device, documents)
         for block in self.blocks:
-            x = block(x, documents)
+            x = block(x, *extras)
         return self.unembed(x) if logits else self.ln_f(x)
 
     @torch.no_grad()

@@ -17,7 +17,14 @@ features (i, i + d/2) turned by the angle p * f_i, with
     f_i = theta ^ (-2i / d),  i = 0 .. d/2 - 1  (d the head dim, theta 10000 or the model's)
     rope(x) = x * cos(p f) + rotate_half(x) * sin(p f),  rotate_half([x1, x2]) = [-x2, x1]
 
-so a score q_m . k_n depends on the positions only through m - n. Pairing
+so a score q_m . k_n depends on the positions only through m - n. The angles'
+cos and sin are one table per model and device, [P, d] over positions 0 .. P-1
+(P the run's sequence length, or a longer sequence's), computed once and handed
+to every block (``Llama.position_table``), whose rotary module reads its
+positions' rows: a compiled block then reads cos and sin, where computing them
+inside the block would let the compiler recompute them for every element of q
+and k (the GPU profile's 6.8 ms of a tinyllama step, docs/performance.md).
+The rows are the angles the formula gives, bit for bit. Pairing
 feature i with i + d/2 (two halves, not neighbours) is the layout of the Hugging
 Face checkpoints. Llama 3.1 (Meta 2024, "The Llama 3 Herd of Models") stretches
 long wavelengths for long contexts: with factor s, low and high frequency
@@ -122,7 +129,8 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """Positions [s] (or [b, s]) -> (cos, sin) of their angles, each [s, head_dim] (or [b, s, head_dim])
-    fp32 (module docstring).
+    fp32 (module docstring): the rows of a ``table`` (`angles` of positions 0 .. P-1) where one is
+    given, else computed.
 
     No parameters and no buffers: the frequencies are computed on every call
     (d/2 numbers), so a model built on the meta device needs nothing filled in
@@ -146,10 +154,18 @@ class RotaryEmbedding(nn.Module):
         return torch.where(wavelength < original / high, inv_freq,
                            torch.where(wavelength > original / low, inv_freq / factor, blended))
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of ``positions``' angles, computed."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)
         angles = torch.cat((freqs, freqs), dim=-1)  # feature i and i + d/2 share an angle
         return angles.cos(), angles.sin()
+
+    def forward(self, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if table is None:
+            return self.angles(positions)
+        cos, sin = table
+        return cos[positions], sin[positions]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +196,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None,
+                table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``table``: the model's rotary table (`Llama.position_table`), read where it covers every
+        position of ``x`` (below s; under context parallelism below the run's sequence length)."""
         b, s, _ = x.shape
         # Head counts come from the weights, not the config: a tensor-parallel shard
         # holds n_heads / tp query heads and n_kv_heads / tp key/value heads.
@@ -191,7 +210,9 @@ class Attention(nn.Module):
         v = self.v(x_v).view(b, s, kv_heads, self.head_dim).transpose(1, 2)
         # Local positions 0..s-1, or in packed rows each document's own [b, s] (models/decoder.py);
         # under context parallelism a hook makes them the rank's.
-        cos, sin = self.rope(torch.arange(s, device=x.device) if documents is None else document_positions(documents))
+        covered = table if table is not None and table[0].shape[0] >= s else None
+        cos, sin = self.rope(torch.arange(s, device=x.device) if documents is None else document_positions(documents),
+                             covered)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # cast once: q's and k's products keep the same pair
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Key/value head j serves query heads j*g .. j*g + g-1 (Hugging Face's repeat_kv).
@@ -239,6 +260,19 @@ class Llama(Decoder):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self.init_weights(cfg.n_layers)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # the table's (module docstring)
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def position_table(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0 .. P-1, each [P, head_dim] fp32, read by every block: P the run's
+        sequence length, computed once per device and kept for every step, or ``s`` where longer (a
+        generation past it), computed for this forward alone."""
+        if s > self.cfg.seq_len:
+            return self.rope.angles(torch.arange(s, device=device))
+        key = (self.cfg.seq_len, torch.device(device))
+        if key not in self._tables:
+            self._tables[key] = self.rope.angles(torch.arange(self.cfg.seq_len, device=device))
+        return self._tables[key]
 
     def embed(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] -> the residual stream [batch, seq, d_model] entering block 0

@@ -149,10 +149,14 @@ class Stage:
         """The stage's layers on ``x``; ``documents``: the micro-batch's packed rows
         (models/decoder.py), which every stage's attention needs."""
         packed = () if documents is None else (documents,)
+        # what every block reads besides x: the documents, and what the model computes once for them all
+        # (models/decoder.py's block_extras; a model without it: the documents alone)
+        extras = self.model.block_extras(x.shape[1], x.device, documents) \
+            if hasattr(self.model, "block_extras") else packed
         if self.is_first:
             x = getattr(self.model, self.plan.enter)(x, *packed)
         for block in self.blocks():
-            x = block(x, *packed)
+            x = block(x, *extras)
         if self.is_last:
             x = getattr(self.model, self.plan.leave)(x)
         return x

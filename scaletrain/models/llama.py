@@ -266,9 +266,11 @@ class Llama(Decoder):
     def position_table(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of positions 0 .. P-1, each [P, head_dim] fp32, read by every block: P the run's
         sequence length, computed once per device and kept for every step, or ``s`` where longer (a
-        generation past it), computed for this forward alone."""
-        if s > self.cfg.seq_len:
-            return self.rope.angles(torch.arange(s, device=device))
+        generation past it), computed for this forward alone. Inside a graph compiled whole (not
+        block by block) the graph computes it once per forward: a kept table would be state the
+        graph must guard on, and its first step's would be compiled twice."""
+        if s > self.cfg.seq_len or torch.compiler.is_compiling():
+            return self.rope.angles(torch.arange(max(s, self.cfg.seq_len), device=device))
         key = (self.cfg.seq_len, torch.device(device))
         if key not in self._tables:
             self._tables[key] = self.rope.angles(torch.arange(self.cfg.seq_len, device=device))

@@ -29,7 +29,7 @@ rounding, about 1e-6 relative, not bitwise.
 
 ``--compile-mode reduce-overhead`` (Inductor's CUDA graphs, "cudagraph trees"):
 a small model's step is launch-bound, its GPU idle between the host's kernel
-launches (gpt2-124m trained eager at 27% MFU on an H200, docs/performance.md).
+launches (a 124M-parameter model trained eager at 27% MFU on an H200, docs/performance.md).
 A CUDA graph records a block's compiled forward (and backward) once and replays
 all its kernels with one launch, into the same memory: the block's inputs are
 copied into the recorded buffers, its weights read where they were recorded.

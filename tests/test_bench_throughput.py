@@ -66,7 +66,8 @@ def test_rounds_pool_every_rounds_timed_steps_and_keep_each_rounds_ratio():
     and each round's ratio of medians is kept beside the pooled one."""
     def run(times: list[float]) -> dict:
         return {"name": "x", "device": "cpu", "step_s": times, "losses": [3.0] * len(times),
-                "median_s": statistics.median(times[1:]), "tokens_per_step": 64, "flops_per_token": 1e6, "peak_tflops": None, "peak_memory_bytes": len(times)}
+                "median_s": statistics.median(times[1:]), "tokens_per_step": 64, "flops_per_token": 1e6,
+                "peak_tflops": None, "peak_memory_bytes": len(times)}
 
     ours = throughput.pooled([run([9.0, 1.0, 2.0, 3.0]), run([9.0, 4.0, 5.0, 6.0, 7.0])], warmup=1)
     assert ours["median_s"] == 4.0 and ours["round_medians_s"] == [2.0, 5.5]

@@ -213,9 +213,9 @@ class ZeroDataParallel:
                                                  *((layer, list(layer.parameters())) for layer in layers))]
                 frozen_grouped = [(module, params) for module, params in frozen if params][::-1]
                 in_layers = {id(m) for layer in layers for m in layer.modules()}
-                coded = [(module, tensors) for module, tensors in ((model, shardable_buffers(model, in_layers)),
-                                                                  *((layer, shardable_buffers(layer)) for layer in layers))
-                         if tensors][::-1]
+                holders = [(model, shardable_buffers(model, in_layers)),
+                           *((layer, shardable_buffers(layer)) for layer in layers)]
+                coded = [(module, tensors) for module, tensors in holders if tensors][::-1]
         else:  # gradient buckets, as data parallelism makes them, and the own units
             alone = {id(p) for p in own_units}
             rest = [p for p in trainable[::-1] if id(p) not in alone]

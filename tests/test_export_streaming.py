@@ -7,7 +7,9 @@ and transformers loads it to the same logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,9 @@ from safetensors.torch import load_file
 
 from scaletrain.commands.cli import main
 from scaletrain.commands.train import launch
+from scaletrain.config import ModelConfig
 from scaletrain.job import export, export_hf
+from scaletrain.models import family_config, spec_for
 from tests.test_lora_zero3 import _config, llama_and_prose
 
 SHARD = 64 * 1024  # bytes: the tiny model's export cut into several shards
@@ -81,3 +85,29 @@ def test_a_peft_export_reads_the_adapters_and_not_the_base(qlora_run, tmp_path, 
     (names,) = reads
     assert names and all(name.endswith((".lora_A", ".lora_B")) for name in names)
     assert len(load_file(tmp_path / "peft" / "adapter_model.safetensors")) == len(names)
+
+
+class _CountedReads(dict):
+    """A model's tensors that count how often each is read, as a checkpoint's reads would be."""
+
+    def __init__(self, tensors: dict):
+        super().__init__(tensors)
+        self.reads = Counter()
+
+    def __getitem__(self, name: str):
+        self.reads[name] += 1
+        return super().__getitem__(name)
+
+
+def test_a_bias_the_format_has_and_we_lack_reads_no_weight_twice():
+    """GPT-2's format has a bias on every linear layer, which our GPT builds without: each is written as
+    zeros shaped by its weight, already read for its own entry, so every tensor is read once."""
+    spec = spec_for("gpt-tiny")
+    family_cfg = family_config(dataclasses.replace(ModelConfig(), name="gpt-tiny"), 300, 64)
+    model = spec.build(family_cfg)
+    ours = _CountedReads({name: tensor.detach() for name, tensor in model.state_dict().items()})
+    written = dict(export_hf.hf_tensors(ours, spec.hf.names(family_cfg)))
+    zeros = [name for name, (our, _) in spec.hf.names(family_cfg).items() if our not in ours]
+    assert zeros and all(not written[name].any() for name in zeros)
+    assert written["transformer.h.0.attn.c_attn.bias"].shape == (model.blocks[0].attn.qkv.weight.shape[0],)
+    assert set(ours.reads.values()) == {1}

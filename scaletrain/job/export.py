@@ -122,13 +122,11 @@ class SavedModel(Mapping[str, torch.Tensor]):
     the model (a 70B's merged fp32 weights would be 280 GB)."""
 
     def __init__(self, checkpoint: Path):
-        from scaletrain.config import load_run_config
         from scaletrain.finetune.lora import merge_sources
 
         self.checkpoint, self.step = checkpoint, _step(checkpoint)
         self.sources = merge_sources(saved_names(checkpoint))
-        finetune = load_run_config(checkpoint.parent.parent).finetune
-        self.scaling = finetune.lora_alpha / finetune.lora_rank if finetune.lora_rank else 1.0
+        self.scaling = _lora_scaling(checkpoint)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from scaletrain.finetune.lora import merged_tensor
@@ -152,12 +150,18 @@ def without_adapters(tensors: dict[str, torch.Tensor], checkpoint: Path) -> dict
     loads into the model its base was, and computes what the fine-tune does."""
     if not any(key.endswith(".lora_A") for key in tensors):
         return tensors
-    from scaletrain.config import load_run_config
     from scaletrain.finetune.lora import merged_tensors
     from scaletrain.finetune.nf4 import dequantize_saved
 
+    return merged_tensors(tensors, _lora_scaling(checkpoint), dequantize_saved)
+
+
+def _lora_scaling(checkpoint: Path) -> float:
+    """alpha / r of the fine-tune that wrote ``checkpoint`` (1 without adapters: nothing is merged)."""
+    from scaletrain.config import load_run_config
+
     finetune = load_run_config(checkpoint.parent.parent).finetune
-    return merged_tensors(tensors, finetune.lora_alpha / finetune.lora_rank, dequantize_saved)
+    return finetune.lora_alpha / finetune.lora_rank if finetune.lora_rank else 1.0
 
 
 def model_ties(run_dir: Path) -> tuple[tuple[str, str], ...]:

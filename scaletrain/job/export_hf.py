@@ -23,8 +23,8 @@ Each tensor is read whole as one device would hold it (train/checkpoint.py
 gathers any layout: ZeRO shards, tp slices, pipeline stages), a LoRA
 fine-tune's adapters merged into it (an NF4 base dequantized first), and
 written into the shard being filled, which goes to disk when full: the
-export holds one shard and the tensor in hand, never the model, so a 70B
-fine-tune exports on a machine with a few times 5 GB of memory. Rows padded by ``--vocab-multiple`` stay:
+export holds one shard and the tensor in hand, never the model (tests/test_export_streaming.py
+counts its reads). Rows padded by ``--vocab-multiple`` stay:
 config.json's ``vocab_size`` counts them, so the logits are ours, column for
 column. Layers our model builds without a bias where the format has one
 (a bias-free model exported to a format with biases) get zeros, which compute the same.
@@ -77,13 +77,20 @@ def check_folder_target(target: Path, force: bool, form: str = "hf") -> None:
 def hf_tensors(ours: Mapping[str, torch.Tensor], names: dict[str, tuple[str, bool]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """Our tensors under the folder's names and layouts, one at a time (each read from ``ours`` as it
-    is asked for: a `SavedModel` reads it then); a bias we lack is zeros."""
+    is asked for: a `SavedModel` reads it then); a bias we lack is zeros, shaped by its layer's weight
+    as already read (a format's weight comes before its bias), so that no weight is read twice."""
+    rows: dict[str, tuple[int, torch.dtype]] = {}  # our weights read so far: their rows and dtype
     for name, (our_name, transposed) in names.items():
         if our_name in ours:
             tensor = ours[our_name]
+            rows[our_name] = (tensor.shape[0], tensor.dtype)
             yield name, tensor.t() if transposed else tensor
         elif our_name.endswith(".bias") and (weight_name := our_name.removesuffix(".bias") + ".weight") in ours:
-            yield name, torch.zeros(ours[weight_name].shape[0], dtype=ours[weight_name].dtype)
+            if weight_name not in rows:
+                weight = ours[weight_name]
+                rows[weight_name] = (weight.shape[0], weight.dtype)
+            size, dtype = rows[weight_name]
+            yield name, torch.zeros(size, dtype=dtype)
         else:
             raise UserError(f"the checkpoint lacks {our_name}, which the exported format needs; export a "
                             f"complete checkpoint.")

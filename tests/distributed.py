@@ -10,6 +10,7 @@ killed too.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import pickle
 import queue
 import time
@@ -60,7 +61,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     # process: spawning instead costs every rank its own torch import
     # (seconds on a small machine), and forking pytest itself is unsafe.
     context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "scaletrain.runtime"])
+    # fn's module too (the scaletrain modules a test reaches, a second or so a rank); the server is
+    # started anew where a test module's run follows another's, whose modules it preloaded.
+    preload = ["torch", "torch.distributed", "scaletrain.runtime", fn.__module__]
+    if multiprocessing.forkserver._forkserver._preload_modules != preload:
+        multiprocessing.forkserver._forkserver._stop()
+        context.set_forkserver_preload(preload)
     results = context.Queue()
     port = free_port()
     processes = [

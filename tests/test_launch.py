@@ -1,5 +1,7 @@
 """Where rank and world come from, and starting local workers."""
 
+import os
+
 import pytest
 import torch
 
@@ -199,3 +201,37 @@ def test_spawn_local_names_failed_workers():
     first_line, traceback = str(caught.value).split("\n", 1)
     assert first_line == "1 of 2 workers failed (rank 1: ValueError: boom on rank 1)"
     assert traceback.startswith("Traceback") and "in _crash_on_rank_one" in traceback
+
+
+def _where_forked(say: str) -> tuple[int, str | None, str]:
+    """The worker's fork server (its parent), what it reads of the environment and folder; ``say``
+    printed to its standard output."""
+    print(say, flush=True)
+    return os.getppid(), os.environ.get("SCALETRAIN_TEST_MARK"), os.getcwd()
+
+
+def test_a_later_launch_forks_from_the_same_server_until_what_workers_inherit_changes(monkeypatch, tmp_path):
+    """One server for launch after launch (no second import of torch), while a worker forked from it
+    would take what a new one would; a changed environment, folder or output starts a new one."""
+    monkeypatch.setenv("SCALETRAIN_TEST_MARK", "1")
+    first, again = spawn_local(2, _where_forked, ("",)), spawn_local(2, _where_forked, ("",))
+    server = first[0][0]
+    assert {ppid for ppid, _, _ in (*first.values(), *again.values())} == {server}
+    monkeypatch.setenv("SCALETRAIN_TEST_MARK", "2")
+    changed = spawn_local(2, _where_forked, ("",))
+    assert {(ppid != server, mark) for ppid, mark, _ in changed.values()} == {(True, "2")}
+    monkeypatch.chdir(tmp_path)
+    moved = spawn_local(2, _where_forked, ("",))
+    assert {(ppid != changed[0][0], folder) for ppid, _, folder in moved.values()} == {(True, str(tmp_path))}
+    # standard output led elsewhere between two launches: each one's workers print where it led then
+    saved = os.dup(1)
+    try:
+        for name in ("a", "b"):
+            with open(tmp_path / name, "w") as out:
+                os.dup2(out.fileno(), 1)
+            spawn_local(2, _where_forked, (f"printed {name}",))
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    for name in ("a", "b"):
+        assert (tmp_path / name).read_text() == f"printed {name}\n" * 2

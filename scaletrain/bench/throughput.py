@@ -7,7 +7,8 @@ that compilation, the allocator and CUDA's peak memory are each one's alone:
     scaletrain     the command's trainer (job/trainer.py) with every default of the run
     plain          a plain PyTorch loop over our own model: its SDPA attention, autocast at
                    --precision, torch.compile of the whole model with --compile, and
-                   torch.optim.AdamW (fused on CUDA, foreach on the CPU): our overhead's floor
+                   torch.optim.AdamW (fused, as ours), clipped by torch's clip_grad_norm_: our
+                   overhead's floor
     transformers   transformers' own model of the family (the ``AutoModelForCausalLM`` class of
                    the config our adapter writes) with its SDPA attention and our initial weights,
                    in the same loop: what a Hugging Face user gets (left out, with the reason,
@@ -210,11 +211,11 @@ class _Logits(nn.Module):
 
 def _plain_loop(model: nn.Module, cfg: Config, prepared: PreparedData, device: torch.device) -> Callable[[int], float]:
     """One step of a plain PyTorch loop over ``model``: the run's batches, loss, clipping and
-    schedule; torch's AdamW, fused on CUDA; the whole model compiled with --compile."""
+    schedule; torch's fused AdamW; the whole model compiled with --compile."""
     t = cfg.train
     data = open_data(prepared, cfg)
     optimizer = torch.optim.AdamW(decay_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+                                  fused=True)
     forward = torch.compile(model) if t.compile else model
     model.train()
 

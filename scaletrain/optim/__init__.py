@@ -31,11 +31,12 @@ def build_optimizer(param_groups: list[dict], cfg, embeddings: Collection[torch.
         # TRITON_INTERPRET is set (kernels/__init__.py).
         from scaletrain.optim.fused_adamw import TritonAdamW
         return TritonAdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    # On CUDA torch's fused kernel: one launch for every tensor's update, no host sync (its step
-    # counters stay on the host); elsewhere (the CPU, offloaded state) the foreach loop.
-    on_cuda = all(p.is_cuda for group in param_groups for p in group["params"])
+    # torch's fused kernel on CUDA and on the CPU (offloaded state included): one pass over each
+    # weight, its gradient and moments (the foreach loop makes a dozen), no host sync, and the
+    # clipping's scale folded in (optim/clip.py); the foreach loop where it has none (meta).
+    fused = all(p.device.type in ("cuda", "cpu") for group in param_groups for p in group["params"])
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                             **({"fused": True} if on_cuda else {"foreach": True}))
+                             **({"fused": True} if fused else {"foreach": True}))
 
 
 __all__ = ["Adafactor", "AdamW8bit", "MasterWeights", "build_adafactor", "build_adamw", "build_optimizer",

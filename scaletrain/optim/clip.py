@@ -62,11 +62,25 @@ def global_grad_norm(counted: Sequence[torch.Tensor], *, comm: Comm, groups: Seq
     return total.sqrt()
 
 
+def folds_scale(optimizer: torch.optim.Optimizer | None, device: torch.device) -> bool:
+    """Whether ``optimizer`` can scale the gradients in the pass that steps them: torch's fused Adam
+    and AdamW divide every gradient by ``optimizer.grad_scale`` as they read it (the hook torch's
+    GradScaler unscales through), where every weight it steps is on ``device`` (the scale's)."""
+    return (isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
+            and all(p.device == device for group in optimizer.param_groups for p in group["params"]))
+
+
 @torch.no_grad()
-def scale_to_norm(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
-    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))`` (nothing for an infinite ``max_norm``)."""
-    if math.isfinite(max_norm):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+def scale_to_norm(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor,
+                  optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))`` (nothing for an infinite ``max_norm``).
+    Where ``optimizer`` (stepping exactly ``grads``) folds the scale (``folds_scale``), it is left to
+    the optimizer's step: one read and write of every gradient fewer."""
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0) if math.isfinite(max_norm) else None
+    if folds_scale(optimizer, total.device):
+        optimizer.grad_scale = None if coef is None else coef.reciprocal()  # set every step: none is stale
+        return
+    if coef is not None:
         for (where, dtype), same in _grouped(grads):
             torch._foreach_mul_(same, coef.to(where, dtype))
 

@@ -241,7 +241,7 @@ def _memory(device: torch.device, ladders: Ladders) -> dict:
     add_s = _seconds(lambda: torch.add(a, b, out=out), device, ladders.repeats)
     weights = nn.Parameter(torch.randn(n, device=device))
     weights.grad = torch.randn(n, device=device)
-    optimizer = torch.optim.AdamW([weights], lr=1e-4, fused=device.type == "cuda" or None)
+    optimizer = torch.optim.AdamW([weights], lr=1e-4, fused=device.type in ("cuda", "cpu"))
     adamw_s = _seconds(optimizer.step, device, ladders.repeats)
     return {"elementwise_gbps": 3 * 4 * n / add_s / 1e9, "adamw_gbps": ADAMW_BYTES * n / adamw_s / 1e9}
 

@@ -10,13 +10,17 @@ killed by a signal as `WorkerKilled`, naming it; Ctrl-C as ``KeyboardInterrupt``
 workers stopped.
 
 Start-up. A fresh interpreter per worker imports torch and this package
-(seconds of CPU each, most of a small run's time). So each launch starts a
-fork server of its own that imports them once, the entrypoint's module with
-them, and forks every worker from it (`_fork_server`). The server is stopped
-when the launch ends: the next one starts from the caller's environment and
-folder as they are then (a server kept across launches would hand later
-workers the environment it started with). It computes nothing and touches
-no GPU, so the forked workers start clean.
+(seconds of CPU each, most of a small run's time). So a launch starts a fork
+server that imports them once, the entrypoint's module with them, and forks
+every worker from it (`_fork_server`). It computes nothing and touches no
+GPU, so the forked workers start clean. A later launch from the same process
+(`check_parity`'s layouts, a bench's rungs, `--layout auto`'s calibration
+then its run) forks from the same server while everything a worker takes
+from it is as it was when it started: the modules it imported, the
+environment variables, the import path and folder, and where standard input,
+output and error lead. Otherwise the server is stopped and a new one started
+from the caller as it is then (a server kept regardless would hand later
+workers the environment and output it started with).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -89,19 +94,46 @@ def _failure_text(failure: Any) -> tuple[str, str]:
     return str(message), ""
 
 
+def _inherited(modules: list[str]) -> tuple:
+    """What a worker forked from a server started now would take from this process (module
+    docstring); each standard stream as the file it leads to, or None where it is closed."""
+    streams = []
+    for fd in (0, 1, 2):
+        try:
+            stat = os.fstat(fd)
+            streams.append((stat.st_dev, stat.st_ino))
+        except OSError:
+            streams.append(None)
+    return tuple(modules), tuple(sorted(os.environ.items())), tuple(sys.path), os.getcwd(), tuple(streams)
+
+
+# multiprocessing runs one fork server per process; its pid -> what its workers inherit, as it started
+_SERVED: dict[int, tuple] = {}
+
+
 @contextmanager
 def _fork_server(entrypoint: Callable[..., Any]) -> Iterator[None]:
-    """A fork server for one launch that has imported this module and the entrypoint's (module docstring)."""
+    """The fork server for one launch, which has imported this module and the entrypoint's: the one
+    running where it would fork the same workers a new one would (module docstring)."""
     # a script's __main__ is prepared in each worker as under spawn
     modules = [__name__] + ([entrypoint.__module__] if entrypoint.__module__ != "__main__" else [])
-    # the standard library's own way to end its server: one another caller started earlier would hand the
-    # workers that caller's environment, folder and output
-    multiprocessing.forkserver._forkserver._stop()
-    multiprocessing.set_forkserver_preload(modules)
+    inherited = _inherited(modules)
+    server = multiprocessing.forkserver._forkserver
+    if (server._forkserver_pid is None or server._preload_modules != modules
+            or _SERVED.get(server._forkserver_pid) != inherited):
+        # Stopped the standard library's own way: one started earlier, by us or another caller (a
+        # test's helper), would hand the workers that time's environment, folder and output.
+        server._stop()
+        _SERVED.clear()
+        multiprocessing.set_forkserver_preload(modules)
     try:
         yield
-    finally:
-        multiprocessing.forkserver._forkserver._stop()
+    except BaseException:
+        server._stop()  # a launch that failed leaves no server behind
+        _SERVED.clear()
+        raise
+    if server._forkserver_pid is not None:
+        _SERVED[server._forkserver_pid] = inherited
 
 
 def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_restarts: int = 0) -> dict[int, Any]:

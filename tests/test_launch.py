@@ -214,24 +214,22 @@ def test_a_later_launch_forks_from_the_same_server_until_what_workers_inherit_ch
     """One server for launch after launch (no second import of torch), while a worker forked from it
     would take what a new one would; a changed environment, folder or output starts a new one."""
     monkeypatch.setenv("SCALETRAIN_TEST_MARK", "1")
-    first, again = spawn_local(2, _where_forked, ("",)), spawn_local(2, _where_forked, ("",))
+    first, again = spawn_local(2, _where_forked, ("",)), spawn_local(1, _where_forked, ("",))
     server = first[0][0]
     assert {ppid for ppid, _, _ in (*first.values(), *again.values())} == {server}
     monkeypatch.setenv("SCALETRAIN_TEST_MARK", "2")
-    changed = spawn_local(2, _where_forked, ("",))
-    assert {(ppid != server, mark) for ppid, mark, _ in changed.values()} == {(True, "2")}
     monkeypatch.chdir(tmp_path)
-    moved = spawn_local(2, _where_forked, ("",))
-    assert {(ppid != changed[0][0], folder) for ppid, _, folder in moved.values()} == {(True, str(tmp_path))}
-    # standard output led elsewhere between two launches: each one's workers print where it led then
+    ppid, mark, folder = spawn_local(1, _where_forked, ("",))[0]
+    assert ppid != server and (mark, folder) == ("2", str(tmp_path))
+    # standard output led elsewhere between two launches: each one's worker prints where it led then
     saved = os.dup(1)
     try:
         for name in ("a", "b"):
             with open(tmp_path / name, "w") as out:
                 os.dup2(out.fileno(), 1)
-            spawn_local(2, _where_forked, (f"printed {name}",))
+            spawn_local(1, _where_forked, (f"printed {name}",))
     finally:
         os.dup2(saved, 1)
         os.close(saved)
     for name in ("a", "b"):
-        assert (tmp_path / name).read_text() == f"printed {name}\n" * 2
+        assert (tmp_path / name).read_text() == f"printed {name}\n"

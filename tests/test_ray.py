@@ -31,6 +31,7 @@ from tests.readme import readme_argv
 pytest.importorskip("ray.train")
 RAY = str(Path(sys.executable).parent / "ray")  # the command installed beside this interpreter
 TIMEOUT_S = 300
+TINY = ("--model", "gpt-tiny", "--steps", "2")
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ def _losses(run: Path) -> list[float]:
 def on_ray(cluster, corpus, tmp_path_factory) -> Path:
     """An uninterrupted dp2 run on the cluster's Ray Train workers."""
     run = tmp_path_factory.mktemp("ray") / "run"
-    _run(_train(corpus, run, "--launcher", "ray", "--ray-address", cluster.address), cluster.env)
+    # the cluster found as a user's is: --ray-address auto, in the folder ``ray start`` records it in
+    _run(_train(corpus, run, "--launcher", "ray", "--ray-address", "auto"), cluster.env)
     return run
 
 
@@ -135,7 +137,7 @@ def test_a_killed_ray_worker_is_restarted_and_resumes_exactly(on_ray, cluster, c
     assert all(torch.equal(mine[name], straight[name]) for name in straight)
 
 
-@pytest.mark.slow  # the README's Ray lines run by default (test_the_readme_ray_commands)
+@pytest.mark.slow  # Ray's workers run by default under --launcher ray (on_ray)
 def test_scaletrain_run_launches_a_script_on_ray_workers(cluster, tmp_path):
     """A torchrun-style script makes its own process group on the Ray workers."""
     script = tmp_path / "script.py"
@@ -153,16 +155,20 @@ def test_scaletrain_run_launches_a_script_on_ray_workers(cluster, tmp_path):
         assert f"rank {rank} of 2: 3 ['--epochs', '3']" in result.stdout + result.stderr
 
 
-def test_the_readme_ray_commands(cluster, tmp_path):
-    """The README's Ray lines as a user types them on a machine where ``ray start`` runs a cluster
-    (found by --ray-address auto; the sweep's through RAY_ADDRESS, as under ray job submit), at
-    tiny size, with the sample and evaluation on."""
-    tiny = ("--model", "gpt-tiny", "--steps", "2")
+@pytest.mark.slow  # --ray-address auto trains by default in on_ray, beside the local spawner's run
+def test_the_readme_ray_train_command(cluster, tmp_path):
+    """The README's Ray training line as a user types it on a machine where ``ray start`` runs a
+    cluster (found by --ray-address auto), at tiny size, with the sample and evaluation on."""
     train = _run([sys.executable, "-m", *readme_argv("scaletrain train --launcher ray --nproc 4 --ray-address auto"),
-                  *tiny], cluster.env, cwd=tmp_path)
+                  *TINY], cluster.env, cwd=tmp_path)
     assert "layout dp4 on 4 process(es)" in train.stdout and "--- sample ---" in train.stdout
+
+
+def test_the_readme_sweep_command(cluster, tmp_path):
+    """The README's sweep line, its trials on the cluster (found through RAY_ADDRESS, as under
+    ray job submit), each tracked in MLflow."""
     sweep = _run([sys.executable, "-m", *readme_argv("scaletrain sweep --grid lr=1e-4,3e-4,1e-3 --tracker mlflow"),
-                  *tiny], {**cluster.env, "RAY_ADDRESS": cluster.address}, cwd=tmp_path)
+                  *TINY], {**cluster.env, "RAY_ADDRESS": cluster.address}, cwd=tmp_path)
     folder = re.search(r"all in (\S+)/sweep\.json", sweep.stdout).group(1)
     trials = json.loads((tmp_path / folder / "sweep.json").read_text())["trials"]
     assert sorted(t["lr"] for t in trials) == [1e-4, 3e-4, 1e-3] and (tmp_path / "mlruns").is_dir()
@@ -229,7 +235,7 @@ def test_a_local_instance_short_of_cpus_is_refused_and_leaves_no_run_folder(corp
     assert not run.exists()
 
 
-@pytest.mark.slow  # the README's sweep runs by default (test_the_readme_ray_commands)
+@pytest.mark.slow  # the README's sweep runs by default (test_the_readme_sweep_command)
 def test_a_sweep_stops_the_worse_trial_early_and_tracks_every_trial_in_mlflow(cluster, corpus, tmp_path):
     """Two learning rates, one trial at a time: ASHA lets the first run to the end and stops the
     second at its first rung (step 4), whose loss is worse; each trial is an MLflow run (in a real

@@ -117,10 +117,9 @@ def _fork_server(entrypoint: Callable[..., Any]) -> Iterator[None]:
     running where it would fork the same workers a new one would (module docstring)."""
     # a script's __main__ is prepared in each worker as under spawn
     modules = [__name__] + ([entrypoint.__module__] if entrypoint.__module__ != "__main__" else [])
-    inherited = _inherited(modules)
     server = multiprocessing.forkserver._forkserver
     if (server._forkserver_pid is None or server._preload_modules != modules
-            or _SERVED.get(server._forkserver_pid) != inherited):
+            or _SERVED.get(server._forkserver_pid) != _inherited(modules)):
         # Stopped the standard library's own way: one started earlier, by us or another caller (a
         # test's helper), would hand the workers that time's environment, folder and output.
         server._stop()
@@ -133,7 +132,9 @@ def _fork_server(entrypoint: Callable[..., Any]) -> Iterator[None]:
         _SERVED.clear()
         raise
     if server._forkserver_pid is not None:
-        _SERVED[server._forkserver_pid] = inherited
+        # taken after the launch: the server started with its workers, once the launcher had set
+        # its own variables (TORCHELASTIC_SIGNALS_TO_HANDLE), which the next launch finds set
+        _SERVED[server._forkserver_pid] = _inherited(modules)
 
 
 def spawn_local(nproc: int, entrypoint: Callable[..., Any], args: tuple, *, max_restarts: int = 0) -> dict[int, Any]:

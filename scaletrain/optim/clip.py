@@ -74,10 +74,11 @@ def folds_scale(optimizer: torch.optim.Optimizer | None, device: torch.device) -
 def scale_to_norm(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor,
                   optimizer: torch.optim.Optimizer | None = None) -> None:
     """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))`` (nothing for an infinite ``max_norm``).
-    Where ``optimizer`` (stepping exactly ``grads``) folds the scale (``folds_scale``), it is left to
-    the optimizer's step: one read and write of every gradient fewer."""
+    Given ``optimizer``, one stepping exactly ``grads`` that folds the scale (``folds_scale``, which
+    its caller asks once, not every step), the scale is left to the optimizer's step: one read and
+    write of every gradient fewer."""
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0) if math.isfinite(max_norm) else None
-    if folds_scale(optimizer, total.device):
+    if optimizer is not None:
         optimizer.grad_scale = None if coef is None else coef.reciprocal()  # set every step: none is stale
         return
     if coef is not None:

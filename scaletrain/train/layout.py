@@ -30,6 +30,7 @@ from scaletrain.kernels import head_loss, unavailable
 from scaletrain.models.moe import moe_layers
 from scaletrain.models.spec import ModelPlan
 from scaletrain.optim import MasterWeights, build_optimizer, decay_groups
+from scaletrain.optim.clip import folds_scale
 from scaletrain.optim.stochastic_rounding import StochasticRounding
 from scaletrain.parallel.batchnorm import RunningStatistics, synchronize_batchnorm
 from scaletrain.parallel.data import DataParallel, JointDataParallel
@@ -222,6 +223,8 @@ class Layout:
         if fused_working_copy:
             self.optimizer.attach_working_copies(self.masters.working_pairs())
         self.step_params = [q for group in groups for q in group["params"]]
+        # the optimizer that takes the clipping's scale into its step, decided once (optim/clip.py)
+        self.clip_into = self.optimizer if folds_scale(self.optimizer, self.device) else None
         # The update's three hooks over what the optimizer steps (train/step_weights.py).
         if self.zero:
             self.step_weights: StepWeights = ZeroShards(self.zero)

@@ -312,7 +312,7 @@ class Stepper:
         if skip and self.on_nan == "stop":
             raise self._nonfinite_stop(step + 1, loss_sum.item())
         scale_to_norm([p.grad for p in layout.step_params if p.grad is not None],
-                      t.grad_clip if t.grad_clip > 0 else math.inf, grad_norm, layout.optimizer)
+                      t.grad_clip if t.grad_clip > 0 else math.inf, grad_norm, layout.clip_into)
         if lr is None:
             lr = run_lr(step, t)
         for group in layout.optimizer.param_groups:
